@@ -1,0 +1,52 @@
+"""A simple bandwidth model for estimating migration time, ETC's and the checkpoint way's."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from etc_agent.layout.devices import Device
+
+GB = 1e9
+
+
+class BandwidthModel(BaseModel):
+    """Link and storage speeds. Defaults describe an H100/H200-class cluster.
+
+    Every figure is per direction. A device sends and receives at the same time; what a device sends
+    inside its node and across nodes in one round shares its time (one copy engine / NIC queue).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    intra_node_gbps: float = Field(150.0, gt=0, description="GB/s one device achieves point-to-point inside a node (NVLink-class, effective).")
+    inter_node_gbps: float = Field(25.0, gt=0, description="GB/s one device achieves to another node (one 200 Gb/s NIC per GPU).")
+    message_latency_s: float = Field(2e-5, ge=0, description="Fixed cost of one message (launch + handshake).")
+    storage_write_gbps_per_node: float = Field(2.0, gt=0, description="GB/s one node writes a checkpoint to shared storage.")
+    storage_read_gbps_per_node: float = Field(4.0, gt=0, description="GB/s one node reads a checkpoint from shared storage.")
+    storage_aggregate_gbps: float = Field(100.0, gt=0, description="GB/s the parallel file system serves to all nodes together.")
+    restart_seconds: float = Field(
+        30.0, ge=0, description="Checkpoint way only: stop workers, start new processes, import torch, re-init NCCL and the model."
+    )
+
+    def etc_seconds(self, messages: Iterable[tuple[Device, Device, int, int]]) -> float:
+        """Time of the rounds of ``(src, dst, round, bytes)`` messages: per round, the busiest device."""
+        send: dict[tuple[int, Device], float] = defaultdict(float)
+        recv: dict[tuple[int, Device], float] = defaultdict(float)
+        for src, dst, rnd, nbytes in messages:
+            bw = self.intra_node_gbps if src.node == dst.node else self.inter_node_gbps
+            seconds = nbytes / (bw * GB) + self.message_latency_s
+            send[(rnd, src)] += seconds
+            recv[(rnd, dst)] += seconds
+        per_round: dict[int, float] = defaultdict(float)
+        for (rnd, _), seconds in list(send.items()) + list(recv.items()):
+            per_round[rnd] = max(per_round[rnd], seconds)
+        return sum(per_round.values())
+
+    def checkpoint_seconds(self, write_bytes: int, num_old_nodes: int, read_bytes: int, num_new_nodes: int) -> float:
+        """Save everything, restart, load every new shard: storage-bound phases plus the restart."""
+        write_bw = min(num_old_nodes * self.storage_write_gbps_per_node, self.storage_aggregate_gbps) * GB
+        read_bw = min(num_new_nodes * self.storage_read_gbps_per_node, self.storage_aggregate_gbps) * GB
+        return write_bytes / write_bw + self.restart_seconds + read_bytes / read_bw

@@ -1,0 +1,127 @@
+"""Independent check of a ``MigrationPlan`` against the two layouts, run before anything moves.
+
+It does not trust the router: it recomputes, from the layouts alone, what each device must end up
+holding and what each source holds, and checks that
+
+- every element of every new shard is covered exactly once (regions inside the shard's pieces,
+  pairwise disjoint, volumes summing to the shard's size), by a local copy or one transfer;
+- every region is sent by a live device that holds it (or copied by the device that holds it);
+- dtypes agree across the layouts, boxes lie inside the tensor, byte counts match the regions;
+- per round, no device sends or receives more than the memory cap or the message limit, and each
+  (src, dst) pair has at most one message.
+
+Violations raise ``PlanValidationError`` naming the key and region.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from math import prod
+
+import numpy as np
+
+from etc_agent.layout.boxes import Box, box_contains, overlap_volumes
+from etc_agent.layout.devices import Device
+from etc_agent.layout.shards import StateLayout
+from etc_agent.planner.plan import MigrationPlan, Region
+
+
+class PlanValidationError(ValueError):
+    """The plan would not produce exactly the new layout's state."""
+
+
+def validate_plan(plan: MigrationPlan, old: StateLayout, new: StateLayout) -> None:
+    old_rank_of = {d: r for r, d in enumerate(plan.old_assignment)}
+    failed = set(plan.failed)
+    held_cache: dict[tuple[str, int, int], list[Box]] = {}
+
+    def pieces(layout: StateLayout, tag: str, placement: int, rank: int) -> list[Box]:
+        key = (tag, placement, rank)
+        if key not in held_cache:
+            p = layout.placements[placement]
+            held_cache[key] = [box for s in p.shards_held_by(rank) for box in p.geometry.pieces_of(s)]
+        return held_cache[key]
+
+    def name(region: Region) -> str:
+        g = plan.groups[region.group]
+        return f"{g.keys[0]}{' (+%d keys)' % (len(g.keys) - 1) if len(g.keys) > 1 else ''} region offsets={region.offsets} lengths={region.lengths}"
+
+    for g in plan.groups:
+        for key, dtype in zip(g.keys, g.dtypes):
+            if old.key_dtype[key] != dtype or new.key_dtype[key] != dtype:
+                raise PlanValidationError(f"{key}: dtype differs between layouts ({old.key_dtype[key]} -> {new.key_dtype[key]})")
+
+    incoming: dict[tuple[int, Device], list[Box]] = defaultdict(list)
+
+    def check_source(region: Region, device: Device, what: str) -> None:
+        g = plan.groups[region.group]
+        if any(o < 0 or o + n > s for o, n, s in zip(region.offsets, region.lengths, g.global_shape)):
+            raise PlanValidationError(f"{name(region)}: outside the tensor's shape {g.global_shape}")
+        rank = old_rank_of.get(device)
+        box = (region.offsets, region.lengths)
+        if rank is None or not any(box_contains(p, box) for p in pieces(old, "old", g.old_placement, rank)):
+            raise PlanValidationError(f"{name(region)}: {what} {device} does not hold it")
+
+    for copy in plan.local_copies:
+        if copy.num_bytes != sum(r.numel * plan.groups[r.group].bytes_per_element for r in copy.regions):
+            raise PlanValidationError(f"local copy on {copy.device}: byte count does not match its regions")
+        for region in copy.regions:
+            check_source(region, copy.device, "local copy: device")
+            incoming[(region.group, copy.device)].append((region.offsets, region.lengths))
+
+    cap = plan.mem_cap_bytes
+    per_round: dict[tuple[int, Device, str], list[int]] = defaultdict(lambda: [0, 0])
+    pairs: set[tuple[int, Device, Device]] = set()
+    for t in plan.transfers:
+        if t.src in failed:
+            raise PlanValidationError(f"transfer {t.src} -> {t.dst} in round {t.round}: source failed")
+        if (t.round, t.src, t.dst) in pairs:
+            raise PlanValidationError(f"two messages {t.src} -> {t.dst} in round {t.round}")
+        pairs.add((t.round, t.src, t.dst))
+        if t.num_bytes != sum(r.numel * plan.groups[r.group].bytes_per_element for r in t.regions):
+            raise PlanValidationError(f"transfer {t.src} -> {t.dst} in round {t.round}: byte count does not match its regions")
+        for end, dev in (("send", t.src), ("recv", t.dst)):
+            slot = per_round[(t.round, dev, end)]
+            slot[0] += t.num_bytes
+            slot[1] += 1
+            if slot[0] > cap:
+                raise PlanValidationError(f"{dev} would {end} {slot[0]} bytes in round {t.round}, above the cap of {cap}")
+            if slot[1] > plan.max_messages_per_round:
+                raise PlanValidationError(
+                    f"{dev} would {end} {slot[1]} messages in round {t.round}, above the limit of {plan.max_messages_per_round}"
+                )
+        for region in t.regions:
+            check_source(region, t.src, "sender")
+            incoming[(region.group, t.dst)].append((region.offsets, region.lengths))
+
+    for gi, g in enumerate(plan.groups):
+        pn = new.placements[g.new_placement]
+        for rank in np.unique(pn.entry_rank).tolist():
+            device = plan.assignment[rank]
+            need = pieces(new, "new", g.new_placement, rank)
+            got = incoming.pop((gi, device), [])
+            _check_cover(need, got, lambda box: f"{g.keys[0]} on {device} (new rank {rank}) {box}")
+    for (gi, device), boxes in incoming.items():
+        raise PlanValidationError(f"{plan.groups[gi].keys[0]}: {len(boxes)} regions sent to {device}, which does not need them")
+
+
+def _check_cover(need: list[Box], got: list[Box], where) -> None:
+    need_volume = sum(prod(n[1]) for n in need)
+    if len(need) == len(got) and sorted(need) == sorted(got):
+        return
+    for box in got:
+        if not any(box_contains(n, box) for n in need):
+            raise PlanValidationError(f"{where(box)}: region outside the shard")
+    got_volume = sum(prod(b[1]) for b in got)
+    if len(got) > 1:
+        off = np.array([b[0] for b in got], dtype=np.int64)
+        ln = np.array([b[1] for b in got], dtype=np.int64)
+        ov = overlap_volumes(off, ln, off, ln)
+        np.fill_diagonal(ov, 0)
+        if ov.any():
+            i, j = np.argwhere(ov)[0]
+            raise PlanValidationError(f"{where(got[i])}: covered twice (also by {got[j]})")
+    if got_volume != need_volume:
+        raise PlanValidationError(
+            f"{where(need[0] if need else ())}: {need_volume - got_volume} of {need_volume} elements not covered"
+        )
