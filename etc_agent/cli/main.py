@@ -1,0 +1,179 @@
+"""``etc-agent``: planning and inspection commands."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from etc_agent.layout.config import ParallelConfig
+from etc_agent.layout.devices import Device, DeviceSet
+from etc_agent.layout.model import ModelSpec
+
+app = typer.Typer(
+    name="etc-agent",
+    help="ETC agent: elastic hybrid-parallel training with live state migration.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+GiB = 1 << 30
+
+
+@app.callback()
+def _root() -> None:
+    """ETC agent: elastic hybrid-parallel training with live state migration."""
+
+
+class UserError(Exception):
+    """A mistake in the command line or its inputs: one line on stderr, exit code 2."""
+
+
+def parse_failed(text: str | None, old_devices: DeviceSet) -> list[Device]:
+    """``n1`` (every old device of node n1) or ``n1:3`` items, comma separated."""
+    if not text:
+        return []
+    out: list[Device] = []
+    for item in (s.strip() for s in text.split(",")):
+        if not item:
+            continue
+        if ":" in item:
+            device = Device.parse(item)
+            if device not in old_devices:
+                raise ValueError(f"--failed {item}: not in the old device set {old_devices.short()}")
+            out.append(device)
+        else:
+            devices = old_devices.node_devices(item)
+            if not devices:
+                raise ValueError(f"--failed {item}: no node of that name in the old device set {old_devices.short()}")
+            out += devices
+    return list(dict.fromkeys(out))
+
+
+@app.command()
+def plan(
+    model: Annotated[Path, typer.Option("--model", help="Model spec YAML (configs/models/*.yaml).")],
+    from_: Annotated[str, typer.Option("--from", help="Current parallel config, e.g. tp=4,pp=2,dp=2,zero=1.")],
+    old: Annotated[str, typer.Option("--old", help="Current devices, e.g. n0:8,n1:8 (old rank r runs on the r-th).")],
+    to: Annotated[str, typer.Option("--to", help="New parallel config, or 'auto' to let the policy choose.")],
+    new: Annotated[str, typer.Option("--new", help="New devices, e.g. n0:8 or n0:[0-2,4-7].")],
+    failed: Annotated[Optional[str], typer.Option("--failed", help="Old devices or nodes whose state is lost (crash), e.g. n1 or n0:3.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG heatmap of bytes between nodes/devices.")] = None,
+    mem_cap_gib: Annotated[float, typer.Option("--mem-cap", help="GiB of send and of receive buffers per device and round.")] = 2.0,
+    max_messages: Annotated[int, typer.Option("--max-messages-per-round", help="Messages a device sends (and receives) per round.")] = 64,
+    intra_node_gbps: Annotated[float, typer.Option(help="GB/s per device inside a node (estimate).")] = 150.0,
+    inter_node_gbps: Annotated[float, typer.Option(help="GB/s per device across nodes (estimate).")] = 25.0,
+    storage_write_gbps: Annotated[float, typer.Option(help="Checkpoint write GB/s per node (estimate).")] = 2.0,
+    storage_read_gbps: Annotated[float, typer.Option(help="Checkpoint read GB/s per node (estimate).")] = 4.0,
+    storage_aggregate_gbps: Annotated[float, typer.Option(help="File system GB/s for all nodes together (estimate).")] = 100.0,
+    restart_seconds: Annotated[float, typer.Option(help="Process restart cost of the checkpoint way (estimate).")] = 30.0,
+    device_memory_gib: Annotated[float, typer.Option("--device-memory-gib", help="Device memory, for --to auto.")] = 80.0,
+    seq_length: Annotated[int, typer.Option(help="Sequence length, for --to auto.")] = 2048,
+    micro_batch_size: Annotated[int, typer.Option(help="Micro-batch size, for --to auto.")] = 1,
+    global_batch_size: Annotated[int, typer.Option(help="Global batch size, for --to auto.")] = 512,
+) -> None:
+    """Plan a migration between two parallel configurations and show what it moves."""
+    from etc_agent.cli.report import plot_heatmap, policy_table, print_plan
+    from etc_agent.planner.bandwidth import BandwidthModel
+    from etc_agent.planner.core import PlannerOptions, plan_model_migration
+    from etc_agent.planner.policy import PolicyOptions, choose_config
+
+    spec = ModelSpec.from_yaml(model)
+    old_config = ParallelConfig.parse(from_)
+    old_devices = DeviceSet.parse(old)
+    new_devices = DeviceSet.parse(new)
+    old_config.check_world_size(len(old_devices))
+    spec.check_parallel(old_config)
+    failed_devices = parse_failed(failed, old_devices)
+    if mem_cap_gib <= 0:
+        raise UserError(f"--mem-cap must be positive, got {mem_cap_gib}")
+    options = PlannerOptions(
+        mem_cap_bytes=int(mem_cap_gib * GiB),
+        max_messages_per_round=max_messages,
+        bandwidth=BandwidthModel(
+            intra_node_gbps=intra_node_gbps,
+            inter_node_gbps=inter_node_gbps,
+            storage_write_gbps_per_node=storage_write_gbps,
+            storage_read_gbps_per_node=storage_read_gbps,
+            storage_aggregate_gbps=storage_aggregate_gbps,
+            restart_seconds=restart_seconds,
+        ),
+    )
+    console = Console(stderr=False)
+    decision = None
+    if to.strip() == "auto":
+        policy = PolicyOptions(
+            device_memory_gib=device_memory_gib,
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            global_batch_size=global_batch_size,
+            intra_node_gbps=intra_node_gbps,
+            inter_node_gbps=inter_node_gbps,
+        )
+        decision = choose_config(
+            spec, new_devices, policy, old_config=old_config, old_devices=old_devices, failed=failed_devices, planner_options=options
+        )
+        new_config = decision.winner.config
+    else:
+        new_config = ParallelConfig.parse(to)
+        new_config.check_world_size(len(new_devices))
+        spec.check_parallel(new_config)
+    result = plan_model_migration(spec, old_config, old_devices, new_config, new_devices, failed=failed_devices, options=options)
+    if plot is not None:
+        plot_heatmap(result, plot)
+    if json_out:
+        data = result.to_json()
+        if decision is not None:
+            data["policy"] = {
+                "reason": decision.reason,
+                "candidates": [
+                    {
+                        "config": c.config.short(),
+                        "memory_bytes": c.memory_bytes,
+                        "step_seconds": c.step_seconds,
+                        "fits": c.fits,
+                        "bytes_moved": c.bytes_moved,
+                        "migration_seconds": c.migration_seconds,
+                    }
+                    for c in decision.candidates
+                ],
+            }
+        sys.stdout.write(json.dumps(data) + "\n")
+        return
+    if decision is not None:
+        console.print(policy_table(decision))
+    print_plan(console, result)
+    if plot is not None:
+        console.print(f"heatmap written to {plot}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: user mistakes become one line on stderr and exit code 2."""
+    try:
+        result = app(args=argv, standalone_mode=False)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        sys.stderr.write("aborted\n")
+        sys.exit(130)
+    except typer.TyperException as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":
+            sys.exit(2)
+        message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+        sys.stderr.write(f"error: {message}\n")
+        sys.exit(2)
+    except (UserError, ValueError) as exc:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        sys.stderr.write(f"error: {message}\n")
+        sys.exit(2)
+    sys.exit(result if isinstance(result, int) else 0)
+
+
+if __name__ == "__main__":
+    main()
