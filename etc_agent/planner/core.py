@@ -391,6 +391,11 @@ class _Planner:
         assignment = assign_ranks(cost, self.node_of[: self.num_dev], self.tp)
         n_rank = self.new.num_ranks
         ranks = np.arange(n_rank)
+        # The constrained search is exact for small cases and a heuristic at scale; never do worse
+        # than the naive placement when that one keeps TP groups inside nodes.
+        naive_nodes = self.node_of[:n_rank].reshape(-1, self.tp)
+        if (naive_nodes == naive_nodes[:, :1]).all() and cost[ranks, ranks].sum() < cost[assignment, ranks].sum():
+            assignment = ranks.copy()
         predicted_moved = int(not_on_device[assignment, ranks].sum())
         naive_moved = int(not_on_device[ranks, ranks].sum())
         lower_bound = int(round(lsa(not_on_device.T.astype(np.float64))[1]))

@@ -1,0 +1,84 @@
+"""``etc-agent plan`` through a real subprocess: JSON contract, tables, plot, and bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import MODELS, ROOT
+
+JSON_FIELDS = {
+    "from", "to", "devices_old", "devices_new", "assignment", "state_bytes", "need_bytes", "resident_bytes",
+    "bytes_moved", "bytes_moved_inter_node", "lower_bound_bytes", "naive_bytes_moved", "checkpoint_bytes",
+    "num_messages", "num_rounds", "transfers", "plan_seconds", "estimated_seconds", "plan_hash",
+}
+
+
+def etc_agent(*args, check=False):
+    return subprocess.run([sys.executable, "-m", "etc_agent.cli.main", *args], capture_output=True, text=True, cwd=ROOT, check=check)
+
+
+def plan_args(model="llama-7b", frm="tp=4,pp=2,dp=2", old="n0:8,n1:8", to="tp=4,pp=2,dp=1", new="n0:8"):
+    return ["plan", "--model", str(MODELS / f"{model}.yaml"), "--from", frm, "--old", old, "--to", to, "--new", new]
+
+
+def test_plan_json_contract():
+    out = etc_agent(*plan_args(), "--json", check=True)
+    data = json.loads(out.stdout)
+    assert JSON_FIELDS <= set(data)
+    assert data["from"] == {"tp": 4, "pp": 2, "dp": 2, "zero": 0}
+    assert data["to"] == {"tp": 4, "pp": 2, "dp": 1, "zero": 0}
+    assert data["devices_new"] == [f"n0:{i}" for i in range(8)]
+    assert set(data["assignment"]) == {str(r) for r in range(8)}
+    assert set(data["need_bytes"]) == set(data["devices_new"])
+    assert data["bytes_moved"] == sum(t["bytes"] for t in data["transfers"])
+    assert {"src", "dst", "bytes", "round", "num_regions"} <= set(data["transfers"][0])
+    assert data["lower_bound_bytes"] <= data["bytes_moved"] <= data["naive_bytes_moved"]
+    # Stage 1 only lives on n1: all of it crosses nodes; stage 0 is resident on n0.
+    assert data["bytes_moved_inter_node"] == data["bytes_moved"] > 0
+    assert sum(data["resident_bytes"].values()) + data["bytes_moved"] == sum(data["need_bytes"].values())
+    assert data["checkpoint_bytes"] > data["bytes_moved"]
+
+
+def test_plan_tables_and_plot(tmp_path):
+    png = tmp_path / "heat.png"
+    out = etc_agent(*plan_args(model="gpt-tiny", frm="tp=2,dp=2", old="n0:4", to="tp=4", new="n0:4"), "--plot", str(png), check=True)
+    assert "moved, total" in out.stdout and "lower bound" in out.stdout and "assignment" in out.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plan_auto_prints_candidates_and_reason():
+    out = etc_agent(*plan_args(to="auto", new="n0:8"), "--device-memory-gib", "80", check=True)
+    assert "candidate configurations" in out.stdout and "winner" in out.stdout
+    data = json.loads(etc_agent(*plan_args(to="auto", new="n0:8"), "--json", check=True).stdout)
+    assert data["policy"]["reason"]
+    winner = data["to"]
+    assert winner["tp"] * winner["pp"] * winner["dp"] <= 8
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (plan_args(model="nope"), "not found"),
+        (plan_args(to="tp=4,pp=2,dp=2"), "needs tp*pp*dp = 16 devices, but the device set has 8"),
+        (plan_args(to="tp=3", new="n0:3"), "does not divide"),
+        (plan_args(to="tp=4", new="n0:2,n1:2"), "must stay in one node"),
+        (plan_args(to="tp=4,foo=1"), "bad parallel config"),
+        (plan_args(new="n0:x"), "bad device set"),
+        (plan_args(to="auto", new="n0:1"), "no parallel configuration fits"),
+        (plan_args(frm="tp=4,pp=2,dp=2", old="n0:8,n1:8", to="tp=4", new="n0:4") + ["--failed", "n1"], "state lost"),
+        (plan_args()[:-2], "Missing option '--new'"),
+        (plan_args() + ["--mem-cap", "0"], "--mem-cap must be positive"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    out = etc_agent(*args)
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], out.stderr
+
+
+def test_etc_agent_console_script_is_installed():
+    out = subprocess.run(["etc-agent", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "plan" in out.stdout
