@@ -110,17 +110,20 @@ def plan_migration(
     new_config: ParallelConfig | None = None,
     failed: Iterable[Device] = (),
     options: PlannerOptions | None = None,
+    assignment: Sequence[Device] | None = None,
 ) -> MigrationPlan:
     """Plan moving ``old`` (old rank ``r`` on ``old_assignment[r]``) into ``new`` on ``new_devices``.
 
     ``tp``: size of the new layout's TP groups (consecutive new ranks), each kept inside one node.
-    ``failed``: old devices whose state is gone. Raises ``ValueError`` for inconsistent input and
-    :class:`StateLostError` when some needed state has no live copy.
+    ``failed``: old devices whose state is gone. ``assignment``: new rank -> device when placement is
+    already decided (live processes that know their new rank); otherwise the planner chooses it.
+    Raises ``ValueError`` for inconsistent input and :class:`StateLostError` when some needed state
+    has no live copy.
     """
     started = time.perf_counter()
     options = options or PlannerOptions()
     planner = _Planner(old, list(old_assignment), new, list(new_devices), tp, list(old_devices or old_assignment), set(failed), options)
-    plan = planner.run(old_config, new_config)
+    plan = planner.run(old_config, new_config, fixed_assignment=assignment)
     plan.plan_seconds = time.perf_counter() - started
     return plan
 
@@ -381,21 +384,31 @@ class _Planner:
         return out
 
     # ---- everything --------------------------------------------------------------
-    def run(self, old_config: ParallelConfig | None, new_config: ParallelConfig | None) -> MigrationPlan:
+    def run(
+        self, old_config: ParallelConfig | None, new_config: ParallelConfig | None, fixed_assignment: Sequence[Device] | None = None
+    ) -> MigrationPlan:
         from etc_agent.planner.validate import validate_plan
 
         groups, dropped = self._groups()
         need, not_on_device, not_on_node = self._cost(groups)
         eps = 0.5 / (float(need.sum()) + 1.0)
         cost = not_on_device.astype(np.float64) + eps * not_on_node.astype(np.float64)
-        assignment = assign_ranks(cost, self.node_of[: self.num_dev], self.tp)
         n_rank = self.new.num_ranks
         ranks = np.arange(n_rank)
-        # The constrained search is exact for small cases and a heuristic at scale; never do worse
-        # than the naive placement when that one keeps TP groups inside nodes.
-        naive_nodes = self.node_of[:n_rank].reshape(-1, self.tp)
-        if (naive_nodes == naive_nodes[:, :1]).all() and cost[ranks, ranks].sum() < cost[assignment, ranks].sum():
-            assignment = ranks.copy()
+        if fixed_assignment is not None:
+            if len(fixed_assignment) != n_rank or len(set(fixed_assignment)) != n_rank:
+                raise ValueError(f"a fixed assignment needs {n_rank} distinct devices, got {len(fixed_assignment)}")
+            unknown = [str(d) for d in fixed_assignment if d not in self.dev_id or self.dev_id[d] >= self.num_dev]
+            if unknown:
+                raise ValueError(f"fixed assignment uses devices outside the new set: {', '.join(unknown)}")
+            assignment = np.array([self.dev_id[d] for d in fixed_assignment], dtype=np.int64)
+        else:
+            assignment = assign_ranks(cost, self.node_of[: self.num_dev], self.tp)
+            # The constrained search is exact for small cases and a heuristic at scale; never do
+            # worse than the naive placement when that one keeps TP groups inside nodes.
+            naive_nodes = self.node_of[:n_rank].reshape(-1, self.tp)
+            if (naive_nodes == naive_nodes[:, :1]).all() and cost[ranks, ranks].sum() < cost[assignment, ranks].sum():
+                assignment = ranks.copy()
         predicted_moved = int(not_on_device[assignment, ranks].sum())
         naive_moved = int(not_on_device[ranks, ranks].sum())
         lower_bound = int(round(lsa(not_on_device.T.astype(np.float64))[1]))

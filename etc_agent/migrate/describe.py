@@ -1,0 +1,156 @@
+"""Describe live state as the planner's shard boxes, with a handle on each shard's local storage.
+
+Accepted leaves of a (possibly nested) state dict, flattened to dotted keys:
+
+- ``DTensor`` with any ``Shard``/``Replicate`` placements on a ``DeviceMesh`` (TP, FSDP2): the box
+  comes from ``compute_local_shape_and_global_offset``; the storage is the local tensor.
+- :class:`BoxedTensor`: Megatron-style tensors that carry their own global shape and offsets, and
+  optionally a flat element range inside that box (distributed-optimizer shards).
+- plain ``torch.Tensor``: a full replica. 0-dim tensors are seen as one-element 1-D tensors.
+
+Everything else (numbers, strings, param-group settings) is not state to move and is skipped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from etc_agent.layout.boxes import flat_range_pieces
+from etc_agent.layout.model import canonical_dtype
+from etc_agent.layout.shards import Shard
+
+
+@dataclass
+class BoxedTensor:
+    """A local tensor that knows where it sits in its global tensor (Megatron ``ShardedTensor`` style).
+
+    ``tensor`` holds the box ``offsets .. offsets+lengths`` of a ``global_shape`` tensor, either with
+    shape ``lengths`` or, when ``flat_range`` is given, as the 1-D range ``[start, stop)`` of the box's
+    row-major flattening.
+    """
+
+    tensor: torch.Tensor
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...] | None = None
+    flat_range: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.lengths is None:
+            self.lengths = tuple(self.tensor.shape)
+        expected = (self.flat_range[1] - self.flat_range[0],) if self.flat_range else tuple(self.lengths)
+        if tuple(self.tensor.shape) != expected and self.tensor.numel() != prod(expected):
+            raise ValueError(f"BoxedTensor: tensor of shape {tuple(self.tensor.shape)} does not hold a box of {expected}")
+
+
+@dataclass
+class LocalShard:
+    """A shard and the local tensor holding its elements (shape ``lengths``, or 1-D for a flat range)."""
+
+    shard: Shard
+    tensor: torch.Tensor
+
+    def region_view(self, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> torch.Tensor:
+        """A view of the global box ``offsets/lengths`` inside this shard's storage.
+
+        For a flat-range shard the region must lie inside one of its pieces (the planner's regions do);
+        each piece is contiguous in the 1-D storage.
+        """
+        s = self.shard
+        if s.flat_range is None:
+            rel = tuple(slice(o - so, o - so + n) for o, so, n in zip(offsets, s.offsets, lengths))
+            tensor = self.tensor if tuple(self.tensor.shape) == s.lengths else self.tensor.view(s.lengths)
+            return tensor[rel] if rel else tensor
+        start = s.flat_range[0]
+        for piece in _pieces(s):
+            p_off = tuple(so + po for so, po in zip(s.offsets, piece.offsets))
+            if all(po <= o and o + n <= po + pn for po, pn, o, n in zip(p_off, piece.lengths, offsets, lengths)):
+                base = piece.flat_start - start
+                block = self.tensor.view(-1)[base : base + prod(piece.lengths)].view(piece.lengths)
+                return block[tuple(slice(o - po, o - po + n) for o, po, n in zip(offsets, p_off, lengths))]
+        raise ValueError(f"{s.key}: region {offsets}/{lengths} is not inside one piece of flat range {s.flat_range}")
+
+
+_PIECES: dict[tuple, list] = {}
+
+
+def _pieces(shard: Shard):
+    key = (shard.lengths, shard.flat_range)
+    if key not in _PIECES:
+        _PIECES[key] = flat_range_pieces(shard.lengths, *shard.flat_range)
+    return _PIECES[key]
+
+
+def flatten_state(state: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """``{"model": {"w": t}}`` -> ``("model.w", t)``; lists and tuples are indexed by position."""
+    for name, value in state.items():
+        key = f"{prefix}{name}"
+        if isinstance(value, Mapping):
+            yield from flatten_state(value, key + ".")
+        elif isinstance(value, (list, tuple)) and value and all(isinstance(v, (Mapping, torch.Tensor, BoxedTensor)) for v in value):
+            yield from flatten_state({str(i): v for i, v in enumerate(value)}, key + ".")
+        else:
+            yield key, value
+
+
+def describe_tensor(key: str, value: Any) -> LocalShard | None:
+    """The shard of one state leaf, or None when the leaf is not a tensor."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, BoxedTensor):
+        shard = Shard(key, tuple(value.global_shape), tuple(value.offsets), tuple(value.lengths), canonical_dtype(str(value.tensor.dtype)), value.flat_range)
+        shard.validate()
+        return LocalShard(shard, value.tensor)
+    if isinstance(value, DTensor):
+        return _describe_dtensor(key, value)
+    if isinstance(value, torch.Tensor):
+        tensor = value.reshape(1) if value.dim() == 0 else value
+        shape = tuple(tensor.shape)
+        return LocalShard(Shard(key, shape, (0,) * len(shape), shape, canonical_dtype(str(tensor.dtype))), tensor)
+    return None
+
+
+def _describe_dtensor(key: str, value) -> LocalShard:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Shard as ShardPlacement
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for placement in value.placements:
+        # Exact types: _StridedShard (FSDP2 over TP on one dim) subclasses Shard but is not a box.
+        if type(placement) not in (ShardPlacement, Replicate):
+            raise ValueError(
+                f"{key}: DTensor placement {placement} cannot be migrated (only Shard and Replicate; "
+                "reduce Partial placements and avoid strided sharding before migrating)"
+            )
+    local = value._local_tensor
+    global_shape = tuple(value.shape)
+    lengths, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    lengths, offsets = tuple(lengths), tuple(offsets)
+    if tuple(local.shape) != lengths:
+        raise ValueError(f"{key}: DTensor local shape {tuple(local.shape)} differs from its computed box {lengths}")
+    if not global_shape:
+        global_shape, offsets, lengths, local = (1,), (0,), (1,), local.reshape(1)
+    # Empty local shards (uneven Shard) report offset = dim size; keep them inside bounds.
+    offsets = tuple(min(o, s) for o, s in zip(offsets, global_shape))
+    return LocalShard(Shard(key, global_shape, offsets, lengths, canonical_dtype(str(local.dtype))), local)
+
+
+def describe_state(state: Mapping[str, Any] | None) -> list[LocalShard]:
+    """Every tensor leaf of ``state`` as a :class:`LocalShard`, in key order."""
+    if state is None:
+        return []
+    out: list[LocalShard] = []
+    seen: set[str] = set()
+    for key, value in flatten_state(state):
+        if key in seen:
+            raise ValueError(f"state key {key!r} appears twice after flattening")
+        seen.add(key)
+        local = describe_tensor(key, value)
+        if local is not None:
+            out.append(local)
+    out.sort(key=lambda ls: ls.shard.key)
+    return out

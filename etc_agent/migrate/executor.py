@@ -1,0 +1,325 @@
+"""Run a migration inside live processes.
+
+Call sequence (every process of old ∪ new devices calls :func:`migrate_state` together, on a
+transport whose process group was created fresh for this generation):
+
+1. describe: each process turns its old state (if it held a rank of the old layout) and its new
+   state (if it holds a rank of the new one, built for that rank; tensors may be on ``meta``) into
+   shard boxes;
+2. exchange: one ``all_gather_object`` of the descriptions (boxes only, no data);
+3. plan: every process computes the same plan from the same descriptions, with the placement fixed
+   by the new ranks the processes already hold, then the plan hashes are compared across processes;
+4. local: regions of new shards already resident are copied from the old shards; a new shard that is
+   exactly an old one and arrives on ``meta`` takes the old tensor itself (no copy, no allocation);
+5. rounds: per round, each process packs what it sends to each peer into one buffer, posts all sends
+   and receives with ``batch_isend_irecv``, waits (bounded), and unpacks into the new shards.
+
+Devices leaving after the migration only send, joining devices only receive. Every wait is
+bounded by ``timeout_s`` and failures raise :class:`MigrationError` naming the peer and round.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from math import prod
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from etc_agent.layout.devices import Device
+from etc_agent.layout.shards import Shard, StateLayout
+from etc_agent.migrate.describe import LocalShard, describe_state
+from etc_agent.migrate.transport import MigrationError, TorchTransport, Transport
+from etc_agent.planner.core import PlannerOptions, plan_migration
+from etc_agent.planner.plan import MigrationPlan, Region, Transfer
+
+log = logging.getLogger("etc_agent.migrate")
+
+TORCH_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "bool": torch.bool,
+}
+ALIGN = 16
+
+
+@dataclass
+class MigrationMetrics:
+    """What one migration did, seen from one process (``*_total`` fields are the whole migration)."""
+
+    device: str
+    old_rank: int | None
+    new_rank: int | None
+    plan_hash: str
+    bytes_moved_total: int
+    bytes_moved_intra_node: int
+    bytes_moved_inter_node: int
+    bytes_sent: int
+    bytes_received: int
+    bytes_copied_locally: int
+    bytes_reused: int
+    num_messages_total: int
+    num_rounds: int
+    peak_buffer_bytes: int
+    describe_s: float
+    exchange_s: float
+    plan_s: float
+    local_s: float
+    pack_s: float
+    transfer_s: float
+    unpack_s: float
+    total_s: float
+    transfer_phase_s: float = 0.0
+    """Slowest process's pack + transfer + unpack time (the migration's data phase)."""
+    achieved_gbps: float = 0.0
+    """``bytes_moved_total`` / ``transfer_phase_s``, in GB/s."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"event": "migration", **asdict(self)}
+
+
+@dataclass
+class MigrationResult:
+    plan: MigrationPlan
+    metrics: MigrationMetrics
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The new state's tensors by flattened key (materialized ones included)."""
+
+
+def _to_wire(shards: Sequence[LocalShard]) -> list[tuple]:
+    return [(s.shard.key, s.shard.global_shape, s.shard.offsets, s.shard.lengths, s.shard.dtype, s.shard.flat_range) for s in shards]
+
+
+def _from_wire(items: list[tuple]) -> list[Shard]:
+    return [Shard(*item) for item in items]
+
+
+def migrate_state(
+    old_state: Mapping[str, Any] | None,
+    new_state: Mapping[str, Any] | None,
+    *,
+    device: Device,
+    old_rank: int | None,
+    new_rank: int | None,
+    transport: Transport | None = None,
+    tp: int = 1,
+    options: PlannerOptions | None = None,
+    failed: Sequence[Device] = (),
+    lost_old_ranks: Mapping[int, tuple[Device, list[Shard]]] | None = None,
+    timeout_s: float = 300.0,
+    buffer_device: torch.device | None = None,
+) -> MigrationResult:
+    """Move ``old_state`` (this process's shards of the old layout, if any) into ``new_state``.
+
+    ``device`` names this process's device (``node:local``); ``old_rank``/``new_rank`` are its ranks in
+    the old and new layouts (None when it has none). ``lost_old_ranks`` describes old ranks whose
+    process is gone (their devices must be in ``failed``). ``tp`` is the new layout's TP size.
+    """
+    started = time.perf_counter()
+    transport = transport or TorchTransport()
+    old_local = describe_state(old_state) if old_rank is not None else []
+    new_local = describe_state(new_state) if new_rank is not None else []
+    t_describe = time.perf_counter()
+
+    payload = {"device": str(device), "old_rank": old_rank, "new_rank": new_rank, "old": _to_wire(old_local), "new": _to_wire(new_local)}
+    descriptions = transport.all_gather_object(payload)
+    t_exchange = time.perf_counter()
+
+    plan, peer_of, names = _plan(descriptions, tp, options, failed, lost_old_ranks or {})
+    t_plan = time.perf_counter()
+    hashes = transport.all_gather_object(plan.plan_hash)
+    if len(set(hashes)) != 1:
+        differing = [names[r] for r, h in enumerate(hashes) if h != plan.plan_hash]
+        raise MigrationError(f"plan hash mismatch: {plan.plan_hash} here on {device}, different on {', '.join(differing)}")
+
+    runner = _Runner(plan, device, old_local, new_local, buffer_device)
+    with torch.no_grad():
+        runner.local_copies()
+        t_local = time.perf_counter()
+        runner.rounds(transport, peer_of, names, timeout_s)
+    t_end = time.perf_counter()
+
+    inter = plan.bytes_moved_inter_node
+    metrics = MigrationMetrics(
+        device=str(device),
+        old_rank=old_rank,
+        new_rank=new_rank,
+        plan_hash=plan.plan_hash,
+        bytes_moved_total=plan.bytes_moved,
+        bytes_moved_intra_node=plan.bytes_moved - inter,
+        bytes_moved_inter_node=inter,
+        bytes_sent=runner.bytes_sent,
+        bytes_received=runner.bytes_received,
+        bytes_copied_locally=runner.bytes_copied,
+        bytes_reused=runner.bytes_reused,
+        num_messages_total=plan.num_messages,
+        num_rounds=plan.num_rounds,
+        peak_buffer_bytes=runner.peak_buffer_bytes,
+        describe_s=t_describe - started,
+        exchange_s=t_exchange - t_describe,
+        plan_s=t_plan - t_exchange,
+        local_s=t_local - t_plan,
+        pack_s=runner.pack_s,
+        transfer_s=runner.transfer_s,
+        unpack_s=runner.unpack_s,
+        total_s=t_end - started,
+    )
+    phases = transport.all_gather_object(runner.pack_s + runner.transfer_s + runner.unpack_s)
+    metrics.transfer_phase_s = max(phases)
+    metrics.achieved_gbps = plan.bytes_moved / metrics.transfer_phase_s / 1e9 if metrics.transfer_phase_s > 0 else 0.0
+    log.info(json.dumps(metrics.to_json()))
+    return MigrationResult(plan, metrics, runner.tensors)
+
+
+def _plan(descriptions, tp, options, failed, lost_old_ranks) -> tuple[MigrationPlan, dict[Device, int], dict[int, str]]:
+    names = {r: d["device"] for r, d in enumerate(descriptions)}
+    peer_of: dict[Device, int] = {}
+    old_by_rank: dict[int, tuple[Device, list[Shard]]] = {}
+    new_by_rank: dict[int, tuple[Device, list[Shard]]] = {}
+    for r, d in enumerate(descriptions):
+        dev = Device.parse(d["device"])
+        if dev in peer_of:
+            raise MigrationError(f"device {dev} is claimed by transport ranks {peer_of[dev]} and {r}")
+        peer_of[dev] = r
+        if d["old_rank"] is not None:
+            if d["old_rank"] in old_by_rank:
+                raise MigrationError(f"old rank {d['old_rank']} claimed by {old_by_rank[d['old_rank']][0]} and {dev}")
+            old_by_rank[d["old_rank"]] = (dev, _from_wire(d["old"]))
+        if d["new_rank"] is not None:
+            if d["new_rank"] in new_by_rank:
+                raise MigrationError(f"new rank {d['new_rank']} claimed by {new_by_rank[d['new_rank']][0]} and {dev}")
+            new_by_rank[d["new_rank"]] = (dev, _from_wire(d["new"]))
+    for rank, (dev, shards) in lost_old_ranks.items():
+        if rank in old_by_rank:
+            raise MigrationError(f"old rank {rank} is described as lost but {old_by_rank[rank][0]} holds it")
+        old_by_rank[rank] = (dev, shards)
+    for what, by_rank in (("old", old_by_rank), ("new", new_by_rank)):
+        missing = sorted(set(range(max(by_rank, default=-1) + 1)) - set(by_rank))
+        if missing:
+            raise MigrationError(f"{what} ranks {missing} are not held by any process of this migration")
+    old_ranks = sorted(old_by_rank)
+    new_ranks = sorted(new_by_rank)
+    old_layout = StateLayout.from_shards([old_by_rank[r][1] for r in old_ranks])
+    new_layout = StateLayout.from_shards([new_by_rank[r][1] for r in new_ranks])
+    old_assignment = [old_by_rank[r][0] for r in old_ranks]
+    assignment = [new_by_rank[r][0] for r in new_ranks]
+    plan = plan_migration(
+        old_layout, old_assignment, new_layout, assignment, tp=tp, failed=failed, options=options, assignment=assignment
+    )
+    return plan, peer_of, names
+
+
+def _chunks(transfer: Transfer, plan: MigrationPlan) -> tuple[list[tuple[Region, str, torch.dtype, int, int]], int]:
+    """Byte layout of a message: ``(region, key, dtype, offset, nbytes)`` per key of each region."""
+    out, pos = [], 0
+    for region in transfer.regions:
+        group = plan.groups[region.group]
+        numel = prod(region.lengths)
+        for key, dtype_name in zip(group.keys, group.dtypes):
+            dtype = TORCH_DTYPES[dtype_name]
+            nbytes = numel * dtype.itemsize
+            out.append((region, key, dtype, pos, nbytes))
+            pos += -(-nbytes // ALIGN) * ALIGN  # aligned so every chunk can be viewed as its dtype
+    return out, pos
+
+
+class _Runner:
+    def __init__(self, plan: MigrationPlan, device: Device, old_local: list[LocalShard], new_local: list[LocalShard], buffer_device):
+        self.plan, self.device = plan, device
+        self.old_by_key: dict[str, list[LocalShard]] = {}
+        for ls in old_local:
+            self.old_by_key.setdefault(ls.shard.key, []).append(ls)
+        self.new_by_key: dict[str, list[LocalShard]] = {}
+        for ls in new_local:
+            self.new_by_key.setdefault(ls.shard.key, []).append(ls)
+        example = next((ls.tensor for ls in old_local + new_local if not ls.tensor.is_meta), None)
+        self.buffer_device = buffer_device or (example.device if example is not None else torch.device("cpu"))
+        self.bytes_sent = self.bytes_received = self.bytes_copied = self.bytes_reused = 0
+        self.peak_buffer_bytes = 0
+        self.pack_s = self.transfer_s = self.unpack_s = 0.0
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._materialize()
+
+    def _materialize(self) -> None:
+        """Give ``meta`` new shards storage: the identical old tensor when there is one, else empty."""
+        for key, shards in self.new_by_key.items():
+            for ls in shards:
+                if ls.tensor.is_meta:
+                    twin = next((o for o in self.old_by_key.get(key, []) if o.shard == ls.shard), None)
+                    if twin is not None:
+                        ls.tensor = twin.tensor
+                        self.bytes_reused += ls.shard.nbytes
+                    else:
+                        shape = (ls.shard.numel,) if ls.shard.flat_range else ls.shard.lengths
+                        ls.tensor = torch.empty(shape, dtype=TORCH_DTYPES[ls.shard.dtype], device=self.buffer_device)
+                self.tensors[key] = ls.tensor
+
+    @staticmethod
+    def _find(shards: list[LocalShard] | None, key: str, region: Region, where: str) -> torch.Tensor:
+        for ls in shards or []:
+            s = ls.shard
+            if all(o <= ro and ro + rn <= o + n for o, n, ro, rn in zip(s.offsets, s.lengths, region.offsets, region.lengths)):
+                try:
+                    return ls.region_view(region.offsets, region.lengths)
+                except ValueError:
+                    continue
+        raise MigrationError(f"{where}: no local shard of {key} holds region {region.offsets}/{region.lengths}")
+
+    def local_copies(self) -> None:
+        for copy in self.plan.local_copies:
+            if copy.device != self.device:
+                continue
+            for region in copy.regions:
+                for key in self.plan.groups[region.group].keys:
+                    src = self._find(self.old_by_key.get(key), key, region, f"local copy on {self.device}")
+                    dst = self._find(self.new_by_key.get(key), key, region, f"local copy on {self.device}")
+                    if src.data_ptr() == dst.data_ptr() and src.shape == dst.shape and src.stride() == dst.stride():
+                        continue  # already there (reused old tensor)
+                    dst.copy_(src)
+                    self.bytes_copied += src.numel() * src.element_size()
+
+    def rounds(self, transport: Transport, peer_of: dict[Device, int], names: dict[int, str], timeout_s: float) -> None:
+        by_round: dict[int, list[Transfer]] = {}
+        for t in self.plan.transfers:
+            if t.src == self.device or t.dst == self.device:
+                by_round.setdefault(t.round, []).append(t)
+        for round_index in range(self.plan.num_rounds):
+            mine = by_round.get(round_index, [])
+            sends, recvs, unpack = [], [], []
+            started = time.perf_counter()
+            buffer_bytes = 0
+            for t in mine:
+                chunks, size = _chunks(t, self.plan)
+                buf = torch.empty(size, dtype=torch.uint8, device=self.buffer_device)
+                buffer_bytes += size
+                if t.src == self.device:
+                    for region, key, dtype, pos, nbytes in chunks:
+                        src = self._find(self.old_by_key.get(key), key, region, f"round {round_index} send to {t.dst}")
+                        buf[pos : pos + nbytes].view(dtype).view(src.shape).copy_(src)
+                    sends.append((peer_of[t.dst], buf))
+                    self.bytes_sent += t.num_bytes
+                else:
+                    recvs.append((peer_of[t.src], buf))
+                    unpack.append((t, chunks, buf))
+                    self.bytes_received += t.num_bytes
+            self.peak_buffer_bytes = max(self.peak_buffer_bytes, buffer_bytes)
+            packed = time.perf_counter()
+            transport.exchange(round_index, sends, recvs, timeout_s, names)
+            exchanged = time.perf_counter()
+            for t, chunks, buf in unpack:
+                for region, key, dtype, pos, nbytes in chunks:
+                    dst = self._find(self.new_by_key.get(key), key, region, f"round {round_index} receive from {t.src}")
+                    dst.copy_(buf[pos : pos + nbytes].view(dtype).view(dst.shape))
+            done = time.perf_counter()
+            self.pack_s += packed - started
+            self.transfer_s += exchanged - packed
+            self.unpack_s += done - exchanged

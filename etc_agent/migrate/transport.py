@@ -1,0 +1,88 @@
+"""Point-to-point transports behind one small interface.
+
+A transport moves whole buffers between the processes of one migration (old ∪ new devices) and
+gathers small Python objects. :class:`TorchTransport` uses ``torch.distributed`` on a process group
+that the caller created fresh for this generation: gloo on CPU, NCCL on GPU (same code path).
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+class MigrationError(RuntimeError):
+    """A migration could not complete; the message names the peer and round that failed."""
+
+
+class Transport(Protocol):
+    rank: int
+    world_size: int
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every process's ``obj``, indexed by transport rank."""
+
+    def exchange(
+        self,
+        round_index: int,
+        sends: Sequence[tuple[int, torch.Tensor]],
+        recvs: Sequence[tuple[int, torch.Tensor]],
+        timeout_s: float,
+        peer_names: dict[int, str],
+    ) -> None:
+        """Send each ``(peer, buffer)`` and fill each receive buffer; raise MigrationError on timeout or failure."""
+
+
+class TorchTransport:
+    """``batch_isend_irecv`` on a ``torch.distributed`` process group, every wait bounded."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.backend = dist.get_backend(group)
+
+    def _global(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def exchange(self, round_index, sends, recvs, timeout_s, peer_names) -> None:
+        ops, what = [], []
+        for peer, buf in sends:
+            ops.append(dist.P2POp(dist.isend, buf, self._global(peer), self.group))
+            what.append(f"send to {peer_names.get(peer, peer)} (rank {peer})")
+        for peer, buf in recvs:
+            ops.append(dist.P2POp(dist.irecv, buf, self._global(peer), self.group))
+            what.append(f"receive from {peer_names.get(peer, peer)} (rank {peer})")
+        if not ops:
+            return
+        deadline = time.monotonic() + timeout_s
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except Exception as err:  # a peer that is already gone fails the post itself
+            raise MigrationError(f"round {round_index}: posting {', '.join(what)} failed: {err}") from err
+        # NCCL coalesces a batch into one work; gloo returns one per op.
+        labels = what if len(works) == len(ops) else [", ".join(what)] * len(works)
+        for work, label in zip(works, labels):
+            remaining = max(0.001, deadline - time.monotonic())
+            try:
+                ok = work.wait(timeout=timedelta(seconds=remaining))
+            except Exception as err:
+                raise MigrationError(f"round {round_index}: {label} did not complete: {_first_line(err)}") from err
+            if ok is False:
+                raise MigrationError(f"round {round_index}: {label} did not complete within {timeout_s:.0f} s")
+        if self.backend == "nccl":
+            torch.cuda.current_stream().synchronize()
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__

@@ -1,0 +1,74 @@
+"""Run a function in N fresh processes on a gloo process group (127.0.0.1, random port).
+
+One scenario helper for every multi-process test: ``run_workers(n, fn, *args)`` returns each rank's
+return value and re-raises the first worker failure with its traceback. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, world: int, port: int, fn: Callable, args: tuple, queue, pg_timeout_s: float) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=pg_timeout_s)
+        )
+        result = fn(rank, world, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - every failure goes back to the test
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_workers(world: int, fn: Callable, *args: Any, timeout_s: float = 180.0, pg_timeout_s: float = 60.0) -> list[Any]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, queue, pg_timeout_s), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        import queue as queue_mod
+
+        for _ in range(world):
+            try:
+                rank, status, value = queue.get(timeout=timeout_s)
+            except queue_mod.Empty:
+                missing = sorted(set(range(world)) - set(results))
+                raise TimeoutError(f"workers {missing} did not finish within {timeout_s:.0f} s") from None
+            if status == "ok":
+                results[rank] = value
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    if errors:
+        raise AssertionError("worker failed:\n" + errors[0])
+    return [results[r] for r in range(world)]
