@@ -51,18 +51,28 @@ def run_workers(world: int, fn: Callable, *args: Any, timeout_s: float = 180.0, 
     errors: list[str] = []
     try:
         import queue as queue_mod
+        import time
 
-        for _ in range(world):
+        deadline = time.monotonic() + timeout_s
+        while len(results) < world and not errors:
             try:
-                rank, status, value = queue.get(timeout=timeout_s)
+                rank, status, value = queue.get(timeout=0.5)
             except queue_mod.Empty:
-                missing = sorted(set(range(world)) - set(results))
-                raise TimeoutError(f"workers {missing} did not finish within {timeout_s:.0f} s") from None
+                dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
+                if dead:
+                    time.sleep(0.5)  # a report may still be in the pipe
+                    if queue.empty():
+                        codes = ", ".join(f"{r} (exit code {procs[r].exitcode})" for r in dead)
+                        raise AssertionError(f"workers {codes} exited without reporting")
+                    continue
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(world)) - set(results))
+                    raise TimeoutError(f"workers {missing} did not finish within {timeout_s:.0f} s") from None
+                continue
             if status == "ok":
                 results[rank] = value
             else:
                 errors.append(f"rank {rank}:\n{value}")
-                break
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 0.5)
