@@ -33,6 +33,7 @@ class Case:
     model: str = "gpt-tiny"
     meta: bool = False
     mem_cap: int = 1 << 30
+    direct_min_bytes: int = 256 << 10
 
     @property
     def num_processes(self) -> int:
@@ -41,7 +42,7 @@ class Case:
 
 CASES = [
     Case("tp-up", "tp=1,dp=2", "n0:2", "tp=2", "n0:2"),
-    Case("tp-down", "tp=4", "n0:4", "tp=2,dp=2", "n0:4", meta=True),
+    Case("tp-down", "tp=4", "n0:4", "tp=2,dp=2", "n0:4", meta=True, direct_min_bytes=4096),
     Case("pp-up", "tp=1,dp=4", "n0:4", "pp=4", "n0:4"),
     Case("pp-down", "tp=2,pp=2", "n0:4", "tp=2,dp=2", "n0:4"),
     Case("dp-up-join-node", "tp=2", "n0:2", "tp=2,dp=2", "n0:2,n1:2", meta=True),
@@ -51,10 +52,11 @@ CASES = [
     Case("device-leaves", "dp=3,zero=1", "n0:3", "dp=2,zero=1", "n0:[0,2]"),
     Case("device-joins", "pp=2", "n0:2", "dp=3,zero=1", "n0:3"),
     Case("whole-node-leaves", "pp=2,dp=2,zero=1", "n0:2,n1:2", "tp=2", "n1:2"),
-    Case("combined-tp-pp-dp", "tp=2,pp=2", "n0:4", "tp=1,pp=2,dp=3", "n0:4,n1:2"),
+    Case("combined-tp-pp-dp", "tp=2,pp=2", "n0:4", "tp=1,pp=2,dp=3", "n0:4,n1:2", direct_min_bytes=0),
     Case("combined-one-new-device", "tp=2,pp=2", "n0:4", "dp=5,zero=1", "n0:4,n1:1", meta=True),
-    Case("bf16-mixed-dtypes", "tp=2,dp=2,zero=1", "n0:4", "tp=1,pp=2,dp=2", "n0:4", model="llama-tiny"),
-    Case("many-rounds", "tp=2,pp=2", "n0:4", "tp=1,dp=4,zero=1", "n0:2,n1:2", mem_cap=48 * 1024),
+    Case("bf16-mixed-dtypes", "tp=2,dp=2,zero=1", "n0:4", "tp=1,pp=2,dp=2", "n0:4", model="llama-tiny", direct_min_bytes=2048),
+    Case("many-rounds", "tp=2,pp=2", "n0:4", "tp=1,dp=4,zero=1", "n0:2,n1:2", mem_cap=48 * 1024, direct_min_bytes=8192),
+    Case("all-direct-zero-off", "tp=2,dp=2,zero=1", "n0:4", "tp=4", "n0:4", direct_min_bytes=0),
 ]
 
 
@@ -131,7 +133,10 @@ def run_case(rank: int, case: Case) -> dict:
 
     before_wire = [(k, b.global_shape, b.offsets, b.lengths, b.flat_range, _as_int(b.tensor)) for k, b in old_state.items()]
 
-    result = migrate_state(old_state, new_state, device=device, old_rank=old_rank, new_rank=new_rank, tp=new_cfg.tp, options=options)
+    result = migrate_state(
+        old_state, new_state, device=device, old_rank=old_rank, new_rank=new_rank, tp=new_cfg.tp, options=options,
+        direct_min_bytes=case.direct_min_bytes,
+    )
 
     after_wire = []
     for key, b in new_state.items():

@@ -19,6 +19,11 @@ class MigrationError(RuntimeError):
     """A migration could not complete; the message names the peer and round that failed."""
 
 
+class PendingExchange(Protocol):
+    def wait(self) -> None:
+        """Block until every posted send and receive completed; raise MigrationError naming the peer."""
+
+
 class Transport(Protocol):
     rank: int
     world_size: int
@@ -26,15 +31,18 @@ class Transport(Protocol):
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every process's ``obj``, indexed by transport rank."""
 
-    def exchange(
+    def post(
         self,
         round_index: int,
         sends: Sequence[tuple[int, torch.Tensor]],
         recvs: Sequence[tuple[int, torch.Tensor]],
         timeout_s: float,
         peer_names: dict[int, str],
-    ) -> None:
-        """Send each ``(peer, buffer)`` and fill each receive buffer; raise MigrationError on timeout or failure."""
+    ) -> PendingExchange:
+        """Start sending each ``(peer, buffer)`` and receiving into each receive buffer.
+
+        Buffers to and from the same peer are matched in list order on both sides.
+        """
 
 
 class TorchTransport:
@@ -54,7 +62,7 @@ class TorchTransport:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def exchange(self, round_index, sends, recvs, timeout_s, peer_names) -> None:
+    def post(self, round_index, sends, recvs, timeout_s, peer_names) -> _TorchPending:
         ops, what = [], []
         for peer, buf in sends:
             ops.append(dist.P2POp(dist.isend, buf, self._global(peer), self.group))
@@ -62,24 +70,36 @@ class TorchTransport:
         for peer, buf in recvs:
             ops.append(dist.P2POp(dist.irecv, buf, self._global(peer), self.group))
             what.append(f"receive from {peer_names.get(peer, peer)} (rank {peer})")
-        if not ops:
-            return
         deadline = time.monotonic() + timeout_s
+        if not ops:
+            return _TorchPending(round_index, [], [], deadline, timeout_s, False)
         try:
             works = dist.batch_isend_irecv(ops)
         except Exception as err:  # a peer that is already gone fails the post itself
-            raise MigrationError(f"round {round_index}: posting {', '.join(what)} failed: {err}") from err
+            raise MigrationError(f"round {round_index}: posting {', '.join(what)} failed: {_first_line(err)}") from err
         # NCCL coalesces a batch into one work; gloo returns one per op.
         labels = what if len(works) == len(ops) else [", ".join(what)] * len(works)
-        for work, label in zip(works, labels):
-            remaining = max(0.001, deadline - time.monotonic())
+        return _TorchPending(round_index, works, labels, deadline, timeout_s, self.backend == "nccl")
+
+    def exchange(self, round_index, sends, recvs, timeout_s, peer_names) -> None:
+        self.post(round_index, sends, recvs, timeout_s, peer_names).wait()
+
+
+class _TorchPending:
+    def __init__(self, round_index: int, works: list, labels: list[str], deadline: float, timeout_s: float, cuda_sync: bool):
+        self.round_index, self.works, self.labels = round_index, works, labels
+        self.deadline, self.timeout_s, self.cuda_sync = deadline, timeout_s, cuda_sync
+
+    def wait(self) -> None:
+        for work, label in zip(self.works, self.labels):
+            remaining = max(0.001, self.deadline - time.monotonic())
             try:
                 ok = work.wait(timeout=timedelta(seconds=remaining))
             except Exception as err:
-                raise MigrationError(f"round {round_index}: {label} did not complete: {_first_line(err)}") from err
+                raise MigrationError(f"round {self.round_index}: {label} did not complete: {_first_line(err)}") from err
             if ok is False:
-                raise MigrationError(f"round {round_index}: {label} did not complete within {timeout_s:.0f} s")
-        if self.backend == "nccl":
+                raise MigrationError(f"round {self.round_index}: {label} did not complete within {self.timeout_s:.0f} s")
+        if self.cuda_sync and self.works:
             torch.cuda.current_stream().synchronize()
 
 
