@@ -75,8 +75,8 @@ def _raw_replay(plan, device, peer_of, names):
     started = time.perf_counter()
     for r in range(plan.num_rounds):
         ts = rounds.get(r, [])
-        sends = [(peer_of[t.dst], buffers[id(t)]) for t in ts if t.src == device]
-        recvs = [(peer_of[t.src], buffers[id(t)]) for t in ts if t.dst == device]
+        sends = [(peer_of[t.dst], buffers[id(t)], 0) for t in ts if t.src == device]
+        recvs = [(peer_of[t.src], buffers[id(t)], 0) for t in ts if t.dst == device]
         transport.exchange(r, sends, recvs, 600.0, names)
     dist.barrier()
     return time.perf_counter() - started

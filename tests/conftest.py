@@ -4,3 +4,76 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 MODELS = ROOT / "configs" / "models"
+
+
+import shutil
+import socket
+import subprocess
+import time
+
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EtcdServer:
+    """A real etcd on 127.0.0.1 with random ports and a temporary data dir."""
+
+    def __init__(self, data_dir):
+        binary = shutil.which("etcd")
+        if binary is None:
+            raise RuntimeError("etcd is not installed (apt-get install etcd-server; .ci/run does it)")
+        self.client_port, self.peer_port = _free_port(), _free_port()
+        self.endpoint = f"127.0.0.1:{self.client_port}"
+        self.data_dir = data_dir
+        self.log = open(data_dir.parent / f"etcd-{self.client_port}.log", "w")
+        self.args = [
+            binary, "--name", "test", "--data-dir", str(data_dir),
+            "--listen-client-urls", f"http://127.0.0.1:{self.client_port}",
+            "--advertise-client-urls", f"http://127.0.0.1:{self.client_port}",
+            "--listen-peer-urls", f"http://127.0.0.1:{self.peer_port}",
+            "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_port}",
+            "--initial-cluster", f"test=http://127.0.0.1:{self.peer_port}",
+        ]
+        self.proc = None
+        self.start()
+
+    def start(self, timeout_s: float = 20.0) -> None:
+        self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"etcd exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.client_port), timeout=0.2):
+                    pass
+                import pyetcd
+
+                c = pyetcd.client(host="127.0.0.1", port=self.client_port, timeout=1)
+                c.status()
+                c.close()
+                return
+            except Exception:  # noqa: BLE001 - not up yet
+                time.sleep(0.1)
+        raise RuntimeError(f"etcd did not come up within {timeout_s} s on {self.endpoint}")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory):
+    server = EtcdServer(tmp_path_factory.mktemp("etcd") / "data")
+    yield server
+    server.stop()
+    server.log.close()

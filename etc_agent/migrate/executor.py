@@ -370,59 +370,77 @@ class _Runner:
             if t.src == self.device or t.dst == self.device:
                 by_round.setdefault(t.round, []).append(t)
         pool = BUFFERS
+        by_tag = getattr(transport, "matches_by_tag", False)
         for round_index in range(self.plan.num_rounds):
-            sends: list[tuple[int, torch.Tensor]] = []
-            recvs: list[tuple[int, torch.Tensor]] = []
+            ready: list[tuple[int, torch.Tensor, int]] = []  # sends straight from a tensor
+            later: list[tuple[int, torch.Tensor, int, torch.Tensor | None]] = []  # (peer, buffer, tag, source or None if packed)
+            packs: list[tuple[torch.Tensor, list[tuple[_Chunk, torch.Tensor]]]] = []
+            recvs: list[tuple[int, torch.Tensor, int]] = []
             unpack: list[tuple[torch.Tensor, torch.Tensor]] = []  # (staged data, destination view)
             started = time.perf_counter()
             staged = 0
             for t in by_round.get(round_index, []):
                 chunks, packed_size = _chunks(t, self.plan, self.direct_min_bytes)
+                # Tag 0 is the packed buffer, tag i+1 the i-th piece sent on its own.
                 if t.src == self.device:
                     peer, where = peer_of[t.dst], f"round {round_index} send to {t.dst}"
                     if packed_size:
                         buf = pool.get(packed_size, self.buffer_device)
                         staged += packed_size
-                        for c in chunks:
-                            if c.offset >= 0:
-                                src = self._find(self.old_by_key.get(c.key), c.key, c.region, where)
-                                buf[c.offset : c.offset + c.nbytes].view(c.dtype).view(src.shape).copy_(src)
-                        sends.append((peer, buf))
-                    for c in chunks:
+                        sources = [(c, self._find(self.old_by_key.get(c.key), c.key, c.region, where)) for c in chunks if c.offset >= 0]
+                        packs.append((buf, sources))
+                        later.append((peer, buf, 0, None))
+                    for i, c in enumerate(chunks):
                         if c.offset < 0:
                             src = self._find(self.old_by_key.get(c.key), c.key, c.region, where)
-                            if not src.is_contiguous():
-                                stage = pool.get(c.nbytes, self.buffer_device).view(c.dtype).view(src.shape)
-                                stage.copy_(src)
+                            if src.is_contiguous() and by_tag:
+                                ready.append((peer, src.view(-1), i + 1))
+                            elif src.is_contiguous():
+                                later.append((peer, src.view(-1), i + 1, None))
+                            else:
+                                stage = pool.get(c.nbytes, self.buffer_device).view(c.dtype)
                                 staged += c.nbytes
-                                src = stage
-                            sends.append((peer, src.view(-1)))
+                                later.append((peer, stage, i + 1, src))
                     self.bytes_sent += t.num_bytes
                 else:
                     peer, where = peer_of[t.src], f"round {round_index} receive from {t.src}"
                     if packed_size:
                         buf = pool.get(packed_size, self.buffer_device)
                         staged += packed_size
-                        recvs.append((peer, buf))
+                        recvs.append((peer, buf, 0))
                         for c in chunks:
                             if c.offset >= 0:
                                 dst = self._find(self.new_by_key.get(c.key), c.key, c.region, where)
                                 unpack.append((buf[c.offset : c.offset + c.nbytes].view(c.dtype).view(dst.shape), dst))
-                    for c in chunks:
+                    for i, c in enumerate(chunks):
                         if c.offset < 0:
                             dst = self._find(self.new_by_key.get(c.key), c.key, c.region, where)
                             if dst.is_contiguous():
-                                recvs.append((peer, dst.view(-1)))
+                                recvs.append((peer, dst.view(-1), i + 1))
                             else:
                                 stage = pool.get(c.nbytes, self.buffer_device).view(c.dtype)
                                 staged += c.nbytes
-                                recvs.append((peer, stage))
+                                recvs.append((peer, stage, i + 1))
                                 unpack.append((stage.view(dst.shape), dst))
                     self.bytes_received += t.num_bytes
-            self.peak_buffer_bytes = max(self.peak_buffer_bytes, staged)
+            # With tag matching, what needs no staging goes on the wire before the packing starts.
+            first = transport.post(round_index, ready, recvs, timeout_s, names) if by_tag else None
+            for buf, sources in packs:
+                for c, src in sources:
+                    buf[c.offset : c.offset + c.nbytes].view(c.dtype).view(src.shape).copy_(src)
+            for _, stage, _, src in later:
+                if src is not None:
+                    stage.view(src.shape).copy_(src)
+            sends_later = [(peer, buf, tag) for peer, buf, tag, _ in later]
             packed = time.perf_counter()
-            transport.post(round_index, sends, recvs, timeout_s, names).wait()
+            if by_tag:
+                second = transport.post(round_index, sends_later, [], timeout_s, names)
+                first.wait()
+                second.wait()
+            else:
+                transport.post(round_index, sends_later, recvs, timeout_s, names).wait()
             exchanged = time.perf_counter()
+            self.peak_buffer_bytes = max(self.peak_buffer_bytes, staged)
             for data, dst in unpack:
                 dst.copy_(data)
             pool.release()

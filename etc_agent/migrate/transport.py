@@ -27,6 +27,9 @@ class PendingExchange(Protocol):
 class Transport(Protocol):
     rank: int
     world_size: int
+    matches_by_tag: bool
+    """True when messages between two peers are matched by tag (gloo), so they may be posted in any
+    order and in several batches; False when they are matched in posting order (NCCL)."""
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every process's ``obj``, indexed by transport rank."""
@@ -34,14 +37,15 @@ class Transport(Protocol):
     def post(
         self,
         round_index: int,
-        sends: Sequence[tuple[int, torch.Tensor]],
-        recvs: Sequence[tuple[int, torch.Tensor]],
+        sends: Sequence[tuple[int, torch.Tensor, int]],
+        recvs: Sequence[tuple[int, torch.Tensor, int]],
         timeout_s: float,
         peer_names: dict[int, str],
     ) -> PendingExchange:
-        """Start sending each ``(peer, buffer)`` and receiving into each receive buffer.
+        """Start sending each ``(peer, buffer, tag)`` and receiving into each receive buffer.
 
-        Buffers to and from the same peer are matched in list order on both sides.
+        With ``matches_by_tag`` a send meets the receive with the same peer and tag; otherwise
+        buffers to and from the same peer are matched in list order on both sides.
         """
 
 
@@ -53,6 +57,7 @@ class TorchTransport:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.backend = dist.get_backend(group)
+        self.matches_by_tag = self.backend == "gloo"
 
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
@@ -64,11 +69,11 @@ class TorchTransport:
 
     def post(self, round_index, sends, recvs, timeout_s, peer_names) -> _TorchPending:
         ops, what = [], []
-        for peer, buf in sends:
-            ops.append(dist.P2POp(dist.isend, buf, self._global(peer), self.group))
+        for peer, buf, tag in sends:
+            ops.append(dist.P2POp(dist.isend, buf, self._global(peer), self.group, tag if self.matches_by_tag else 0))
             what.append(f"send to {peer_names.get(peer, peer)} (rank {peer})")
-        for peer, buf in recvs:
-            ops.append(dist.P2POp(dist.irecv, buf, self._global(peer), self.group))
+        for peer, buf, tag in recvs:
+            ops.append(dist.P2POp(dist.irecv, buf, self._global(peer), self.group, tag if self.matches_by_tag else 0))
             what.append(f"receive from {peer_names.get(peer, peer)} (rank {peer})")
         deadline = time.monotonic() + timeout_s
         if not ops:
@@ -83,6 +88,15 @@ class TorchTransport:
 
     def exchange(self, round_index, sends, recvs, timeout_s, peer_names) -> None:
         self.post(round_index, sends, recvs, timeout_s, peer_names).wait()
+
+
+class _Both:
+    def __init__(self, *pending: PendingExchange):
+        self.pending = pending
+
+    def wait(self) -> None:
+        for p in self.pending:
+            p.wait()
 
 
 class _TorchPending:

@@ -1,0 +1,190 @@
+"""etcd v3 backend (gRPC through ``pyetcd``; no use of the v2 API that etcd 3.6 removed)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from typing import Callable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from etc_agent.rendezvous.store import KeyValue, Lease, LeaseExpired, MembershipStore, StoreError, WatchEvent, WatchHandle
+
+log = logging.getLogger("etc_agent.rendezvous.etcd")
+
+
+class EtcdOptions(BaseModel):
+    """How to reach etcd."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    endpoint: str = Field(description="host:port of an etcd client URL (http or https scheme prefix allowed).")
+    ca_cert: str | None = Field(None, description="CA bundle to verify the server (enables TLS).")
+    cert_key: str | None = Field(None, description="Client private key for mutual TLS.")
+    cert_cert: str | None = Field(None, description="Client certificate for mutual TLS.")
+    user: str | None = Field(None, description="etcd user (authentication enabled on the server).")
+    password: str | None = Field(None, description="Password of ``user``.")
+    timeout_s: float = Field(5.0, gt=0, description="Per-request deadline.")
+
+    def host_port(self) -> tuple[str, int]:
+        text = self.endpoint.split("://", 1)[-1].rstrip("/")
+        host, sep, port = text.rpartition(":")
+        if not sep or not port.isdigit() or not host:
+            raise ValueError(f"bad etcd endpoint {self.endpoint!r}: expected host:port")
+        return host, int(port)
+
+
+def _connect(options: EtcdOptions):
+    import pyetcd
+
+    for path in (options.ca_cert, options.cert_key, options.cert_cert):
+        if path is not None:
+            import os
+
+            if not os.path.isfile(path):
+                raise ValueError(f"TLS file {path!r} not found")
+    if (options.cert_key is None) != (options.cert_cert is None):
+        raise ValueError("--etcd-cert and --etcd-key go together")
+    if (options.user is None) != (options.password is None):
+        raise ValueError("--etcd-user and --etcd-password go together")
+    host, port = options.host_port()
+    return pyetcd.client(
+        host=host,
+        port=port,
+        ca_cert=options.ca_cert,
+        cert_key=options.cert_key,
+        cert_cert=options.cert_cert,
+        timeout=options.timeout_s,
+        user=options.user,
+        password=options.password,
+    )
+
+
+class _EtcdLease(Lease):
+    def __init__(self, lease, ttl: float):
+        self._lease = lease
+        self.id = lease.id
+        self.ttl = ttl
+
+    def refresh(self) -> None:
+        try:
+            responses = self._lease.refresh()
+        except Exception as err:  # noqa: BLE001 - grpc and pyetcd errors
+            raise StoreError(f"etcd lease refresh failed: {err}") from err
+        if not responses or responses[0].TTL <= 0:
+            raise LeaseExpired(f"etcd lease {self.id:x} expired")
+
+    def revoke(self) -> None:
+        try:
+            self._lease.revoke()
+        except Exception as err:  # noqa: BLE001
+            raise StoreError(f"etcd lease revoke failed: {err}") from err
+
+
+class _EtcdWatch(WatchHandle):
+    def __init__(self, client, watch_id):
+        self.client, self.watch_id = client, watch_id
+
+    def cancel(self) -> None:
+        try:
+            self.client.cancel_watch(self.watch_id)
+        except Exception:  # noqa: BLE001 - the connection may already be gone
+            pass
+
+
+class EtcdStore(MembershipStore):
+    """Membership store on etcd v3: keys under ``/etc-agent/<run_id>/``."""
+
+    def __init__(self, options: EtcdOptions, run_id: str):
+        super().__init__(run_id)
+        self.options = options
+        self.client = _connect(options)
+        self._lock = threading.Lock()
+        try:
+            self.client.status()
+        except Exception as err:  # noqa: BLE001
+            raise StoreError(f"cannot reach etcd at {options.endpoint}: {_short(err)}") from err
+
+    def _call(self, what: str, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except StoreError:
+            raise
+        except Exception as err:  # noqa: BLE001
+            raise StoreError(f"etcd {what} failed ({self.options.endpoint}): {_short(err)}") from err
+
+    @staticmethod
+    def _kv(store: EtcdStore, value: bytes, meta) -> KeyValue:
+        return KeyValue(store.relative_key(meta.key.decode()), value.decode(), int(meta.version), int(meta.mod_revision))
+
+    def get(self, key: str) -> KeyValue | None:
+        value, meta = self._call("get", self.client.get, self.full_key(key))
+        return None if value is None else self._kv(self, value, meta)
+
+    def get_prefix(self, prefix: str = "") -> list[KeyValue]:
+        items = self._call("get_prefix", lambda: list(self.client.get_prefix(self.full_key(prefix))))
+        return sorted((self._kv(self, v, m) for v, m in items), key=lambda kv: kv.key)
+
+    def put(self, key: str, value: str, lease: Lease | None = None) -> None:
+        self._call("put", self.client.put, self.full_key(key), value, lease=lease.id if lease else None)
+
+    def compare_and_set(self, key: str, value: str, expected_version: int, lease: Lease | None = None) -> bool:
+        full = self.full_key(key)
+        tx = self.client.transactions
+        ok, _ = self._call(
+            "transaction",
+            self.client.transaction,
+            compare=[tx.version(full) == expected_version],
+            success=[tx.put(full, value, lease=lease.id if lease else None)],
+            failure=[],
+        )
+        return bool(ok)
+
+    def delete(self, key: str) -> bool:
+        return bool(self._call("delete", self.client.delete, self.full_key(key)))
+
+    def grant_lease(self, ttl: float) -> Lease:
+        # etcd leases are whole seconds (and at least the server's minimum, usually 2 s).
+        lease = self._call("lease grant", self.client.lease, max(1, math.ceil(ttl)))
+        return _EtcdLease(lease, float(lease.ttl))
+
+    def watch_prefix(self, prefix, callback: Callable[[WatchEvent], None], on_error=None) -> WatchHandle:
+        import pyetcd.events as events
+
+        def on_response(response) -> None:
+            if isinstance(response, Exception):
+                log.warning("etcd watch on %s failed: %s", self.full_key(prefix), _short(response))
+                if on_error is not None:
+                    on_error(response)
+                return
+            for event in response.events:
+                full = event.key.decode()
+                if not full.startswith(self.prefix):
+                    continue
+                if isinstance(event, events.PutEvent):
+                    callback(WatchEvent("put", self.relative_key(full), event.value.decode(), int(event.mod_revision)))
+                else:
+                    callback(WatchEvent("delete", self.relative_key(full), None, int(response.header.revision)))
+
+        watch_id = self._call("watch", self.client.add_watch_prefix_callback, self.full_key(prefix), on_response)
+        return _EtcdWatch(self.client, watch_id)
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _short(err: BaseException) -> str:
+    details = getattr(err, "details", None)
+    if callable(details):
+        try:
+            text = details()
+            if text:
+                return text
+        except Exception:  # noqa: BLE001
+            pass
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
