@@ -1,0 +1,441 @@
+"""The per-node agent: membership, leader election, the generation protocol, worker supervision.
+
+Every agent registers a :class:`NodeRecord` under its lease and keeps the lease alive. One agent
+wins the ``leader`` key; it watches the members and the workers' statuses and, after
+``reconfig_delay`` without further change, publishes the next :class:`GenerationRecord` with
+compare-and-set. Every agent acts only on the generation it reads from the store:
+
+- ``running`` and it is a member: (re)start its workers with ranks from its position;
+- ``waiting`` (fewer than ``min_nodes``) or not a member: stop its workers and wait;
+- ``failed`` / ``succeeded``: stop and exit.
+
+This is the torchrun-compatible mode (workers restarted on every membership change or failure,
+failures counted against ``max_restarts``). Workers that use the worker API are kept alive across
+generations instead (the worker API issue builds on this).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from etc_agent.agent.workers import WorkerGroup, WorkerSpec
+from etc_agent.rendezvous.records import GenerationRecord, LeaderRecord, MasterRecord, NodeRecord, NodeStatus
+from etc_agent.rendezvous.store import LeaseExpired, MembershipStore, StoreError, WatchEvent
+
+log = logging.getLogger("etc_agent.agent")
+
+
+class AgentConfig(BaseModel):
+    """One agent's settings (from ``etcrun`` flags)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    run_id: str = Field(description="Job id shared by all agents (--rdzv-id).")
+    min_nodes: int = Field(1, ge=1, description="Fewer members than this: the job waits.")
+    max_nodes: int = Field(1, ge=1, description="At most this many members; more agents wait as spares.")
+    nproc_per_node: int = Field(1, ge=1, description="Workers per agent.")
+    max_restarts: int = Field(0, ge=0, description="Worker-failure restarts before the job fails (torchrun's count).")
+    monitor_interval: float = Field(0.1, gt=0, description="Seconds between checks of the workers.")
+    reconfig_delay: float = Field(1.0, ge=0, description="Quiet time collecting joins/leaves into one generation.")
+    lease_ttl: float = Field(5.0, gt=0, description="A node whose lease is not refreshed for this long is dead.")
+    join_timeout: float = Field(600.0, gt=0, description="How long the job may wait for --nnodes MIN members.")
+    shutdown_timeout: float = Field(30.0, ge=0, description="Grace between SIGTERM and SIGKILL for workers.")
+    local_addr: str | None = Field(None, description="Address other nodes use for this node (default: this host's name).")
+    node_rank: int | None = Field(None, description="Fixed position in the group order (--node-rank), if given.")
+    log_format: str = Field("text", description="'json': one JSON line per agent event.")
+
+
+@dataclass
+class _Event:
+    kind: str
+    data: dict
+
+
+class Agent:
+    def __init__(self, config: AgentConfig, spec: WorkerSpec, store: MembershipStore, emit: Callable[[str, dict], None] | None = None):
+        self.config, self.spec, self.store = config, spec, store
+        self.node_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.host = config.local_addr or socket.getfqdn()
+        self.emit = emit or self._log_event
+        self.workers: WorkerGroup | None = None
+        self.generation: GenerationRecord | None = None
+        self.restart_count = 0
+        self.leaving = threading.Event()
+        self.stop_requested = threading.Event()
+        self._wake = threading.Event()
+        self._lease = None
+        self._is_leader = False
+        self._leader_dirty = threading.Event()
+        self._reported: tuple[int, str] | None = None
+        self._log_root = Path(spec.log_dir) if spec.log_dir else Path(tempfile.mkdtemp(prefix="etcrun-"))
+        self._run_dir = self._log_root / f"{config.run_id}_{self.node_id}"
+        self._threads: list[threading.Thread] = []
+        self._tcp_store = None
+        self._watches = []
+
+    # ---- logging --------------------------------------------------------------------
+    def _log_event(self, event: str, fields: dict) -> None:
+        if self.config.log_format == "json":
+            print(json.dumps({"ts": round(time.time(), 3), "event": event, "node": self.node_id, **fields}), flush=True)
+        else:
+            detail = " ".join(f"{k}={v}" for k, v in fields.items())
+            log.info("[%s] %s %s", self.node_id, event, detail)
+
+    # ---- membership ----------------------------------------------------------------
+    def _register(self) -> None:
+        self._lease = self.store.grant_lease(self.config.lease_ttl)
+        record = NodeRecord(
+            node_id=self.node_id, host=self.host, num_devices=self.config.nproc_per_node, pid=os.getpid(),
+            node_rank_hint=self.config.node_rank, leaving=self.leaving.is_set(),
+        )
+        self.store.put(f"nodes/{self.node_id}", record.dumps(), lease=self._lease)
+        self.emit("registered", {"host": self.host, "devices": self.config.nproc_per_node, "lease_ttl": self._lease.ttl})
+
+    def _keepalive(self) -> None:
+        interval = max(0.2, self.config.lease_ttl / 3)
+        while not self.stop_requested.wait(interval):
+            try:
+                self._lease.refresh()
+            except LeaseExpired:
+                self.emit("lease_expired", {"action": "re-registering"})
+                try:
+                    self._register()
+                except StoreError as err:
+                    self.emit("store_unreachable", {"error": str(err)})
+            except StoreError as err:
+                self.emit("store_unreachable", {"error": str(err)})
+
+    def _elect(self) -> None:
+        """Try to become leader whenever there is none; lead while holding the key."""
+        while not self.stop_requested.is_set():
+            try:
+                current = self.store.get("leader")
+                if current is None and not self.leaving.is_set():
+                    if self.store.create("leader", LeaderRecord(node_id=self.node_id).dumps(), lease=self._lease):
+                        self._is_leader = True
+                        self.emit("leader_elected", {})
+                        self._lead()
+                        self._is_leader = False
+            except StoreError as err:
+                self.emit("store_unreachable", {"error": str(err)})
+            self.stop_requested.wait(max(0.2, self.config.lease_ttl / 5))
+
+    # ---- leader ---------------------------------------------------------------------
+    def _lead(self) -> None:
+        watch = self.store.watch_prefix("", lambda e: self._on_leader_event(e))
+        try:
+            self._leader_dirty.set()
+            last_decision = 0.0
+            while not self.stop_requested.is_set() and not self.leaving.is_set():
+                if self._leader_dirty.wait(0.1):
+                    # Debounce: decide once nothing changed for reconfig_delay.
+                    while not self.stop_requested.is_set():
+                        self._leader_dirty.clear()
+                        if not self._leader_dirty.wait(self.config.reconfig_delay):
+                            break
+                    self._decide()
+                    last_decision = time.monotonic()
+                elif time.monotonic() - last_decision > 1.0:
+                    self._decide()  # also without events: a watch may have missed one
+                    last_decision = time.monotonic()
+                leader = self.store.get("leader")
+                if leader is None or LeaderRecord.loads(leader.value).node_id != self.node_id:
+                    self.emit("leadership_lost", {})
+                    return
+        finally:
+            watch.cancel()
+            if self.leaving.is_set():
+                try:
+                    self.store.delete("leader")
+                except StoreError:
+                    pass
+
+    def _on_leader_event(self, event: WatchEvent) -> None:
+        if event.key.startswith("nodes/") or "/status/" in event.key:
+            self._leader_dirty.set()
+
+    def _members_now(self) -> list[NodeRecord]:
+        nodes = []
+        for kv in self.store.get_prefix("nodes/"):
+            try:
+                record = NodeRecord.loads(kv.value)
+            except ValueError as err:
+                self.emit("rejected_record", {"key": kv.key, "reason": str(err)})
+                continue
+            if not record.leaving:
+                nodes.append((record, kv.mod_revision))
+        # Group order: --node-rank hints first, then by time of registration.
+        nodes.sort(key=lambda item: (item[0].node_rank_hint if item[0].node_rank_hint is not None else 1 << 30, item[1], item[0].node_id))
+        return [n for n, _ in nodes]
+
+    def _decide(self) -> None:
+        kv = self.store.get("generation")
+        current = GenerationRecord.loads(kv.value) if kv else None
+        version = kv.version if kv else 0
+        if current and current.status in ("failed", "succeeded"):
+            return
+        alive = self._members_now()
+        alive_ids = [n.node_id for n in alive]
+        number = (current.number + 1) if current else 0
+        restart_count = current.restart_count if current else 0
+
+        def publish(record: GenerationRecord) -> None:
+            if self.store.compare_and_set("generation", record.dumps(), version):
+                self.emit("generation_published", {"generation": record.number, "status": record.status, "members": len(record.members),
+                                                   "world_size": record.world_size, "reason": record.reason})
+
+        if current and current.status == "running":
+            statuses = {}
+            for skv in self.store.get_prefix(f"generations/{current.number}/status/"):
+                try:
+                    statuses[skv.key.rsplit("/", 1)[-1]] = NodeStatus.loads(skv.value)
+                except ValueError as err:
+                    self.emit("rejected_record", {"key": skv.key, "reason": str(err)})
+            failed = [n for n, s in statuses.items() if s.state == "failed" and n in current.members]
+            if failed:
+                if restart_count >= self.config.max_restarts:
+                    publish(current.model_copy(update={"number": number, "status": "failed",
+                                                       "reason": f"worker failure on {', '.join(failed)}; {restart_count}/{self.config.max_restarts} restarts used"}))
+                    return
+                restart_count += 1
+                reason = f"worker failure on {', '.join(failed)} (restart {restart_count}/{self.config.max_restarts})"
+            elif current.members and all(statuses.get(n) and statuses[n].state == "succeeded" for n in current.members):
+                publish(current.model_copy(update={"number": number, "status": "succeeded", "reason": "all workers exited 0"}))
+                return
+            else:
+                kept = [n for n in current.members if n in alive_ids]
+                joined = [n for n in alive_ids if n not in current.members]
+                if kept == current.members and not (joined and len(current.members) < self.config.max_nodes):
+                    return  # nothing to do
+                reason = ", ".join(
+                    part for part in (
+                        f"{len(current.members) - len(kept)} left" if len(kept) < len(current.members) else "",
+                        f"{len(joined)} joined" if joined else "",
+                    ) if part
+                )
+        else:
+            reason = "start" if current is None else "enough nodes"
+        # Keep surviving members in their order, then newcomers.
+        ordered = [n for n in (current.members if current else []) if n in alive_ids] + [n for n in alive_ids if not current or n not in current.members]
+        ordered = ordered[: self.config.max_nodes]
+        devices = {n.node_id: n.num_devices for n in alive}
+        if len(ordered) < self.config.min_nodes:
+            if current and current.status == "waiting" and current.members == ordered:
+                return
+            publish(GenerationRecord(number=number, status="waiting", members=ordered, num_devices=[devices[n] for n in ordered],
+                                     restart_count=restart_count, reason=f"{len(ordered)} of at least {self.config.min_nodes} nodes"))
+            return
+        publish(GenerationRecord(number=number, status="running", members=ordered, num_devices=[devices[n] for n in ordered],
+                                 restart_count=restart_count, reason=reason or "membership"))
+
+    # ---- this node's part of a generation -------------------------------------------
+    def _master(self, gen: GenerationRecord) -> MasterRecord:
+        key = f"generations/{gen.number}/master"
+        if gen.members[0] == self.node_id:
+            # Like torchrun's c10d agents: the first member hosts the workers' TCPStore, a fresh one
+            # per generation (stale keys of an old generation would break gloo's connect).
+            from torch.distributed import TCPStore
+
+            self._tcp_store = TCPStore(self.host, 0, is_master=True, wait_for_workers=False)
+            record = MasterRecord(addr=self.host, port=self._tcp_store.port)
+            self.store.create(key, record.dumps())
+        deadline = time.monotonic() + self.config.join_timeout
+        while time.monotonic() < deadline and not self.stop_requested.is_set():
+            kv = self.store.get(key)
+            if kv:
+                return MasterRecord.loads(kv.value)
+            newer = self._read_generation()
+            if newer and newer.number != gen.number:
+                raise _Superseded()
+            time.sleep(0.05)
+        raise TimeoutError(f"generation {gen.number}: member {gen.members[0]} did not publish the master address")
+
+    def _start_workers(self, gen: GenerationRecord) -> None:
+        index = gen.members.index(self.node_id)
+        master = self._master(gen)
+        offset = sum(gen.num_devices[:index])
+        nproc = self.config.nproc_per_node
+        envs = []
+        for local_rank in range(nproc):
+            env = {
+                "RANK": str(offset + local_rank),
+                "LOCAL_RANK": str(local_rank),
+                "GROUP_RANK": str(index),
+                "ROLE_RANK": str(offset + local_rank),
+                "ROLE_NAME": self.spec.role,
+                "LOCAL_WORLD_SIZE": str(nproc),
+                "WORLD_SIZE": str(gen.world_size),
+                "GROUP_WORLD_SIZE": str(len(gen.members)),
+                "ROLE_WORLD_SIZE": str(gen.world_size),
+                "MASTER_ADDR": master.addr,
+                "MASTER_PORT": str(master.port),
+                "TORCHELASTIC_RESTART_COUNT": str(gen.restart_count),
+                "TORCHELASTIC_MAX_RESTARTS": str(self.config.max_restarts),
+                "TORCHELASTIC_RUN_ID": self.config.run_id,
+                "TORCHELASTIC_USE_AGENT_STORE": "True",
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+                "ETC_AGENT_GENERATION": str(gen.number),
+                "ETC_AGENT_NODE_ID": self.node_id,
+            }
+            if "OMP_NUM_THREADS" in os.environ:
+                env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
+            envs.append(env)
+        attempt_dir = self._run_dir / f"attempt_{gen.number}"
+        self.workers = WorkerGroup(self.spec, envs, attempt_dir)
+        self._reported = None
+        self._report(gen, NodeStatus(state="running"))
+        self.emit("workers_started", {"generation": gen.number, "group_rank": index, "world_size": gen.world_size,
+                                      "ranks": f"{offset}-{offset + nproc - 1}", "restart_count": gen.restart_count})
+
+    def _stop_workers(self, why: str) -> None:
+        if self.workers is not None:
+            self.emit("workers_stopping", {"reason": why})
+            self.workers.stop(self.config.shutdown_timeout)
+            self.workers = None
+        self._tcp_store = None
+
+    def _report(self, gen: GenerationRecord, status: NodeStatus) -> None:
+        if self._reported == (gen.number, status.state):
+            return
+        self.store.put(f"generations/{gen.number}/status/{self.node_id}", status.dumps(), lease=self._lease)
+        self._reported = (gen.number, status.state)
+
+    def _read_generation(self) -> GenerationRecord | None:
+        kv = self.store.get("generation")
+        if kv is None:
+            return None
+        try:
+            return GenerationRecord.loads(kv.value)
+        except ValueError as err:
+            self.emit("rejected_record", {"key": "generation", "reason": str(err)})
+            return None
+
+    # ---- main loop ------------------------------------------------------------------
+    def run(self) -> int:
+        """Run until the job ends (0 on success), this node leaves (0), or it fails (1)."""
+        # torch takes ~1.5 s to import: pay it before joining, not when a generation needs the
+        # TCPStore. Not in a background thread: TCPStores made while torch was still importing in
+        # another thread made workers abort ("terminate called without an active exception").
+        import torch.distributed  # noqa: F401
+        self._register()
+        for target in (self._keepalive, self._elect):
+            t = threading.Thread(target=target, name=f"etc-{target.__name__}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        self._watches.append(self.store.watch_prefix("generation", lambda e: self._wake.set()))
+        started = time.monotonic()
+        try:
+            return self._loop(started)
+        finally:
+            self.stop_requested.set()
+            self._stop_workers("agent exiting")
+            for w in self._watches:
+                w.cancel()
+            for t in self._threads:
+                t.join(timeout=2)
+            try:
+                self._lease.revoke()
+            except StoreError:
+                pass
+
+    def request_departure(self) -> None:
+        """Planned departure (SIGTERM): leave the membership, let the others go on without us."""
+        self.leaving.set()
+        self._wake.set()
+
+    def _loop(self, started: float) -> int:
+        while True:
+            if self.leaving.is_set():
+                return self._depart()
+            gen = self._read_generation()
+            if gen and (self.generation is None or gen.number != self.generation.number):
+                code = self._on_generation(gen)
+                if code is not None:
+                    return code
+            elif gen is None or gen.status == "waiting":
+                if time.monotonic() - started > self.config.join_timeout:
+                    self.emit("join_timeout", {"seconds": self.config.join_timeout})
+                    return 1
+            if self.workers is not None and self.generation is not None:
+                self._check_workers(self.generation)
+            self._wake.wait(self.config.monitor_interval)
+            self._wake.clear()
+
+    def _on_generation(self, gen: GenerationRecord) -> int | None:
+        previous = self.generation
+        self.generation = gen
+        self.emit("generation_seen", {"generation": gen.number, "status": gen.status, "members": len(gen.members), "reason": gen.reason})
+        if gen.status == "succeeded":
+            self._stop_workers("job succeeded")
+            return 0
+        if gen.status == "failed":
+            self._stop_workers("job failed")
+            self.emit("job_failed", {"reason": gen.reason})
+            return 1
+        self._stop_workers(f"generation {gen.number}" if previous else "start")
+        if gen.status == "running" and self.node_id in gen.members:
+            try:
+                self._start_workers(gen)
+            except _Superseded:
+                self.generation = previous
+        elif gen.status == "running":
+            self.emit("spare", {"generation": gen.number, "members": len(gen.members)})
+        return None
+
+    def _check_workers(self, gen: GenerationRecord) -> None:
+        codes = self.workers.poll()
+        failed = {r: c for r, c in codes.items() if c not in (None, 0)}
+        if failed:
+            summary = self.workers.failure_summary(self.host)
+            self.emit("workers_failed", {"generation": gen.number, "exit_codes": failed})
+            log.error("worker failure (generation %d):\n%s", gen.number, summary)
+            self._stop_workers("a local worker failed")
+            self._report(gen, NodeStatus(state="failed", exit_codes={r: c for r, c in codes.items() if c is not None}, message=summary))
+        elif all(c == 0 for c in codes.values()):
+            self.workers.close()
+            self.workers = None
+            self._report(gen, NodeStatus(state="succeeded", exit_codes=codes))
+            self.emit("workers_succeeded", {"generation": gen.number})
+
+    def _depart(self) -> int:
+        self.emit("departing", {"shutdown_timeout": self.config.shutdown_timeout})
+        try:
+            record = NodeRecord(node_id=self.node_id, host=self.host, num_devices=self.config.nproc_per_node, pid=os.getpid(),
+                                node_rank_hint=self.config.node_rank, leaving=True)
+            self.store.put(f"nodes/{self.node_id}", record.dumps(), lease=self._lease)
+        except StoreError as err:
+            self.emit("store_unreachable", {"error": str(err)})
+        self._stop_workers("planned departure")
+        try:
+            self.store.delete(f"nodes/{self.node_id}")
+        except StoreError:
+            pass
+        return 0
+
+
+class _Superseded(Exception):
+    """A newer generation appeared while this one was being set up."""
+
+
+def install_signal_handlers(agent: Agent) -> None:
+    """SIGTERM: planned departure; SIGINT: the same (a second one kills workers at once)."""
+
+    def on_term(signum, frame):
+        agent.emit("signal", {"signal": signal.Signals(signum).name})
+        agent.request_departure()
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)

@@ -1,0 +1,191 @@
+"""Starting, watching and stopping one node's worker processes, with torchrun's environment and logs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class WorkerSpec(BaseModel):
+    """What to run on every local device and how its output is handled (torchrun's meaning)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    entrypoint: list[str] = Field(description="Script (or module with module=True) and its arguments.")
+    module: bool = Field(False, description="-m: run the entrypoint as a Python module.")
+    no_python: bool = Field(False, description="--no-python: run the entrypoint as an executable, not through python.")
+    role: str = Field("default", description="ROLE_NAME of the workers.")
+    log_dir: Path | None = Field(None, description="Per-worker stdout/stderr files and error files go under it.")
+    redirects: dict[int, int] = Field(default_factory=dict, description="Local rank -> 0 none, 1 stdout, 2 stderr, 3 both to files.")
+    tee: dict[int, int] = Field(default_factory=dict, description="Like redirects, but also shown on the console.")
+    local_ranks_filter: set[int] | None = Field(None, description="Only these local ranks' output reaches the console.")
+
+    def command(self) -> list[str]:
+        if self.no_python:
+            return list(self.entrypoint)
+        if self.module:
+            return [sys.executable, "-u", "-m", *self.entrypoint]
+        return [sys.executable, "-u", *self.entrypoint]
+
+
+def parse_std_spec(text: str, nproc: int) -> dict[int, int]:
+    """torchrun's ``-r/-t`` syntax: ``3`` (all ranks) or ``0:1,1:2`` (per local rank)."""
+    text = (text or "0").strip()
+    if text.isdigit():
+        value = int(text)
+        if value not in range(4):
+            raise ValueError(f"bad redirect/tee value {text!r}: use 0-3 or rank:value pairs")
+        return {r: value for r in range(nproc)}
+    out = {}
+    for item in text.split(","):
+        rank, sep, value = item.partition(":")
+        if not sep or not rank.strip().isdigit() or value.strip() not in {"0", "1", "2", "3"}:
+            raise ValueError(f"bad redirect/tee value {text!r}: use 0-3 or rank:value pairs like 0:1,1:2")
+        out[int(rank)] = int(value)
+    return out
+
+
+@dataclass
+class _Worker:
+    local_rank: int
+    global_rank: int
+    proc: subprocess.Popen
+    error_file: Path
+    pumps: list[threading.Thread] = field(default_factory=list)
+    files: list[IO] = field(default_factory=list)
+
+
+class WorkerGroup:
+    """The workers of one node for one generation (or one restart of it)."""
+
+    def __init__(self, spec: WorkerSpec, envs: list[dict[str, str]], attempt_dir: Path):
+        self.spec = spec
+        self.workers: list[_Worker] = []
+        self.attempt_dir = attempt_dir
+        for env in envs:
+            self.workers.append(self._start(env))
+
+    def _start(self, env: dict[str, str]) -> _Worker:
+        local_rank = int(env["LOCAL_RANK"])
+        rank_dir = self.attempt_dir / str(local_rank)
+        rank_dir.mkdir(parents=True, exist_ok=True)
+        error_file = rank_dir / "error.json"
+        if error_file.exists():
+            error_file.unlink()
+        full_env = {**os.environ, **env, "TORCHELASTIC_ERROR_FILE": str(error_file)}
+        redirect = self.spec.redirects.get(local_rank, 0)
+        tee = self.spec.tee.get(local_rank, 0)
+        shown = self.spec.local_ranks_filter is None or local_rank in self.spec.local_ranks_filter
+        files: list[IO] = []
+        streams = {}
+        for bit, name, console in ((1, "stdout", sys.stdout), (2, "stderr", sys.stderr)):
+            to_file = bool((redirect | tee) & bit) and self.spec.log_dir is not None
+            to_console = shown and (not (redirect & bit) or bool(tee & bit))
+            if to_file or not to_console:
+                streams[name] = (subprocess.PIPE, to_file, to_console, console, rank_dir / f"{name}.log")
+            else:
+                streams[name] = (None, False, True, console, None)
+        command = self.spec.command()
+        if sys.platform.startswith("linux"):
+            command = [sys.executable, "-m", "etc_agent.agent._exec_with_parent", str(os.getpid()), *command]
+        proc = subprocess.Popen(
+            command,
+            env=full_env,
+            stdout=streams["stdout"][0],
+            stderr=streams["stderr"][0],
+            start_new_session=True,  # its own process group: stopping it stops its children too
+        )
+        worker = _Worker(local_rank, int(env["RANK"]), proc, error_file, files=files)
+        for name, (pipe, to_file, to_console, console, path) in streams.items():
+            if pipe is None:
+                continue
+            sink = open(path, "w") if to_file else None
+            if sink:
+                files.append(sink)
+            prefix = f"[{self.spec.role}{env['RANK']}]:"
+            thread = threading.Thread(
+                target=_pump, args=(getattr(proc, name), sink, console if to_console else None, prefix), daemon=True
+            )
+            thread.start()
+            worker.pumps.append(thread)
+        return worker
+
+    def poll(self) -> dict[int, int | None]:
+        """Local rank -> exit code (None while running)."""
+        return {w.local_rank: w.proc.poll() for w in self.workers}
+
+    def pids(self) -> dict[int, int]:
+        return {w.local_rank: w.proc.pid for w in self.workers}
+
+    def stop(self, timeout_s: float, sig: int = signal.SIGTERM) -> None:
+        """Signal every worker's process group, wait up to ``timeout_s``, then SIGKILL what is left."""
+        for w in self.workers:
+            if w.proc.poll() is None:
+                _signal_group(w.proc, sig)
+        deadline = time.monotonic() + timeout_s
+        for w in self.workers:
+            remaining = max(0.0, deadline - time.monotonic())
+            try:
+                w.proc.wait(timeout=remaining)
+            except subprocess.TimeoutExpired:
+                _signal_group(w.proc, signal.SIGKILL)
+                w.proc.wait(timeout=10)
+        self.close()
+
+    def close(self) -> None:
+        for w in self.workers:
+            for t in w.pumps:
+                t.join(timeout=2)
+            for f in w.files:
+                f.close()
+
+    def failure_summary(self, host: str) -> str:
+        """torchrun-style root-cause report of the workers that failed."""
+        lines = []
+        for w in self.workers:
+            code = w.proc.poll()
+            if code in (None, 0):
+                continue
+            message = ""
+            if w.error_file.exists():
+                try:
+                    data = json.loads(w.error_file.read_text())
+                    message = data.get("message", {}).get("message", "") if isinstance(data.get("message"), dict) else str(data.get("message", ""))
+                except (OSError, ValueError):
+                    message = f"(unreadable error file {w.error_file})"
+            reason = f"signal {-code} ({signal.Signals(-code).name})" if code < 0 else f"exit code {code}"
+            lines.append(f"  rank {w.global_rank} (local_rank {w.local_rank}) on {host}: {reason}"
+                         + (f"; error_file {w.error_file}: {message.splitlines()[0] if message else ''}" if w.error_file.exists() else ""))
+        return "\n".join(lines)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        try:
+            proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+
+def _pump(stream: IO[bytes], sink: IO | None, console: IO | None, prefix: str) -> None:
+    for raw in iter(stream.readline, b""):
+        line = raw.decode(errors="replace")
+        if sink is not None:
+            sink.write(line)
+            sink.flush()
+        if console is not None:
+            console.write(f"{prefix}{line}")
+            console.flush()
+    stream.close()

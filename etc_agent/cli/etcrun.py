@@ -1,0 +1,231 @@
+"""``etcrun``: a drop-in replacement for ``torchrun`` (same flags, names and defaults, plus ETC's own).
+
+    etcrun --nnodes 1:4 --nproc-per-node 8 --rdzv-backend etcd-v3 --rdzv-endpoint etcd:2379 \\
+           --rdzv-id job42 train.py --lr 3e-4
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+import sys
+import uuid
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from etc_agent.agent.agent import Agent, AgentConfig, install_signal_handlers
+from etc_agent.agent.workers import WorkerSpec, parse_std_spec
+from etc_agent.rendezvous.embedded import EmbeddedStore, EmbeddedStoreServer
+from etc_agent.rendezvous.etcd import EtcdOptions, EtcdStore
+from etc_agent.rendezvous.store import StoreError
+
+ETCD_BACKENDS = {"etcd", "etcd-v2", "etcd-v3"}
+EMBEDDED_BACKENDS = {"embedded", "c10d", "static"}
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    lo, sep, hi = text.partition(":")
+    try:
+        low = int(lo)
+        high = int(hi) if sep else low
+    except ValueError:
+        raise ValueError(f"--nnodes {text!r}: expected N or MIN:MAX") from None
+    if low < 1 or high < low:
+        raise ValueError(f"--nnodes {text!r}: need 1 <= MIN <= MAX")
+    return low, high
+
+
+def parse_nproc(text: str) -> int:
+    if text in ("cpu", "auto"):
+        try:
+            import torch
+
+            if text == "auto" and torch.cuda.is_available():
+                return torch.cuda.device_count()
+        except ImportError:
+            pass
+        return os.cpu_count() or 1
+    if text == "gpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--nproc-per-node gpu: no CUDA device here")
+        return torch.cuda.device_count()
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"--nproc-per-node {text!r}: expected a positive integer, auto, cpu or gpu")
+    return int(text)
+
+
+def parse_rdzv_conf(text: str) -> dict[str, str]:
+    out = {}
+    for item in (s.strip() for s in text.split(",")):
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--rdzv-conf item {item!r}: expected key=value")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _is_local(host: str) -> bool:
+    if host in ("localhost", "127.0.0.1", "::1", "0.0.0.0", ""):
+        return True
+    try:
+        names = {socket.gethostname(), socket.getfqdn()}
+        addrs = {info[4][0] for name in names for info in socket.getaddrinfo(name, None)}
+        return host in names or host in addrs or socket.gethostbyname(host) in addrs
+    except OSError:
+        return False
+
+
+def open_store(backend: str, endpoint: str, run_id: str, host_store: bool | None, etcd: EtcdOptions | None, wait_s: float):
+    """The membership store for this agent (and, for the embedded backend, the server when we host it)."""
+    if backend in ETCD_BACKENDS:
+        assert etcd is not None
+        return EtcdStore(etcd, run_id), None
+    host, _, port = endpoint.rpartition(":")
+    if host_store is None:
+        host_store = _is_local(host)
+    server = None
+    if host_store:
+        try:
+            server = EmbeddedStoreServer(host if host not in ("", "localhost") else "127.0.0.1", int(port))
+        except OSError as err:
+            if err.errno != errno.EADDRINUSE:
+                raise
+            server = None  # another local agent hosts it (torchrun's c10d does the same)
+    return EmbeddedStore(endpoint, run_id, connect_timeout_s=wait_s), server
+
+
+@app.command(
+    context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]},
+    help="Launch a training script on this node like torchrun, with live re-configuration when nodes come and go.",
+)
+def etcrun(
+    training_script: Annotated[str, typer.Argument(help="Script to run (or module with -m, executable with --no-python).")],
+    training_script_args: Annotated[Optional[list[str]], typer.Argument(help="Arguments for the script.")] = None,
+    nnodes: Annotated[str, typer.Option("--nnodes", help="Number of nodes, or MIN:MAX for an elastic job.")] = "1:1",
+    nproc_per_node: Annotated[str, typer.Option("--nproc-per-node", "--nproc_per_node", help="Workers per node: N, auto, cpu or gpu.")] = "1",
+    rdzv_backend: Annotated[str, typer.Option("--rdzv-backend", "--rdzv_backend", help="etcd-v3 (etcd), or embedded (c10d, static): a store hosted by one agent.")] = "static",
+    rdzv_endpoint: Annotated[str, typer.Option("--rdzv-endpoint", "--rdzv_endpoint", help="host:port of etcd or of the embedded store.")] = "",
+    rdzv_id: Annotated[str, typer.Option("--rdzv-id", "--rdzv_id", help="Job id shared by all nodes.")] = "none",
+    rdzv_conf: Annotated[str, typer.Option("--rdzv-conf", "--rdzv_conf", help="key=value,...: join_timeout, lease_ttl, is_host.")] = "",
+    standalone: Annotated[bool, typer.Option("--standalone", help="One node, embedded store on a free local port, random run id.")] = False,
+    max_restarts: Annotated[int, typer.Option("--max-restarts", "--max_restarts", help="Worker-failure restarts before the job fails.")] = 0,
+    monitor_interval: Annotated[float, typer.Option("--monitor-interval", "--monitor_interval", help="Seconds between worker checks.")] = 0.1,
+    start_method: Annotated[str, typer.Option("--start-method", "--start_method", help="Accepted for compatibility; workers are always separate processes.")] = "spawn",
+    role: Annotated[str, typer.Option("--role", help="Worker role name (ROLE_NAME).")] = "default",
+    module: Annotated[bool, typer.Option("-m", "--module", help="Run the script as a Python module.")] = False,
+    no_python: Annotated[bool, typer.Option("--no-python", "--no_python", help="Run the script directly, not through python.")] = False,
+    run_path: Annotated[bool, typer.Option("--run-path", "--run_path", help="Run the script as a path (the default way here).")] = False,
+    log_dir: Annotated[Optional[Path], typer.Option("--log-dir", "--log_dir", help="Directory for worker logs and error files.")] = None,
+    redirects: Annotated[str, typer.Option("-r", "--redirects", help="Workers' std streams to files in --log-dir: 0-3 or rank:value,...")] = "0",
+    tee: Annotated[str, typer.Option("-t", "--tee", help="Like --redirects but also to the console.")] = "0",
+    local_ranks_filter: Annotated[str, typer.Option("--local-ranks-filter", "--local_ranks_filter", help="Only these local ranks' output on the console, e.g. 0,1.")] = "",
+    node_rank: Annotated[int, typer.Option("--node-rank", "--node_rank", help="This node's rank (static rendezvous; a position hint otherwise).")] = 0,
+    master_addr: Annotated[str, typer.Option("--master-addr", "--master_addr", help="Static rendezvous: address of node rank 0.")] = "127.0.0.1",
+    master_port: Annotated[int, typer.Option("--master-port", "--master_port", help="Static rendezvous: port on node rank 0.")] = 29500,
+    local_addr: Annotated[Optional[str], typer.Option("--local-addr", "--local_addr", help="Address other nodes use to reach this node.")] = None,
+    shutdown_timeout: Annotated[Optional[int], typer.Option("--shutdown-timeout", "--shutdown_timeout", help="Seconds between SIGTERM and SIGKILL for workers (default 30).")] = None,
+    parallel: Annotated[Optional[str], typer.Option("--parallel", help="Initial parallel config (tp=..,pp=..,dp=..) or auto, for worker-API scripts.")] = None,
+    model: Annotated[Optional[Path], typer.Option("--model", help="Model spec YAML for the --parallel auto policy.")] = None,
+    etcd_ca_cert: Annotated[Optional[str], typer.Option("--etcd-ca-cert", help="CA bundle for etcd TLS.")] = None,
+    etcd_cert: Annotated[Optional[str], typer.Option("--etcd-cert", help="Client certificate for etcd mutual TLS.")] = None,
+    etcd_key: Annotated[Optional[str], typer.Option("--etcd-key", help="Client key for etcd mutual TLS.")] = None,
+    etcd_user: Annotated[Optional[str], typer.Option("--etcd-user", help="etcd user name.")] = None,
+    etcd_password: Annotated[Optional[str], typer.Option("--etcd-password", help="etcd password (or ETC_AGENT_ETCD_PASSWORD).", envvar="ETC_AGENT_ETCD_PASSWORD")] = None,
+    reconfig_delay: Annotated[float, typer.Option("--reconfig-delay", help="Seconds of quiet that close one generation's membership changes.")] = 1.0,
+    lease_ttl: Annotated[float, typer.Option("--lease-ttl", help="Seconds after which a silent node counts as dead.")] = 5.0,
+    log_format: Annotated[str, typer.Option("--log-format", help="text or json (one JSON line per agent event).")] = "text",
+) -> None:
+    low, high = parse_nnodes(nnodes)
+    nproc = parse_nproc(nproc_per_node)
+    conf = parse_rdzv_conf(rdzv_conf)
+    if module and no_python:
+        raise ValueError("-m/--module and --no-python cannot be used together")
+    if log_format not in ("text", "json"):
+        raise ValueError(f"--log-format {log_format!r}: use text or json")
+    if monitor_interval <= 0:
+        raise ValueError("--monitor-interval must be positive")
+    backend = rdzv_backend.strip().lower()
+    if backend not in ETCD_BACKENDS | EMBEDDED_BACKENDS:
+        raise ValueError(f"--rdzv-backend {rdzv_backend!r}: use etcd-v3 or embedded (c10d, static)")
+    run_id = rdzv_id
+    host_store: bool | None = None
+    if standalone:
+        low = high = 1
+        backend, run_id, host_store = "embedded", f"standalone-{uuid.uuid4().hex[:8]}", True
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            rdzv_endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    elif backend == "static":
+        rdzv_endpoint = f"{master_addr}:{master_port}"
+        host_store = node_rank == 0
+    elif not rdzv_endpoint:
+        raise ValueError(f"--rdzv-endpoint is required with --rdzv-backend {rdzv_backend}")
+    if "is_host" in conf:
+        host_store = conf["is_host"].lower() in ("1", "true", "yes")
+    shutdown = float(shutdown_timeout if shutdown_timeout is not None else os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30))
+    join_timeout = float(conf.get("join_timeout", 600))
+    etcd = None
+    if backend in ETCD_BACKENDS:
+        etcd = EtcdOptions(endpoint=rdzv_endpoint, ca_cert=etcd_ca_cert, cert_key=etcd_key, cert_cert=etcd_cert,
+                           user=etcd_user, password=etcd_password, timeout_s=float(conf.get("read_timeout", 5)))
+    filter_ranks = {int(r) for r in local_ranks_filter.split(",") if r.strip()} if local_ranks_filter.strip() else None
+    spec = WorkerSpec(
+        entrypoint=[training_script, *(training_script_args or [])],
+        module=module, no_python=no_python, role=role, log_dir=log_dir,
+        redirects=parse_std_spec(redirects, nproc), tee=parse_std_spec(tee, nproc), local_ranks_filter=filter_ranks,
+    )
+    if (any(spec.redirects.values()) or any(spec.tee.values())) and log_dir is None:
+        raise ValueError("--redirects/--tee need --log-dir")
+    config = AgentConfig(
+        run_id=run_id, min_nodes=low, max_nodes=high, nproc_per_node=nproc, max_restarts=max_restarts,
+        monitor_interval=monitor_interval, reconfig_delay=reconfig_delay, lease_ttl=float(conf.get("lease_ttl", lease_ttl)),
+        join_timeout=join_timeout, shutdown_timeout=shutdown, local_addr=local_addr or ("127.0.0.1" if standalone else None),
+        node_rank=node_rank if backend == "static" or "--node-rank" in sys.argv or "--node_rank" in sys.argv else None,
+        log_format=log_format,
+    )
+    if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = "1"
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s etcrun %(levelname)s %(message)s", stream=sys.stderr)
+    store, server = open_store(backend, rdzv_endpoint, run_id, host_store, etcd, wait_s=min(join_timeout, 60.0))
+    agent = Agent(config, spec, store)
+    install_signal_handlers(agent)
+    try:
+        code = agent.run()
+    finally:
+        store.close()
+        if server is not None:
+            server.stop()
+    raise typer.Exit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: one line and exit code 2 for bad flags or input."""
+    try:
+        result = app(args=argv, standalone_mode=False, prog_name="etcrun")
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        sys.exit(130)
+    except typer.TyperException as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":
+            sys.exit(2)
+        sys.stderr.write(f"etcrun: error: {exc.format_message() if hasattr(exc, 'format_message') else exc}\n")
+        sys.exit(2)
+    except (ValueError, StoreError, TimeoutError) as exc:
+        sys.stderr.write(f"etcrun: error: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}\n")
+        sys.exit(2)
+    sys.exit(result if isinstance(result, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

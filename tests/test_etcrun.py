@@ -1,0 +1,258 @@
+"""``etcrun`` end to end: several agents on one machine, over a real etcd and over the embedded store."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+from conftest import ROOT, _free_port
+
+from etc_agent.rendezvous.etcd import EtcdOptions, EtcdStore
+from etc_agent.rendezvous.records import GenerationRecord
+
+SCRIPTS = ROOT / "tests" / "scripts"
+# gloo picks its interface from the host name, which need not resolve to loopback in a sandbox.
+LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo"}
+COMPARED = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+            "ROLE_WORLD_SIZE", "ROLE_NAME", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+            "TORCHELASTIC_USE_AGENT_STORE", "OMP_NUM_THREADS", "TORCH_NCCL_ASYNC_ERROR_HANDLING"]
+
+
+def launch(*args: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "etc_agent.cli.etcrun", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, env={**os.environ, **LOOPBACK, **(env or {})},
+    )
+
+
+def finish(procs: list[subprocess.Popen], timeout: float = 120) -> list[tuple[int, str]]:
+    out = []
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            text, _ = p.communicate(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            text, _ = p.communicate()
+            raise AssertionError(f"agent did not finish within {timeout} s:\n{text[-3000:]}")
+        out.append((p.returncode, text))
+    return out
+
+
+def rdzv_args(backend: str, request, run_id: str) -> list[str]:
+    if backend == "etcd":
+        server = request.getfixturevalue("etcd_server")
+        return ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", server.endpoint, "--rdzv-id", run_id]
+    return ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", run_id]
+
+
+def read_env(out_dir) -> dict[int, dict]:
+    return {int(p.stem): json.loads(p.read_text()) for p in out_dir.glob("*.json")}
+
+
+@pytest.mark.parametrize("backend", ["etcd", "embedded"])
+def test_two_agents_run_a_ddp_script(backend, request, tmp_path):
+    rdzv = rdzv_args(backend, request, f"ddp-{uuid.uuid4().hex[:6]}")
+    # --max-restarts: gloo's teardown aborted a worker now and then on this machine (under torchrun too);
+    # a restart then reruns the job, which must still end with every rank done.
+    common = ["--nnodes", "2", "--nproc-per-node", "2", *rdzv, "--local-addr", "127.0.0.1", "--reconfig-delay", "0.3",
+              "--max-restarts", "2"]
+    procs = [launch(*common, str(SCRIPTS / "env_dump.py"), str(tmp_path)) for _ in range(2)]
+    outputs = finish(procs)
+    for code, text in outputs:
+        assert code == 0, text[-3000:]
+    env = read_env(tmp_path)
+    assert sorted(env) == [0, 1, 2, 3], "\n----\n".join(text[-2000:] for _, text in outputs)
+    for rank, e in env.items():
+        assert e["dist_rank"] == rank and e["dist_world_size"] == 4 and e["WORLD_SIZE"] == "4"
+        assert int(e["RANK"]) == int(e["GROUP_RANK"]) * 2 + int(e["LOCAL_RANK"])
+        assert e["GROUP_WORLD_SIZE"] == "2" and e["LOCAL_WORLD_SIZE"] == "2" and e["OMP_NUM_THREADS"] == "1"
+
+
+def test_environment_matches_torchrun(tmp_path):
+    """Same job under torchrun (c10d) and etcrun (embedded, c10d flags): the same values per rank.
+
+    One node of two workers that only record their environment (two torchrun agents with gloo workers
+    hung now and then on this machine); multi-agent values are checked against the launch rules above."""
+    results = {}
+    for launcher in ("torchrun", "etcrun"):
+        out = tmp_path / launcher
+        out.mkdir()
+        port = _free_port()
+        args = ["--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                "--rdzv-id", "cmp", "--max-restarts", "1"]
+        if launcher == "torchrun":
+            cmd = [sys.executable, "-m", "torch.distributed.run", *args, str(SCRIPTS / "env_dump.py"), str(out), "--no-dist"]
+            procs = [
+                subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **LOOPBACK})
+            ]
+        else:
+            procs = [launch(*args, "--reconfig-delay", "0.3", str(SCRIPTS / "env_dump.py"), str(out), "--no-dist", env=LOOPBACK)]
+        for code, text in finish(procs):
+            assert code == 0, f"{launcher}: {text[-3000:]}"
+        results[launcher] = read_env(out)
+    assert sorted(results["torchrun"]) == sorted(results["etcrun"]) == [0, 1]
+    for rank in range(2):
+        theirs, ours = results["torchrun"][rank], results["etcrun"][rank]
+        assert {k: theirs[k] for k in COMPARED} == {k: ours[k] for k in COMPARED}, rank
+        for key in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE"):
+            assert ours[key], key
+        assert ours["TORCHELASTIC_ERROR_FILE"].endswith(f"/{ours['LOCAL_RANK']}/error.json")
+
+
+class Job:
+    """Agents of one run on the test's etcd, with a store view to watch generations."""
+
+    def __init__(self, etcd_server, tmp_path, nnodes="1:4", extra=()):
+        self.run_id = f"job-{uuid.uuid4().hex[:6]}"
+        self.store = EtcdStore(EtcdOptions(endpoint=etcd_server.endpoint), self.run_id)
+        self.out = tmp_path
+        self.args = ["--nnodes", nnodes, "--nproc-per-node", "2", "--rdzv-backend", "etcd-v3", "--rdzv-endpoint",
+                     etcd_server.endpoint, "--rdzv-id", self.run_id, "--local-addr", "127.0.0.1", "--reconfig-delay", "0.5",
+                     "--lease-ttl", "2", *extra]
+        self.agents: list[subprocess.Popen] = []
+
+    def add_agent(self, script_args=("60",)) -> subprocess.Popen:
+        p = launch(*self.args, str(SCRIPTS / "sleeper.py"), str(self.out), *script_args)
+        self.agents.append(p)
+        return p
+
+    def generation(self) -> GenerationRecord | None:
+        kv = self.store.get("generation")
+        return GenerationRecord.loads(kv.value) if kv else None
+
+    def wait_for(self, predicate, timeout: float, what: str) -> GenerationRecord:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            gen = self.generation()
+            if gen is not None and predicate(gen):
+                return gen
+            time.sleep(0.05)
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}; last generation: {self.generation()}")
+
+    def wait_for_workers(self, generation: int, world: int, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if len(list(self.out.glob(f"gen{generation}_rank*.json"))) == world:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"workers of generation {generation} did not all start")
+
+    def num_nodes(self) -> int:
+        return len(self.store.get_prefix("nodes/"))
+
+    def close(self) -> None:
+        for p in self.agents:
+            if p.poll() is None:
+                p.kill()
+            p.communicate(timeout=30)
+        self.store.close()
+
+
+@pytest.fixture
+def job(etcd_server, tmp_path):
+    jobs = []
+
+    def make(**kw):
+        j = Job(etcd_server, tmp_path, **kw)
+        jobs.append(j)
+        return j
+
+    yield make
+    for j in jobs:
+        j.close()
+
+
+def test_join_leave_and_kill_produce_new_generations(job):
+    j = job()
+    j.add_agent()
+    j.add_agent()
+    first = j.wait_for(lambda g: g.status == "running" and g.world_size == 4, 60, "two agents running")
+    j.wait_for_workers(first.number, 4)
+
+    # A third agent joins: generation g+1 with world 6 within reconfig-delay + 2 s of its registration.
+    j.add_agent()
+    deadline = time.monotonic() + 60
+    while j.num_nodes() < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    registered = time.monotonic()
+    grown = j.wait_for(lambda g: g.world_size == 6 and g.status == "running", 30, "world of 6")
+    assert time.monotonic() - registered <= 0.5 + 2.0
+    assert grown.number == first.number + 1 and len(grown.members) == 3
+    j.wait_for_workers(grown.number, 6)
+
+    # SIGTERM: planned departure, a generation without that agent.
+    leaving = j.agents[1]
+    leaving.send_signal(signal.SIGTERM)
+    shrunk = j.wait_for(lambda g: g.number > grown.number and g.world_size == 4, 30, "generation without the SIGTERM'd agent")
+    assert leaving.wait(timeout=30) == 0
+    assert len(shrunk.members) == 2
+    j.wait_for_workers(shrunk.number, 4)
+
+    # kill -9: the lease lapses; detected within TTL + 1 s, then a generation without it.
+    victim = j.agents[2]
+    victim.kill()
+    killed = time.monotonic()
+    while j.num_nodes() > 1 and time.monotonic() - killed < 10:
+        time.sleep(0.05)
+    assert j.num_nodes() == 1 and time.monotonic() - killed <= 2.0 + 1.0
+    final = j.wait_for(lambda g: g.number > shrunk.number and g.world_size == 2, 30, "generation after the kill")
+    assert len(final.members) == 1
+    # Workers were restarted with the new ranks every time (compat mode).
+    j.wait_for_workers(final.number, 2)
+    worlds = {json.loads(p.read_text())["WORLD_SIZE"] for p in j.out.glob("gen*_rank*.json")}
+    assert worlds == {"4", "6", "2"}
+
+
+def test_compat_mode_restarts_failed_workers_and_counts(job):
+    j = job(nnodes="1", extra=("--max-restarts", "2"))
+    agent = j.add_agent(script_args=("0.5", "2"))  # fails on attempts 0 and 1, succeeds on restart 2
+    (code, text), = finish([agent], timeout=90)
+    assert code == 0, text[-3000:]
+    counts = sorted({json.loads(p.read_text())["TORCHELASTIC_RESTART_COUNT"] for p in j.out.glob("gen*_rank*.json")})
+    assert counts == ["0", "1", "2"]
+    assert "worker failure" in text
+
+
+def test_compat_mode_gives_up_after_max_restarts(job):
+    j = job(nnodes="1", extra=("--max-restarts", "1"))
+    agent = j.add_agent(script_args=("0.5", "5"))
+    (code, text), = finish([agent], timeout=90)
+    assert code == 1, text[-3000:]
+    assert "job_failed" in text and "1/1 restarts used" in text
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--nnodes", "3:1", "x.py"], "--nnodes '3:1'"),
+        (["--nproc-per-node", "zero", "x.py"], "--nproc-per-node 'zero'"),
+        (["--rdzv-backend", "zookeeper", "--rdzv-endpoint", "h:1", "x.py"], "--rdzv-backend 'zookeeper'"),
+        (["--rdzv-backend", "etcd-v3", "x.py"], "--rdzv-endpoint is required"),
+        (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "x", "x.py"], "cannot reach etcd"),
+        (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--etcd-ca-cert", "/nope.pem", "x.py"], "not found"),
+        (["--standalone", "-r", "3", "x.py"], "--redirects/--tee need --log-dir"),
+        (["--no-such-flag", "x.py"], "No such option"),
+    ],
+)
+def test_bad_flags_are_one_line_and_exit_2(args, message):
+    p = subprocess.run([sys.executable, "-m", "etc_agent.cli.etcrun", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stderr
+    lines = [l for l in p.stderr.strip().splitlines() if l]
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in p.stderr, p.stderr
+
+
+def test_help_lists_torchrun_flags():
+    p = subprocess.run([sys.executable, "-m", "etc_agent.cli.etcrun", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0
+    for flag in ("--nnodes", "--nproc-per-node", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf", "--standalone",
+                 "--max-restarts", "--monitor-interval", "--start-method", "--role", "--module", "--no-python", "--run-path",
+                 "--log-dir", "--redirects", "--tee", "--local-ranks-filter", "--node-rank", "--master-addr", "--master-port",
+                 "--local-addr", "--shutdown-timeout", "--parallel", "--model", "--reconfig-delay", "--etcd-ca-cert"):
+        assert flag in p.stdout, flag
