@@ -256,3 +256,20 @@ def test_help_lists_torchrun_flags():
                  "--log-dir", "--redirects", "--tee", "--local-ranks-filter", "--node-rank", "--master-addr", "--master-port",
                  "--local-addr", "--shutdown-timeout", "--parallel", "--model", "--reconfig-delay", "--etcd-ca-cert"):
         assert flag in p.stdout, flag
+
+
+def test_status_shows_members_and_generation(job):
+    j = job()
+    j.add_agent()
+    j.add_agent()
+    gen = j.wait_for(lambda g: g.status == "running" and g.world_size == 4, 60, "two agents running")
+    endpoint = j.args[j.args.index("--rdzv-endpoint") + 1]
+    p = subprocess.run([sys.executable, "-m", "etc_agent.cli.main", "status", "--rdzv-endpoint", endpoint, "--rdzv-id", j.run_id, "--json"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    data = json.loads(p.stdout)
+    assert data["generation"]["number"] == gen.number and data["generation"]["members"] == gen.members
+    assert len(data["nodes"]) == 2 and data["leader"] in gen.members
+    p = subprocess.run([sys.executable, "-m", "etc_agent.cli.main", "status", "--rdzv-endpoint", endpoint, "--rdzv-id", j.run_id],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert f"generation {gen.number} running, world size 4" in p.stdout and "leader" in p.stdout

@@ -13,6 +13,7 @@ from rich.console import Console
 from etc_agent.layout.config import ParallelConfig
 from etc_agent.layout.devices import Device, DeviceSet
 from etc_agent.layout.model import ModelSpec
+from etc_agent.rendezvous.store import StoreError
 
 app = typer.Typer(
     name="etc-agent",
@@ -153,6 +154,81 @@ def plan(
         console.print(f"heatmap written to {plot}")
 
 
+@app.command()
+def status(
+    rdzv_endpoint: Annotated[str, typer.Option("--rdzv-endpoint", help="host:port of etcd or of the embedded store.")],
+    rdzv_id: Annotated[str, typer.Option("--rdzv-id", help="Job id.")],
+    rdzv_backend: Annotated[str, typer.Option("--rdzv-backend", help="etcd-v3 or embedded.")] = "etcd-v3",
+    json_out: Annotated[bool, typer.Option("--json", help="One JSON object instead of tables.")] = False,
+    etcd_ca_cert: Annotated[Optional[str], typer.Option("--etcd-ca-cert")] = None,
+    etcd_cert: Annotated[Optional[str], typer.Option("--etcd-cert")] = None,
+    etcd_key: Annotated[Optional[str], typer.Option("--etcd-key")] = None,
+    etcd_user: Annotated[Optional[str], typer.Option("--etcd-user")] = None,
+    etcd_password: Annotated[Optional[str], typer.Option("--etcd-password", envvar="ETC_AGENT_ETCD_PASSWORD")] = None,
+) -> None:
+    """Show a job's members, leader, generation and worker status from the membership store."""
+    from rich.table import Table
+
+    from etc_agent.rendezvous.embedded import EmbeddedStore
+    from etc_agent.rendezvous.etcd import EtcdOptions, EtcdStore
+    from etc_agent.rendezvous.records import GenerationRecord, LeaderRecord, NodeRecord, NodeStatus
+
+    backend = rdzv_backend.lower()
+    if backend in ("etcd", "etcd-v2", "etcd-v3"):
+        store = EtcdStore(
+            EtcdOptions(endpoint=rdzv_endpoint, ca_cert=etcd_ca_cert, cert_key=etcd_key, cert_cert=etcd_cert, user=etcd_user, password=etcd_password),
+            rdzv_id,
+        )
+    elif backend in ("embedded", "c10d", "static"):
+        store = EmbeddedStore(rdzv_endpoint, rdzv_id)
+    else:
+        raise UserError(f"--rdzv-backend {rdzv_backend!r}: use etcd-v3 or embedded")
+    with store:
+        nodes, rejected = [], []
+        for kv in store.get_prefix("nodes/"):
+            try:
+                nodes.append(NodeRecord.loads(kv.value))
+            except ValueError as err:
+                rejected.append({"key": kv.key, "reason": str(err)})
+        leader_kv = store.get("leader")
+        gen_kv = store.get("generation")
+        leader = LeaderRecord.loads(leader_kv.value).node_id if leader_kv else None
+        generation = GenerationRecord.loads(gen_kv.value) if gen_kv else None
+        statuses = {}
+        if generation is not None:
+            for kv in store.get_prefix(f"generations/{generation.number}/status/"):
+                statuses[kv.key.rsplit("/", 1)[-1]] = NodeStatus.loads(kv.value)
+    data = {
+        "run_id": rdzv_id,
+        "leader": leader,
+        "nodes": [n.model_dump() for n in nodes],
+        "generation": generation.model_dump() if generation else None,
+        "status": {k: v.model_dump() for k, v in statuses.items()},
+        "rejected": rejected,
+    }
+    if json_out:
+        sys.stdout.write(json.dumps(data) + "\n")
+        return
+    console = Console()
+    if generation is None:
+        console.print(f"run {rdzv_id}: no generation yet ({len(nodes)} nodes registered)")
+    else:
+        console.print(
+            f"run {rdzv_id}: generation {generation.number} {generation.status}, world size {generation.world_size}, "
+            f"restarts {generation.restart_count}; {generation.reason}"
+        )
+    table = Table(title="members", header_style="bold")
+    for col in ("node", "host", "devices", "group rank", "role", "workers"):
+        table.add_column(col)
+    members = generation.members if generation else []
+    for n in nodes:
+        rank = str(members.index(n.node_id)) if n.node_id in members else "-"
+        role = "leader" if n.node_id == leader else ("leaving" if n.leaving else "")
+        state = statuses[n.node_id].state if n.node_id in statuses else ("spare" if rank == "-" else "")
+        table.add_row(n.node_id, n.host, str(n.num_devices), rank, role, state)
+    console.print(table)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: user mistakes become one line on stderr and exit code 2."""
     try:
@@ -168,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
         message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
         sys.stderr.write(f"error: {message}\n")
         sys.exit(2)
-    except (UserError, ValueError) as exc:
+    except (UserError, ValueError, StoreError) as exc:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         sys.stderr.write(f"error: {message}\n")
         sys.exit(2)
