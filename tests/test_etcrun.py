@@ -273,3 +273,20 @@ def test_status_shows_members_and_generation(job):
     p = subprocess.run([sys.executable, "-m", "etc_agent.cli.main", "status", "--rdzv-endpoint", endpoint, "--rdzv-id", j.run_id],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert f"generation {gen.number} running, world size 4" in p.stdout and "leader" in p.stdout
+
+
+def test_plain_torchrun_gains_an_etcd_v3_backend(etcd_server, tmp_path):
+    """Unmodified torchrun with --rdzv-backend etcd-v3 (this package's torchrun.handlers plugin)."""
+    args = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_server.endpoint,
+            "--rdzv-id", f"tr-{uuid.uuid4().hex[:6]}", "--rdzv-conf", "last_call_timeout=1"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *args, str(SCRIPTS / "env_dump.py"), str(tmp_path), "--no-dist"]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **LOOPBACK})
+             for _ in range(2)]
+    for code, text in finish(procs, timeout=120):
+        assert code == 0, text[-3000:]
+    env = read_env(tmp_path)
+    assert sorted(env) == [0, 1, 2, 3]
+    assert {e["GROUP_RANK"] for e in env.values()} == {"0", "1"} and {e["WORLD_SIZE"] for e in env.values()} == {"4"}
+    store = EtcdStore(EtcdOptions(endpoint=etcd_server.endpoint), env[0]["TORCHELASTIC_RUN_ID"])
+    assert store.get("torch/rendezvous/state") is not None  # the state lived in etcd v3, under our prefix
+    store.close()
