@@ -76,7 +76,7 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
     assert out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr
     lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], out.stderr
+    assert len(lines) == 1 and lines[0].startswith("etc-agent: error: ") and message in lines[0], out.stderr
 
 
 def test_etc_agent_console_script_is_installed():

@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 from conftest import MODELS, ROOT
 from hypothesis import HealthCheck, given, settings

@@ -18,6 +18,7 @@ from typing import Annotated, Optional
 import typer
 
 from etc_agent.agent.agent import Agent, AgentConfig, install_signal_handlers
+from etc_agent.cli._entry import run_app
 from etc_agent.agent.workers import WorkerSpec, parse_std_spec
 from etc_agent.rendezvous.embedded import EmbeddedStore, EmbeddedStoreServer
 from etc_agent.rendezvous.etcd import EtcdOptions, EtcdStore
@@ -210,21 +211,7 @@ def etcrun(
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: one line and exit code 2 for bad flags or input."""
-    try:
-        result = app(args=argv, standalone_mode=False, prog_name="etcrun")
-    except typer.Exit as exc:
-        sys.exit(exc.exit_code)
-    except typer.Abort:
-        sys.exit(130)
-    except typer.TyperException as exc:
-        if type(exc).__name__ == "NoArgsIsHelpError":
-            sys.exit(2)
-        sys.stderr.write(f"etcrun: error: {exc.format_message() if hasattr(exc, 'format_message') else exc}\n")
-        sys.exit(2)
-    except (ValueError, StoreError, TimeoutError) as exc:
-        sys.stderr.write(f"etcrun: error: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}\n")
-        sys.exit(2)
-    sys.exit(result if isinstance(result, int) else 0)
+    run_app(app, argv, "etcrun", (ValueError, StoreError, TimeoutError))
 
 
 if __name__ == "__main__":

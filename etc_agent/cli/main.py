@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from etc_agent.cli._entry import run_app
 from etc_agent.layout.config import ParallelConfig
 from etc_agent.layout.devices import Device, DeviceSet
 from etc_agent.layout.model import ModelSpec
@@ -231,24 +232,7 @@ def status(
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: user mistakes become one line on stderr and exit code 2."""
-    try:
-        result = app(args=argv, standalone_mode=False)
-    except typer.Exit as exc:
-        sys.exit(exc.exit_code)
-    except typer.Abort:
-        sys.stderr.write("aborted\n")
-        sys.exit(130)
-    except typer.TyperException as exc:
-        if type(exc).__name__ == "NoArgsIsHelpError":
-            sys.exit(2)
-        message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
-        sys.stderr.write(f"error: {message}\n")
-        sys.exit(2)
-    except (UserError, ValueError, StoreError) as exc:
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        sys.stderr.write(f"error: {message}\n")
-        sys.exit(2)
-    sys.exit(result if isinstance(result, int) else 0)
+    run_app(app, argv, "etc-agent", (UserError, ValueError, StoreError))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from etc_agent.layout.devices import format_ranges
 from etc_agent.planner.plan import MigrationPlan
 from etc_agent.planner.policy import PolicyDecision
 
@@ -99,23 +100,12 @@ def _node_table(plan: MigrationPlan, received: dict) -> Table:
         rs = ranks.get(node, [])
         table.add_row(
             node,
-            _ranges(sorted(rs)) or "idle",
+            format_ranges(sorted(rs)) or "idle",
             fmt_bytes(sum(plan.need_bytes[d] for d in devs)),
             fmt_bytes(sum(plan.resident_bytes[d] for d in devs)),
             fmt_bytes(sum(received[d] for d in devs)),
         )
     return table
-
-
-def _ranges(values: list[int]) -> str:
-    parts, i = [], 0
-    while i < len(values):
-        j = i
-        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
-            j += 1
-        parts.append(str(values[i]) if i == j else f"{values[i]}-{values[j]}")
-        i = j + 1
-    return ",".join(parts)
 
 
 def policy_table(decision: PolicyDecision, limit: int = 12) -> Table:

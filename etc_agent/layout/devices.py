@@ -87,7 +87,7 @@ class DeviceSet:
             if locals_ == list(range(len(locals_))):
                 parts.append(f"{node}:{len(locals_)}")
             else:
-                parts.append(f"{node}:[{_format_ranges(locals_)}]")
+                parts.append(f"{node}:[{format_ranges(locals_)}]")
         return ",".join(parts)
 
     def __str__(self) -> str:
@@ -124,7 +124,8 @@ def _parse_ranges(spec: str, text: str) -> list[int]:
     return out
 
 
-def _format_ranges(values: list[int]) -> str:
+def format_ranges(values: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``0-2,5``."""
     parts, i = [], 0
     while i < len(values):
         j = i

@@ -1,0 +1,28 @@
+"""How both CLIs end: user mistakes are one line on stderr and exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+
+def run_app(app: typer.Typer, argv: list[str] | None, prog: str, user_errors: tuple[type[BaseException], ...]) -> None:
+    try:
+        result = app(args=argv, standalone_mode=False, prog_name=prog)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        sys.stderr.write("aborted\n")
+        sys.exit(130)
+    except typer.TyperException as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":
+            sys.exit(2)
+        message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+        sys.stderr.write(f"{prog}: error: {message}\n")
+        sys.exit(2)
+    except user_errors as exc:
+        text = str(exc).strip()
+        sys.stderr.write(f"{prog}: error: {text.splitlines()[0] if text else type(exc).__name__}\n")
+        sys.exit(2)
+    sys.exit(result if isinstance(result, int) else 0)
