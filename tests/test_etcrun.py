@@ -290,3 +290,66 @@ def test_plain_torchrun_gains_an_etcd_v3_backend(etcd_server, tmp_path):
     store = EtcdStore(EtcdOptions(endpoint=etcd_server.endpoint), env[0]["TORCHELASTIC_RUN_ID"])
     assert store.get("torch/rendezvous/state") is not None  # the state lived in etcd v3, under our prefix
     store.close()
+
+
+def test_embedded_store_host_leaving_keeps_the_job_alive(tmp_path):
+    """SIGTERM to the agent hosting the embedded store: its workers leave, the store stays up."""
+    port = _free_port()
+    args = ["--nnodes", "1:3", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+            "--rdzv-id", "host-leaves", "--local-addr", "127.0.0.1", "--reconfig-delay", "0.3", "--lease-ttl", "2"]
+    host = launch(*args, "--rdzv-conf", "is_host=true", str(SCRIPTS / "sleeper.py"), str(tmp_path), "60")
+    time.sleep(3)
+    other = launch(*args, "--rdzv-conf", "is_host=false", str(SCRIPTS / "sleeper.py"), str(tmp_path), "60")
+    from etc_agent.rendezvous.embedded import EmbeddedStore
+
+    store = EmbeddedStore(f"127.0.0.1:{port}", "host-leaves", connect_timeout_s=10)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        kv = store.get("generation")
+        if kv and GenerationRecord.loads(kv.value).world_size == 2 and GenerationRecord.loads(kv.value).status == "running":
+            break
+        time.sleep(0.1)
+    before = GenerationRecord.loads(store.get("generation").value)
+    assert before.world_size == 2
+    host.send_signal(signal.SIGTERM)
+    while time.monotonic() < deadline:
+        gen = GenerationRecord.loads(store.get("generation").value)
+        if gen.number > before.number and gen.world_size == 1 and gen.status == "running":
+            break
+        time.sleep(0.1)
+    assert gen.world_size == 1 and len(gen.members) == 1
+    time.sleep(1)
+    assert host.poll() is None  # still serving the store
+    assert other.poll() is None  # and the remaining agent goes on
+    other.send_signal(signal.SIGTERM)
+    (code_other, _), (code_host, host_text) = finish([other, host], timeout=60)
+    assert code_other == 0 and code_host == 0
+    assert "store_host_staying" in host_text
+    store.close()
+
+
+def test_below_min_nodes_the_job_waits_then_resumes(job):
+    j = job(nnodes="2:3")
+    j.add_agent()
+    j.add_agent()
+    running = j.wait_for(lambda g: g.status == "running" and g.world_size == 4, 60, "two agents running")
+    j.agents[0].kill()
+    waiting = j.wait_for(lambda g: g.number > running.number and g.status == "waiting", 30, "waiting below MIN")
+    assert len(waiting.members) == 1
+    j.add_agent()
+    j.wait_for(lambda g: g.number > waiting.number and g.status == "running" and g.world_size == 4, 30, "running again")
+
+
+def test_json_logs_and_redirected_worker_output(tmp_path):
+    log_dir = tmp_path / "logs"
+    p = launch("--standalone", "--nproc-per-node", "2", "--log-format", "json", "--log-dir", str(log_dir), "-r", "0:1", "-t", "1:1",
+               str(SCRIPTS / "env_dump.py"), str(tmp_path), "--no-dist")
+    (code, text), = finish([p], timeout=60)
+    assert code == 0, text
+    events = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    assert {"registered", "generation_published", "workers_started", "workers_succeeded"} <= {e["event"] for e in events}
+    # rank 0's stdout went to its file only; rank 1's went to its file and to the console, prefixed.
+    stdout_files = sorted(log_dir.rglob("stdout.log"))
+    assert [f.parent.name for f in stdout_files] == ["0", "1"]
+    assert stdout_files[0].read_text() == "rank 0 done\n" and stdout_files[1].read_text() == "rank 1 done\n"
+    assert "[default1]:rank 1 done" in text and "rank 0 done" not in text

@@ -75,6 +75,8 @@ class Agent:
         self.restart_count = 0
         self.leaving = threading.Event()
         self.stop_requested = threading.Event()
+        self.hard_stop = threading.Event()
+        """Set by a second SIGTERM/SIGINT: stop everything now, the embedded store included."""
         self._wake = threading.Event()
         self._lease = None
         self._is_leader = False
@@ -431,10 +433,13 @@ class _Superseded(Exception):
 
 
 def install_signal_handlers(agent: Agent) -> None:
-    """SIGTERM: planned departure; SIGINT: the same (a second one kills workers at once)."""
+    """SIGTERM/SIGINT: planned departure; a second one: stop now (a store host stops serving too)."""
 
     def on_term(signum, frame):
         agent.emit("signal", {"signal": signal.Signals(signum).name})
+        if agent.leaving.is_set():
+            agent.hard_stop.set()
+            agent.stop_requested.set()
         agent.request_departure()
 
     signal.signal(signal.SIGTERM, on_term)

@@ -202,11 +202,32 @@ def etcrun(
     install_signal_handlers(agent)
     try:
         code = agent.run()
+        if server is not None and agent.leaving.is_set():
+            _keep_serving_store(store, agent)
     finally:
         store.close()
         if server is not None:
             server.stop()
     raise typer.Exit(code)
+
+
+def _keep_serving_store(store, agent: Agent) -> None:
+    """A departing agent that hosts the embedded store keeps serving it while other agents remain.
+
+    Its devices have left the job; the process stays until the others are gone, since they cannot
+    go on without the store. (Jobs where any node may leave at any time should use etcd.)
+    """
+    announced = False
+    while not agent.hard_stop.is_set():
+        others = [kv for kv in store.get_prefix("nodes/") if not kv.key.endswith(agent.node_id)]
+        if not others:
+            return
+        if not announced:
+            agent.emit("store_host_staying", {"other_agents": len(others),
+                                              "note": "this agent hosts the embedded store and serves it until the others leave; "
+                                                      "a second SIGTERM stops it now (use etcd to avoid this)"})
+            announced = True
+        agent.hard_stop.wait(1.0)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -25,6 +25,7 @@ def main() -> None:
     env = {k: os.environ.get(k) for k in KEYS}
     if "--no-dist" in sys.argv:
         write(out_dir, env)
+        print(f"rank {os.environ['RANK']} done", flush=True)
         return
     import torch
     import torch.distributed as dist
