@@ -353,3 +353,14 @@ def test_json_logs_and_redirected_worker_output(tmp_path):
     assert [f.parent.name for f in stdout_files] == ["0", "1"]
     assert stdout_files[0].read_text() == "rank 0 done\n" and stdout_files[1].read_text() == "rank 1 done\n"
     assert "[default1]:rank 1 done" in text and "rank 0 done" not in text
+
+
+def test_workers_reach_their_agent_over_the_control_channel(tmp_path):
+    p = launch("--standalone", "--nproc-per-node", "2", str(SCRIPTS / "ask_agent.py"), str(tmp_path))
+    (code, text), = finish([p], timeout=60)
+    assert code == 0, text
+    answers = read_env(tmp_path)
+    assert sorted(answers) == [0, 1]
+    for a in answers.values():
+        assert a["running"] == int(a["env_generation"]) == a["hello"]["generation"] and a["world_size"] == 2
+        assert a["node_id"] == a["hello"]["node_id"]

@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from etc_agent.agent.workers import WorkerGroup, WorkerSpec
 from etc_agent.rendezvous.records import GenerationRecord, LeaderRecord, MasterRecord, NodeRecord, NodeStatus
 from etc_agent.rendezvous.store import LeaseExpired, MembershipStore, StoreError, WatchEvent
+from etc_agent.utils.jsonline import JsonLineServer
 
 log = logging.getLogger("etc_agent.agent")
 
@@ -86,6 +87,8 @@ class Agent:
         self._run_dir = self._log_root / f"{config.run_id}_{self.node_id}"
         self._threads: list[threading.Thread] = []
         self._tcp_store = None
+        self._latest: GenerationRecord | None = None
+        self._worker_seen: dict[int, float] = {}
         self._watches = []
 
     # ---- logging --------------------------------------------------------------------
@@ -291,6 +294,7 @@ class Agent:
                 "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
                 "ETC_AGENT_GENERATION": str(gen.number),
                 "ETC_AGENT_NODE_ID": self.node_id,
+                "ETC_AGENT_ADDR": self._control.address,
             }
             if "OMP_NUM_THREADS" in os.environ:
                 env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
@@ -332,6 +336,7 @@ class Agent:
         # TCPStore. Not in a background thread: TCPStores made while torch was still importing in
         # another thread made workers abort ("terminate called without an active exception").
         import torch.distributed  # noqa: F401
+        self._control = JsonLineServer(self._on_control, "127.0.0.1", 0, name="etc-control")
         self._register()
         for target in (self._keepalive, self._elect):
             t = threading.Thread(target=target, name=f"etc-{target.__name__}", daemon=True)
@@ -348,10 +353,32 @@ class Agent:
                 w.cancel()
             for t in self._threads:
                 t.join(timeout=2)
+            self._control.stop()
             try:
                 self._lease.revoke()
             except StoreError:
                 pass
+
+    def _on_control(self, req: dict) -> dict:
+        """The control channel of this node's workers (``ETC_AGENT_ADDR``): JSON requests, JSON replies.
+
+        ``{"op": "hello", "local_rank": r, "pid": p}`` registers a worker; ``{"op": "generation"}``
+        returns the generation its workers run and the newest one in the store (they differ while a
+        new generation is pending); ``{"op": "heartbeat", "local_rank": r}`` marks a worker alive.
+        """
+        op = req.get("op")
+        if op in ("hello", "heartbeat"):
+            self._worker_seen[int(req["local_rank"])] = time.monotonic()
+            return {"node_id": self.node_id, "generation": self.generation.number if self.generation else None}
+        if op == "generation":
+            latest = self._latest
+            return {
+                "node_id": self.node_id,
+                "running": self.generation.model_dump() if self.generation else None,
+                "latest": latest.model_dump() if latest else None,
+                "leaving": self.leaving.is_set(),
+            }
+        raise ValueError(f"unknown control op {op!r}")
 
     def request_departure(self) -> None:
         """Planned departure (SIGTERM): leave the membership, let the others go on without us."""
@@ -363,6 +390,7 @@ class Agent:
             if self.leaving.is_set():
                 return self._depart()
             gen = self._read_generation()
+            self._latest = gen
             if gen and (self.generation is None or gen.number != self.generation.number):
                 code = self._on_generation(gen)
                 if code is not None:

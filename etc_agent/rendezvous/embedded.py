@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import collections
 import itertools
-import json
 import logging
-import socket
-import socketserver
 import threading
 import time
 from typing import Any, Callable
 
+from etc_agent.utils.jsonline import JsonLineError, JsonLineServer, parse_address, request
 from etc_agent.rendezvous.store import KeyValue, Lease, LeaseExpired, MembershipStore, StoreError, WatchEvent, WatchHandle
 
 log = logging.getLogger("etc_agent.rendezvous.embedded")
@@ -124,41 +122,16 @@ class _State:
                         self._delete(key)
 
 
-class _Handler(socketserver.StreamRequestHandler):
-    def handle(self) -> None:
-        state: _State = self.server.state  # type: ignore[attr-defined]
-        for line in self.rfile:
-            try:
-                reply = state.handle(json.loads(line))
-            except Exception as err:  # noqa: BLE001 - reported to the client
-                reply = {"error": f"{type(err).__name__}: {err}"}
-            try:
-                self.wfile.write((json.dumps(reply) + "\n").encode())
-                self.wfile.flush()
-            except OSError:
-                return
-
-
-class _Server(socketserver.ThreadingTCPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
-
 class EmbeddedStoreServer:
     """The store process-side: serve on ``host:port`` (port 0 picks a free one) until :meth:`stop`."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0):
         self.state = _State()
-        self.server = _Server((host, port), _Handler)
-        self.server.state = self.state  # type: ignore[attr-defined]
-        self.host, self.port = self.server.server_address[:2]
+        self.server = JsonLineServer(self.state.handle, host, port, name="etc-store")
+        self.host, self.port = self.server.host, self.server.port
         self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1}, name="etc-store", daemon=True),
-            threading.Thread(target=self._reaper, name="etc-store-reaper", daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
+        self._reaper_thread = threading.Thread(target=self._reaper, name="etc-store-reaper", daemon=True)
+        self._reaper_thread.start()
 
     @property
     def endpoint(self) -> str:
@@ -170,8 +143,7 @@ class EmbeddedStoreServer:
 
     def stop(self) -> None:
         self._stop.set()
-        self.server.shutdown()
-        self.server.server_close()
+        self.server.stop()
 
 
 class _EmbeddedLease(Lease):
@@ -225,10 +197,7 @@ class EmbeddedStore(MembershipStore):
 
     def __init__(self, endpoint: str, run_id: str, timeout_s: float = 5.0, connect_timeout_s: float = 0.0):
         super().__init__(run_id)
-        host, sep, port = endpoint.rpartition(":")
-        if not sep or not port.isdigit():
-            raise ValueError(f"bad store endpoint {endpoint!r}: expected host:port")
-        self.address = (host or "127.0.0.1", int(port))
+        self.address = parse_address(endpoint)
         self.timeout_s = timeout_s
         self._watches: list[_EmbeddedWatch] = []
         deadline = time.monotonic() + connect_timeout_s
@@ -243,22 +212,9 @@ class EmbeddedStore(MembershipStore):
 
     def _request(self, req: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         try:
-            with socket.create_connection(self.address, timeout=timeout or self.timeout_s) as sock:
-                sock.sendall((json.dumps(req) + "\n").encode())
-                data = b""
-                while not data.endswith(b"\n"):
-                    chunk = sock.recv(1 << 16)
-                    if not chunk:
-                        break
-                    data += chunk
-        except OSError as err:
-            raise StoreError(f"cannot reach the embedded store at {self.address[0]}:{self.address[1]}: {err}") from err
-        if not data:
-            raise StoreError(f"the embedded store at {self.address[0]}:{self.address[1]} closed the connection")
-        reply = json.loads(data)
-        if "error" in reply:
-            raise StoreError(f"embedded store: {reply['error']}")
-        return reply
+            return request(self.address, req, timeout or self.timeout_s)
+        except JsonLineError as err:
+            raise StoreError(f"embedded store at {self.address[0]}:{self.address[1]}: {err}") from err
 
     def get(self, key: str) -> KeyValue | None:
         kv = self._request({"op": "get", "key": self.full_key(key)})["kv"]

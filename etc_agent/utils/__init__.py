@@ -1,0 +1,1 @@
+"""Small shared pieces with no dependency on the rest of the package."""

@@ -1,0 +1,85 @@
+"""A tiny request/reply protocol over TCP: one JSON object per line each way.
+
+Used by the embedded membership store and by the agent's control channel to its workers.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import socketserver
+import threading
+from typing import Any, Callable
+
+Handler = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+class _RequestHandler(socketserver.StreamRequestHandler):
+    def handle(self) -> None:
+        handler: Handler = self.server.handler  # type: ignore[attr-defined]
+        for line in self.rfile:
+            try:
+                reply = handler(json.loads(line))
+            except Exception as err:  # noqa: BLE001 - reported to the client, never kills the server
+                reply = {"error": f"{type(err).__name__}: {err}"}
+            try:
+                self.wfile.write((json.dumps(reply) + "\n").encode())
+                self.wfile.flush()
+            except OSError:
+                return
+
+
+class _Server(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+class JsonLineServer:
+    """Serve ``handler`` on ``host:port`` (port 0: a free one) in a background thread until :meth:`stop`."""
+
+    def __init__(self, handler: Handler, host: str = "127.0.0.1", port: int = 0, name: str = "jsonline"):
+        self.server = _Server((host, port), _RequestHandler)
+        self.server.handler = handler  # type: ignore[attr-defined]
+        self.host, self.port = self.server.server_address[:2]
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1}, name=name, daemon=True)
+        self.thread.start()
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class JsonLineError(RuntimeError):
+    """The server could not be reached, or it answered with an error."""
+
+
+def request(address: tuple[str, int], req: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Send one request on a fresh connection and return the reply."""
+    try:
+        with socket.create_connection(address, timeout=timeout) as sock:
+            sock.sendall((json.dumps(req) + "\n").encode())
+            data = b""
+            while not data.endswith(b"\n"):
+                chunk = sock.recv(1 << 16)
+                if not chunk:
+                    break
+                data += chunk
+    except OSError as err:
+        raise JsonLineError(f"cannot reach {address[0]}:{address[1]}: {err}") from err
+    if not data:
+        raise JsonLineError(f"{address[0]}:{address[1]} closed the connection without a reply")
+    reply = json.loads(data)
+    if "error" in reply:
+        raise JsonLineError(reply["error"])
+    return reply
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"bad address {text!r}: expected host:port")
+    return host or "127.0.0.1", int(port)
