@@ -364,3 +364,10 @@ def test_workers_reach_their_agent_over_the_control_channel(tmp_path):
     for a in answers.values():
         assert a["running"] == int(a["env_generation"]) == a["hello"]["generation"] and a["world_size"] == 2
         assert a["node_id"] == a["hello"]["node_id"]
+
+
+def test_waiting_for_min_nodes_times_out_with_a_clear_reason(job):
+    j = job(nnodes="2", extra=("--rdzv-conf", "join_timeout=3"))
+    agent = j.add_agent()
+    (code, text), = finish([agent], timeout=60)
+    assert code == 1 and "join_timeout" in text and "needed=2" in text

@@ -88,6 +88,7 @@ class Agent:
         self._threads: list[threading.Thread] = []
         self._tcp_store = None
         self._latest: GenerationRecord | None = None
+        self._unreported: tuple[GenerationRecord, NodeStatus] | None = None
         self._worker_seen: dict[int, float] = {}
         self._watches = []
 
@@ -316,7 +317,13 @@ class Agent:
     def _report(self, gen: GenerationRecord, status: NodeStatus) -> None:
         if self._reported == (gen.number, status.state):
             return
-        self.store.put(f"generations/{gen.number}/status/{self.node_id}", status.dumps(), lease=self._lease)
+        try:
+            self.store.put(f"generations/{gen.number}/status/{self.node_id}", status.dumps(), lease=self._lease)
+        except StoreError as err:
+            self.emit("store_unreachable", {"error": str(err), "pending": f"status {status.state}"})
+            self._unreported = (gen, status)  # sent again from the main loop
+            return
+        self._unreported = None
         self._reported = (gen.number, status.state)
 
     def _read_generation(self) -> GenerationRecord | None:
@@ -386,21 +393,45 @@ class Agent:
         self._wake.set()
 
     def _loop(self, started: float) -> int:
+        waiting_since: float | None = started
+        unreachable_since: float | None = None
+        last_complaint = 0.0
         while True:
             if self.leaving.is_set():
                 return self._depart()
-            gen = self._read_generation()
+            now = time.monotonic()
+            try:
+                gen = self._read_generation()
+                unreachable_since = None
+            except StoreError as err:
+                # Keep the workers running through a store outage, say so, give up after join_timeout.
+                unreachable_since = unreachable_since or now
+                if now - last_complaint > 10:
+                    self.emit("store_unreachable", {"error": str(err), "for_s": round(now - unreachable_since, 1)})
+                    last_complaint = now
+                if now - unreachable_since > self.config.join_timeout:
+                    self.emit("giving_up", {"reason": f"store unreachable for {self.config.join_timeout:.0f} s"})
+                    return 1
+                self._wake.wait(min(1.0, max(self.config.monitor_interval, 0.2)))
+                continue
             self._latest = gen
             if gen and (self.generation is None or gen.number != self.generation.number):
                 code = self._on_generation(gen)
                 if code is not None:
                     return code
-            elif gen is None or gen.status == "waiting":
-                if time.monotonic() - started > self.config.join_timeout:
-                    self.emit("join_timeout", {"seconds": self.config.join_timeout})
+            # The wait for --nnodes MIN members is bounded by join_timeout, counted from when it began.
+            if gen is None or gen.status == "waiting":
+                waiting_since = waiting_since or now
+                if now - waiting_since > self.config.join_timeout:
+                    self.emit("join_timeout", {"seconds": self.config.join_timeout, "members": len(gen.members) if gen else 0,
+                                               "needed": self.config.min_nodes})
                     return 1
+            else:
+                waiting_since = None
             if self.workers is not None and self.generation is not None:
                 self._check_workers(self.generation)
+            if self._unreported is not None and self.generation is not None and self._unreported[0].number == self.generation.number:
+                self._report(*self._unreported)
             self._wake.wait(self.config.monitor_interval)
             self._wake.clear()
 
