@@ -23,7 +23,7 @@ def _free_port() -> int:
 class EtcdServer:
     """A real etcd on 127.0.0.1 with random ports and a temporary data dir."""
 
-    def __init__(self, data_dir):
+    def __init__(self, data_dir, tls_dir=None):
         binary = shutil.which("etcd")
         if binary is None:
             raise RuntimeError("etcd is not installed (apt-get install etcd-server; .ci/run does it)")
@@ -31,14 +31,19 @@ class EtcdServer:
         self.endpoint = f"127.0.0.1:{self.client_port}"
         self.data_dir = data_dir
         self.log = open(data_dir.parent / f"etcd-{self.client_port}.log", "w")
+        scheme = "https" if tls_dir else "http"
+        self.tls_dir = tls_dir
         self.args = [
             binary, "--name", "test", "--data-dir", str(data_dir),
-            "--listen-client-urls", f"http://127.0.0.1:{self.client_port}",
-            "--advertise-client-urls", f"http://127.0.0.1:{self.client_port}",
+            "--listen-client-urls", f"{scheme}://127.0.0.1:{self.client_port}",
+            "--advertise-client-urls", f"{scheme}://127.0.0.1:{self.client_port}",
             "--listen-peer-urls", f"http://127.0.0.1:{self.peer_port}",
             "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_port}",
             "--initial-cluster", f"test=http://127.0.0.1:{self.peer_port}",
         ]
+        if tls_dir:
+            self.args += ["--cert-file", str(tls_dir / "server.pem"), "--key-file", str(tls_dir / "server.key"),
+                          "--client-cert-auth", "--trusted-ca-file", str(tls_dir / "ca.pem")]
         self.proc = None
         self.start()
 
@@ -53,7 +58,11 @@ class EtcdServer:
                     pass
                 import pyetcd
 
-                c = pyetcd.client(host="127.0.0.1", port=self.client_port, timeout=1)
+                tls = {}
+                if self.tls_dir:
+                    tls = {"ca_cert": str(self.tls_dir / "ca.pem"), "cert_cert": str(self.tls_dir / "client.pem"),
+                           "cert_key": str(self.tls_dir / "client.key")}
+                c = pyetcd.client(host="127.0.0.1", port=self.client_port, timeout=1, **tls)
                 c.status()
                 c.close()
                 return
