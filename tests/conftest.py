@@ -23,7 +23,7 @@ def _free_port() -> int:
 class EtcdServer:
     """A real etcd on 127.0.0.1 with random ports and a temporary data dir."""
 
-    def __init__(self, data_dir, tls_dir=None):
+    def __init__(self, data_dir, tls_dir=None, client_cert_auth=True):
         binary = shutil.which("etcd")
         if binary is None:
             raise RuntimeError("etcd is not installed (apt-get install etcd-server; .ci/run does it)")
@@ -42,9 +42,11 @@ class EtcdServer:
             "--initial-cluster", f"test=http://127.0.0.1:{self.peer_port}",
         ]
         if tls_dir:
-            self.args += ["--cert-file", str(tls_dir / "server.pem"), "--key-file", str(tls_dir / "server.key"),
-                          "--client-cert-auth", "--trusted-ca-file", str(tls_dir / "ca.pem")]
+            self.args += ["--cert-file", str(tls_dir / "server.pem"), "--key-file", str(tls_dir / "server.key")]
+            if client_cert_auth:  # a trusted CA file alone already makes etcd demand client certificates
+                self.args += ["--client-cert-auth", "--trusted-ca-file", str(tls_dir / "ca.pem")]
         self.proc = None
+        self.client_cert_auth = client_cert_auth
         self.start()
 
     def start(self, timeout_s: float = 20.0) -> None:
@@ -62,6 +64,8 @@ class EtcdServer:
                 if self.tls_dir:
                     tls = {"ca_cert": str(self.tls_dir / "ca.pem"), "cert_cert": str(self.tls_dir / "client.pem"),
                            "cert_key": str(self.tls_dir / "client.key")}
+                    if not self.client_cert_auth:
+                        tls = {"ca_cert": tls["ca_cert"]}
                 c = pyetcd.client(host="127.0.0.1", port=self.client_port, timeout=1, **tls)
                 c.status()
                 c.close()
@@ -86,3 +90,22 @@ def etcd_server(tmp_path_factory):
     yield server
     server.stop()
     server.log.close()
+
+
+def _openssl(*args: str, cwd) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+@pytest.fixture(scope="session")
+def tls_dir(tmp_path_factory):
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, made with openssl."""
+    if shutil.which("openssl") is None:
+        pytest.fail("openssl is needed for the TLS tests (apt-get install openssl; .ci/run does it)")
+    d = tmp_path_factory.mktemp("tls")
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=test-ca", cwd=d)
+    (d / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n")
+    for name in ("server", "client"):
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", f"{name}.pem",
+                 "-days", "1", "-extfile", "san.cnf", cwd=d)
+    return d

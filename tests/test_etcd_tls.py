@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-
 import pytest
 from conftest import EtcdServer
 
@@ -12,23 +9,10 @@ from etc_agent.rendezvous.etcd import EtcdOptions, EtcdStore
 from etc_agent.rendezvous.store import StoreError
 
 
-def _openssl(*args: str, cwd) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
-def tls_etcd(tmp_path_factory):
-    if shutil.which("openssl") is None:
-        pytest.fail("openssl is needed for the TLS test (apt-get install openssl; .ci/run does it)")
-    d = tmp_path_factory.mktemp("tls")
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=test-ca", cwd=d)
-    (d / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n")
-    for name in ("server", "client"):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", f"{name}.pem",
-                 "-days", "1", "-extfile", "san.cnf", cwd=d)
-    server = EtcdServer(d / "data", tls_dir=d)
-    yield server, d
+def tls_etcd(tls_dir, tmp_path_factory):
+    server = EtcdServer(tmp_path_factory.mktemp("tls-etcd") / "data", tls_dir=tls_dir)
+    yield server, tls_dir
     server.stop()
     server.log.close()
 

@@ -48,6 +48,8 @@ def _connect(options: EtcdOptions):
         raise ValueError("--etcd-cert and --etcd-key go together")
     if (options.user is None) != (options.password is None):
         raise ValueError("--etcd-user and --etcd-password go together")
+    if options.user is not None and options.ca_cert is None:
+        raise ValueError("etcd user/password need TLS (--etcd-ca-cert): gRPC sends credentials only over TLS")
     host, port = options.host_port()
     return pyetcd.client(
         host=host,
@@ -99,7 +101,12 @@ class EtcdStore(MembershipStore):
     def __init__(self, options: EtcdOptions, run_id: str):
         super().__init__(run_id)
         self.options = options
-        self.client = _connect(options)
+        try:
+            self.client = _connect(options)
+        except ValueError:
+            raise
+        except Exception as err:  # noqa: BLE001 - grpc errors while authenticating
+            raise StoreError(f"cannot reach etcd at {options.endpoint}: {_short(err)}") from err
         self._lock = threading.Lock()
         try:
             self.client.status()
