@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 from typing import Callable
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -107,7 +106,6 @@ class EtcdStore(MembershipStore):
             raise
         except Exception as err:  # noqa: BLE001 - grpc errors while authenticating
             raise StoreError(f"cannot reach etcd at {options.endpoint}: {_short(err)}") from err
-        self._lock = threading.Lock()
         try:
             self.client.status()
         except Exception as err:  # noqa: BLE001
