@@ -101,13 +101,15 @@ class Agent:
             log.info("[%s] %s %s", self.node_id, event, detail)
 
     # ---- membership ----------------------------------------------------------------
-    def _register(self) -> None:
-        self._lease = self.store.grant_lease(self.config.lease_ttl)
-        record = NodeRecord(
+    def _node_record(self) -> NodeRecord:
+        return NodeRecord(
             node_id=self.node_id, host=self.host, num_devices=self.config.nproc_per_node, pid=os.getpid(),
             node_rank_hint=self.config.node_rank, leaving=self.leaving.is_set(),
         )
-        self.store.put(f"nodes/{self.node_id}", record.dumps(), lease=self._lease)
+
+    def _register(self) -> None:
+        self._lease = self.store.grant_lease(self.config.lease_ttl)
+        self.store.put(f"nodes/{self.node_id}", self._node_record().dumps(), lease=self._lease)
         self.emit("registered", {"host": self.host, "devices": self.config.nproc_per_node, "lease_ttl": self._lease.ttl})
 
     def _keepalive(self) -> None:
@@ -474,9 +476,7 @@ class Agent:
     def _depart(self) -> int:
         self.emit("departing", {"shutdown_timeout": self.config.shutdown_timeout})
         try:
-            record = NodeRecord(node_id=self.node_id, host=self.host, num_devices=self.config.nproc_per_node, pid=os.getpid(),
-                                node_rank_hint=self.config.node_rank, leaving=True)
-            self.store.put(f"nodes/{self.node_id}", record.dumps(), lease=self._lease)
+            self.store.put(f"nodes/{self.node_id}", self._node_record().dumps(), lease=self._lease)
         except StoreError as err:
             self.emit("store_unreachable", {"error": str(err)})
         self._stop_workers("planned departure")

@@ -22,23 +22,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from etc_agent.layout.boxes import flat_range_pieces
 from etc_agent.migrate.describe import LocalShard
-
-
-def _piece_views(local: LocalShard) -> list[tuple[tuple[int, ...], torch.Tensor]]:
-    """``(global offsets, view)`` for each contiguous piece of a shard's storage."""
-    s = local.shard
-    if s.flat_range is None:
-        tensor = local.tensor if tuple(local.tensor.shape) == s.lengths else local.tensor.view(s.lengths)
-        return [(s.offsets, tensor)] if tensor.numel() else []
-    flat = local.tensor.view(-1)
-    out = []
-    for piece in flat_range_pieces(s.lengths, *s.flat_range):
-        start = piece.flat_start - s.flat_range[0]
-        view = flat[start : start + int(torch.Size(piece.lengths).numel())].view(piece.lengths)
-        out.append((tuple(o + p for o, p in zip(s.offsets, piece.offsets)), view))
-    return out
 
 
 class _Pieces:
@@ -47,7 +31,9 @@ class _Pieces:
         self.by_key: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]] = {}
         self.global_shape: dict[str, tuple[int, ...]] = {}
         for local in shards:
-            for offsets, view in _piece_views(local):
+            for offsets, view in local.piece_views():
+                if not view.numel():
+                    continue
                 self.views[(local.shard.key, offsets)] = view
                 self.by_key.setdefault(local.shard.key, []).append((offsets, view))
             self.global_shape[local.shard.key] = local.shard.global_shape

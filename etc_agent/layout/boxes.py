@@ -125,10 +125,6 @@ def box_contains(outer: Box, inner: Box) -> bool:
     return all(oo <= io and io + il <= oo + ol for oo, ol, io, il in zip(outer[0], outer[1], inner[0], inner[1]))
 
 
-def volume(lengths: tuple[int, ...]) -> int:
-    return prod(lengths)
-
-
 def overlap_volumes(a_off: np.ndarray, a_len: np.ndarray, b_off: np.ndarray, b_len: np.ndarray) -> np.ndarray:
     """Pairwise intersection volumes of boxes: ``(P, ndim) x (Q, ndim) -> (P, Q)`` int64."""
     lo = np.maximum(a_off[:, None, :], b_off[None, :, :])

@@ -54,25 +54,30 @@ class LocalShard:
     shard: Shard
     tensor: torch.Tensor
 
+    def piece_views(self) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+        """``(global offsets, view)`` of each piece of the storage: the whole box, or for a flat range
+        its pieces, each contiguous in the 1-D storage."""
+        s = self.shard
+        if s.flat_range is None:
+            tensor = self.tensor if tuple(self.tensor.shape) == s.lengths else self.tensor.view(s.lengths)
+            return [(s.offsets, tensor)]
+        flat = self.tensor.view(-1)
+        out = []
+        for piece in _pieces(s):
+            start = piece.flat_start - s.flat_range[0]
+            view = flat[start : start + prod(piece.lengths)].view(piece.lengths)
+            out.append((tuple(so + po for so, po in zip(s.offsets, piece.offsets)), view))
+        return out
+
     def region_view(self, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> torch.Tensor:
         """A view of the global box ``offsets/lengths`` inside this shard's storage.
 
-        For a flat-range shard the region must lie inside one of its pieces (the planner's regions do);
-        each piece is contiguous in the 1-D storage.
+        The region must lie inside one piece (the planner's regions do).
         """
-        s = self.shard
-        if s.flat_range is None:
-            rel = tuple(slice(o - so, o - so + n) for o, so, n in zip(offsets, s.offsets, lengths))
-            tensor = self.tensor if tuple(self.tensor.shape) == s.lengths else self.tensor.view(s.lengths)
-            return tensor[rel] if rel else tensor
-        start = s.flat_range[0]
-        for piece in _pieces(s):
-            p_off = tuple(so + po for so, po in zip(s.offsets, piece.offsets))
-            if all(po <= o and o + n <= po + pn for po, pn, o, n in zip(p_off, piece.lengths, offsets, lengths)):
-                base = piece.flat_start - start
-                block = self.tensor.view(-1)[base : base + prod(piece.lengths)].view(piece.lengths)
-                return block[tuple(slice(o - po, o - po + n) for o, po, n in zip(offsets, p_off, lengths))]
-        raise ValueError(f"{s.key}: region {offsets}/{lengths} is not inside one piece of flat range {s.flat_range}")
+        for p_off, view in self.piece_views():
+            if all(po <= o and o + n <= po + pn for po, pn, o, n in zip(p_off, view.shape, offsets, lengths)):
+                return view[tuple(slice(o - po, o - po + n) for o, po, n in zip(offsets, p_off, lengths))]
+        raise ValueError(f"{self.shard.key}: region {offsets}/{lengths} is not inside one piece of {self.shard.flat_range or 'its box'}")
 
 
 _PIECES: dict[tuple, list] = {}

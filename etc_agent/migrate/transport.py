@@ -90,15 +90,6 @@ class TorchTransport:
         self.post(round_index, sends, recvs, timeout_s, peer_names).wait()
 
 
-class _Both:
-    def __init__(self, *pending: PendingExchange):
-        self.pending = pending
-
-    def wait(self) -> None:
-        for p in self.pending:
-            p.wait()
-
-
 class _TorchPending:
     def __init__(self, round_index: int, works: list, labels: list[str], deadline: float, timeout_s: float, cuda_sync: bool):
         self.round_index, self.works, self.labels = round_index, works, labels

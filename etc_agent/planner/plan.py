@@ -123,12 +123,6 @@ class MigrationPlan:
             h.update(repr((str(c.device), [(r.group, r.offsets, r.lengths) for r in c.regions])).encode())
         return h.hexdigest()[:16]
 
-    def transfers_for(self, device: Device) -> tuple[list[Transfer], list[Transfer]]:
-        """``(sends, receives)`` of ``device``, in round order."""
-        sends = [t for t in self.transfers if t.src == device]
-        recvs = [t for t in self.transfers if t.dst == device]
-        return sends, recvs
-
     def to_json(self) -> dict[str, Any]:
         """The JSON object printed by ``etc-agent plan --json`` (field names are a public contract)."""
 

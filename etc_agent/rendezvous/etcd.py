@@ -119,17 +119,16 @@ class EtcdStore(MembershipStore):
         except Exception as err:  # noqa: BLE001
             raise StoreError(f"etcd {what} failed ({self.options.endpoint}): {_short(err)}") from err
 
-    @staticmethod
-    def _kv(store: EtcdStore, value: bytes, meta) -> KeyValue:
-        return KeyValue(store.relative_key(meta.key.decode()), value.decode(), int(meta.version), int(meta.mod_revision))
+    def _kv(self, value: bytes, meta) -> KeyValue:
+        return KeyValue(self.relative_key(meta.key.decode()), value.decode(), int(meta.version), int(meta.mod_revision))
 
     def get(self, key: str) -> KeyValue | None:
         value, meta = self._call("get", self.client.get, self.full_key(key))
-        return None if value is None else self._kv(self, value, meta)
+        return None if value is None else self._kv(value, meta)
 
     def get_prefix(self, prefix: str = "") -> list[KeyValue]:
         items = self._call("get_prefix", lambda: list(self.client.get_prefix(self.full_key(prefix))))
-        return sorted((self._kv(self, v, m) for v, m in items), key=lambda kv: kv.key)
+        return sorted((self._kv(v, m) for v, m in items), key=lambda kv: kv.key)
 
     def put(self, key: str, value: str, lease: Lease | None = None) -> None:
         self._call("put", self.client.put, self.full_key(key), value, lease=lease.id if lease else None)
