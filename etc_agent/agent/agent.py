@@ -32,7 +32,8 @@ from typing import Callable
 from pydantic import BaseModel, ConfigDict, Field
 
 from etc_agent.agent.workers import WorkerGroup, WorkerSpec
-from etc_agent.rendezvous.records import GenerationRecord, LeaderRecord, MasterRecord, NodeRecord, NodeStatus
+from etc_agent.layout.config import ParallelSpec
+from etc_agent.rendezvous.records import GenerationRecord, LeaderRecord, MasterRecord, MigrationRecord, NodeRecord, NodeStatus
 from etc_agent.rendezvous.store import LeaseExpired, MembershipStore, StoreError, WatchEvent
 from etc_agent.utils.jsonline import JsonLineServer
 
@@ -57,6 +58,7 @@ class AgentConfig(BaseModel):
     local_addr: str | None = Field(None, description="Address other nodes use for this node (default: this host's name).")
     node_rank: int | None = Field(None, description="Fixed position in the group order (--node-rank), if given.")
     log_format: str = Field("text", description="'json': one JSON line per agent event.")
+    parallel: str | None = Field(None, description="--parallel spec (e.g. tp=2,pp=1,dp=auto); the leader resolves it per world.")
 
 
 @dataclass
@@ -91,6 +93,12 @@ class Agent:
         self._unreported: tuple[GenerationRecord, NodeStatus] | None = None
         self._worker_seen: dict[int, float] = {}
         self._watches = []
+        self._elastic = False
+        """Set when a worker says hello through the worker API: workers then live across generations."""
+        self._assignments: dict[int, dict] = {}
+        """What each local worker is in the generation this node serves (rank, group, store address)."""
+        self._stores: list = []
+        self._spec = ParallelSpec.parse(config.parallel) if config.parallel else None
 
     # ---- logging --------------------------------------------------------------------
     def _log_event(self, event: str, fields: dict) -> None:
@@ -175,7 +183,7 @@ class Agent:
         if event.key.startswith("nodes/") or "/status/" in event.key:
             self._leader_dirty.set()
 
-    def _members_now(self) -> list[NodeRecord]:
+    def _members_now(self, include_leaving: bool = False) -> list[NodeRecord]:
         nodes = []
         for kv in self.store.get_prefix("nodes/"):
             try:
@@ -183,7 +191,7 @@ class Agent:
             except ValueError as err:
                 self.emit("rejected_record", {"key": kv.key, "reason": str(err)})
                 continue
-            if not record.leaving:
+            if include_leaving or not record.leaving:
                 nodes.append((record, kv.mod_revision))
         # Group order: --node-rank hints first, then by time of registration.
         nodes.sort(key=lambda item: (item[0].node_rank_hint if item[0].node_rank_hint is not None else 1 << 30, item[1], item[0].node_id))
@@ -199,6 +207,8 @@ class Agent:
         alive_ids = [n.node_id for n in alive]
         number = (current.number + 1) if current else 0
         restart_count = current.restart_count if current else 0
+        started = bool(current and (current.started or current.status == "running"))
+        reason: str | None = None
 
         def publish(record: GenerationRecord) -> None:
             if self.store.compare_and_set("generation", record.dumps(), version):
@@ -223,31 +233,49 @@ class Agent:
             elif current.members and all(statuses.get(n) and statuses[n].state == "succeeded" for n in current.members):
                 publish(current.model_copy(update={"number": number, "status": "succeeded", "reason": "all workers exited 0"}))
                 return
-            else:
-                kept = [n for n in current.members if n in alive_ids]
-                joined = [n for n in alive_ids if n not in current.members]
-                if kept == current.members and not (joined and len(current.members) < self.config.max_nodes):
-                    return  # nothing to do
-                reason = ", ".join(
-                    part for part in (
-                        f"{len(current.members) - len(kept)} left" if len(kept) < len(current.members) else "",
-                        f"{len(joined)} joined" if joined else "",
-                    ) if part
-                )
         else:
             reason = "start" if current is None else "enough nodes"
         # Keep surviving members in their order, then newcomers.
         ordered = [n for n in (current.members if current else []) if n in alive_ids] + [n for n in alive_ids if not current or n not in current.members]
         ordered = ordered[: self.config.max_nodes]
         devices = {n.node_id: n.num_devices for n in alive}
+        parallel = None
+        if self._spec is not None and len(ordered) >= self.config.min_nodes:
+            # The longest prefix of the members whose devices the parallel config uses exactly;
+            # nodes after it wait as spares.
+            for count in range(len(ordered), self.config.min_nodes - 1, -1):
+                total = sum(devices[n] for n in ordered[:count])
+                config = self._spec.resolve(total) if count else None
+                if config is not None and config.world_size == total:
+                    ordered, parallel = ordered[:count], config.short()
+                    break
+            else:
+                total = sum(devices[n] for n in ordered)
+                if not (current and current.status == "waiting" and current.members == ordered):
+                    publish(GenerationRecord(number=number, status="waiting", members=ordered, num_devices=[devices[n] for n in ordered],
+                                             restart_count=restart_count, started=started, published_at=time.time(),
+                                             reason=f"--parallel {self._spec.short()} fits no group of the {len(ordered)} nodes ({total} devices)"))
+                return
+        if current and current.status == "running" and reason is None and ordered == current.members:
+            return  # nothing to do
+        if reason is None:
+            joined = [n for n in ordered if n not in current.members]
+            left = [n for n in current.members if n not in ordered]
+            reason = ", ".join(p for p in (f"{len(left)} left" if left else "", f"{len(joined)} joined" if joined else "") if p) or "membership"
         if len(ordered) < self.config.min_nodes:
             if current and current.status == "waiting" and current.members == ordered:
                 return
             publish(GenerationRecord(number=number, status="waiting", members=ordered, num_devices=[devices[n] for n in ordered],
-                                     restart_count=restart_count, reason=f"{len(ordered)} of at least {self.config.min_nodes} nodes"))
+                                     restart_count=restart_count, started=started, published_at=time.time(),
+                                     reason=f"{len(ordered)} of at least {self.config.min_nodes} nodes"))
             return
+        # Departing members that are still alive send their state before they exit.
+        leaving = {n.node_id: n for n in self._members_now(include_leaving=True) if n.leaving}
+        senders = [n for n in (current.members if current else []) if n in leaving and n not in ordered]
         publish(GenerationRecord(number=number, status="running", members=ordered, num_devices=[devices[n] for n in ordered],
-                                 restart_count=restart_count, reason=reason or "membership"))
+                                 restart_count=restart_count, reason=reason, parallel=parallel, senders=senders,
+                                 sender_devices=[leaving[n].num_devices for n in senders], started=started,
+                                 published_at=time.time()))
 
     # ---- this node's part of a generation -------------------------------------------
     def _master(self, gen: GenerationRecord) -> MasterRecord:
@@ -258,6 +286,8 @@ class Agent:
             from torch.distributed import TCPStore
 
             self._tcp_store = TCPStore(self.host, 0, is_master=True, wait_for_workers=False)
+            # Live workers may still be leaving the previous generation's group: keep its store too.
+            self._stores = [*self._stores[-1:], self._tcp_store]
             record = MasterRecord(addr=self.host, port=self._tcp_store.port)
             self.store.create(key, record.dumps())
         deadline = time.monotonic() + self.config.join_timeout
@@ -271,43 +301,87 @@ class Agent:
             time.sleep(0.05)
         raise TimeoutError(f"generation {gen.number}: member {gen.members[0]} did not publish the master address")
 
+    def _worker_env(self, gen: GenerationRecord, master: MasterRecord, local_rank: int) -> dict[str, str]:
+        index = gen.members.index(self.node_id)
+        offset = sum(gen.num_devices[:index])
+        nproc = self.config.nproc_per_node
+        env = {
+            "RANK": str(offset + local_rank),
+            "LOCAL_RANK": str(local_rank),
+            "GROUP_RANK": str(index),
+            "ROLE_RANK": str(offset + local_rank),
+            "ROLE_NAME": self.spec.role,
+            "LOCAL_WORLD_SIZE": str(nproc),
+            "WORLD_SIZE": str(gen.world_size),
+            "GROUP_WORLD_SIZE": str(len(gen.members)),
+            "ROLE_WORLD_SIZE": str(gen.world_size),
+            "MASTER_ADDR": master.addr,
+            "MASTER_PORT": str(master.port),
+            "TORCHELASTIC_RESTART_COUNT": str(gen.restart_count),
+            "TORCHELASTIC_MAX_RESTARTS": str(self.config.max_restarts),
+            "TORCHELASTIC_RUN_ID": self.config.run_id,
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+            "ETC_AGENT_GENERATION": str(gen.number),
+            "ETC_AGENT_NODE_ID": self.node_id,
+            "ETC_AGENT_ADDR": self._control.address,
+        }
+        if gen.parallel:
+            env["ETC_AGENT_PARALLEL"] = gen.parallel
+        if "OMP_NUM_THREADS" in os.environ:
+            env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
+        return env
+
+    def _prepare_assignments(self, gen: GenerationRecord, master: MasterRecord) -> None:
+        """What each local worker is in ``gen``: served to elastic workers over the control channel.
+
+        Transport ranks: members' devices in member order (their training ranks), then the senders'.
+        """
+        devices = [f"{n}:{d}" for n, k in zip(gen.members, gen.num_devices) for d in range(k)]
+        devices += [f"{n}:{d}" for n, k in zip(gen.senders, gen.sender_devices) for d in range(k)]
+        if self.node_id in gen.members:
+            offset, leaving = sum(gen.num_devices[: gen.members.index(self.node_id)]), False
+        else:
+            offset, leaving = gen.world_size + sum(gen.sender_devices[: gen.senders.index(self.node_id)]), True
+        self._assignments = {
+            local: {
+                "generation": gen.number, "pg_rank": offset + local, "pg_world_size": len(devices),
+                "rank": None if leaving else offset + local, "world_size": gen.world_size, "parallel": gen.parallel,
+                "store_addr": master.addr, "store_port": master.port, "devices": devices, "leaving": leaving,
+                "started": gen.started, "reason": gen.reason, "published_at": gen.published_at, "node_id": self.node_id,
+            }
+            for local in range(self.config.nproc_per_node)
+        }
+
     def _start_workers(self, gen: GenerationRecord) -> None:
         index = gen.members.index(self.node_id)
         master = self._master(gen)
         offset = sum(gen.num_devices[:index])
         nproc = self.config.nproc_per_node
-        envs = []
-        for local_rank in range(nproc):
-            env = {
-                "RANK": str(offset + local_rank),
-                "LOCAL_RANK": str(local_rank),
-                "GROUP_RANK": str(index),
-                "ROLE_RANK": str(offset + local_rank),
-                "ROLE_NAME": self.spec.role,
-                "LOCAL_WORLD_SIZE": str(nproc),
-                "WORLD_SIZE": str(gen.world_size),
-                "GROUP_WORLD_SIZE": str(len(gen.members)),
-                "ROLE_WORLD_SIZE": str(gen.world_size),
-                "MASTER_ADDR": master.addr,
-                "MASTER_PORT": str(master.port),
-                "TORCHELASTIC_RESTART_COUNT": str(gen.restart_count),
-                "TORCHELASTIC_MAX_RESTARTS": str(self.config.max_restarts),
-                "TORCHELASTIC_RUN_ID": self.config.run_id,
-                "TORCHELASTIC_USE_AGENT_STORE": "True",
-                "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-                "ETC_AGENT_GENERATION": str(gen.number),
-                "ETC_AGENT_NODE_ID": self.node_id,
-                "ETC_AGENT_ADDR": self._control.address,
-            }
-            if "OMP_NUM_THREADS" in os.environ:
-                env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
-            envs.append(env)
+        envs = [self._worker_env(gen, master, local_rank) for local_rank in range(nproc)]
+        self._prepare_assignments(gen, master)
         attempt_dir = self._run_dir / f"attempt_{gen.number}"
         self.workers = WorkerGroup(self.spec, envs, attempt_dir)
         self._reported = None
         self._report(gen, NodeStatus(state="running"))
         self.emit("workers_started", {"generation": gen.number, "group_rank": index, "world_size": gen.world_size,
                                       "ranks": f"{offset}-{offset + nproc - 1}", "restart_count": gen.restart_count})
+
+    def _continue_workers(self, gen: GenerationRecord) -> None:
+        """Elastic workers stay alive into ``gen``; dead ones are started again (they join as receivers)."""
+        master = self._master(gen)
+        self._prepare_assignments(gen, master)
+        restarted = []
+        if self.node_id in gen.members:
+            for local_rank, code in self.workers.poll().items():
+                if code is not None:
+                    self.workers.restart(local_rank, self._worker_env(gen, master, local_rank), self._run_dir / f"attempt_{gen.number}")
+                    restarted.append(local_rank)
+        self._reported = None
+        self._report(gen, NodeStatus(state="running"))
+        self.emit("workers_continue", {"generation": gen.number, "world_size": gen.world_size, "parallel": gen.parallel,
+                                       "role": "member" if self.node_id in gen.members else "sender",
+                                       "restarted_local_ranks": restarted, "reason": gen.reason})
 
     def _stop_workers(self, why: str) -> None:
         if self.workers is not None:
@@ -371,14 +445,38 @@ class Agent:
     def _on_control(self, req: dict) -> dict:
         """The control channel of this node's workers (``ETC_AGENT_ADDR``): JSON requests, JSON replies.
 
-        ``{"op": "hello", "local_rank": r, "pid": p}`` registers a worker; ``{"op": "generation"}``
-        returns the generation its workers run and the newest one in the store (they differ while a
-        new generation is pending); ``{"op": "heartbeat", "local_rank": r}`` marks a worker alive.
+        ``{"op": "hello", "local_rank": r, "pid": p, "elastic": bool}`` registers a worker (elastic: it uses
+        the worker API and lives across generations); ``{"op": "generation"}`` returns the generation its
+        workers run and the newest one in the store (they differ while a new generation is pending);
+        ``{"op": "assignment", "local_rank": r}`` returns the newest generation number and what this
+        worker is in the generation this node serves; ``{"op": "migration", "record": {...}}`` stores a
+        :class:`MigrationRecord`; ``{"op": "heartbeat", "local_rank": r}`` marks a worker alive.
         """
         op = req.get("op")
         if op in ("hello", "heartbeat"):
             self._worker_seen[int(req["local_rank"])] = time.monotonic()
+            if op == "hello" and req.get("elastic"):
+                self._elastic = True
             return {"node_id": self.node_id, "generation": self.generation.number if self.generation else None}
+        if op == "assignment":
+            self._worker_seen[int(req["local_rank"])] = time.monotonic()
+            latest = self._latest
+            return {
+                "latest": latest.number if latest else None,
+                "latest_status": latest.status if latest else None,
+                "assignment": self._assignments.get(int(req["local_rank"])),
+            }
+        if op == "migration":
+            record = MigrationRecord.model_validate(req["record"])
+            try:
+                self.store.put(f"generations/{record.generation}/migration", record.dumps())
+                self.store.put("last_migration", record.dumps())
+            except StoreError as err:
+                self.emit("store_unreachable", {"error": str(err), "pending": "migration record"})
+            self.emit("migration", {"generation": record.generation, "from": record.old_config, "to": record.new_config,
+                                    "bytes_moved": record.bytes_moved, "checkpoint_bytes": record.checkpoint_bytes,
+                                    "stall_s": round(record.total_stall_s, 3)})
+            return {"ok": True}
         if op == "generation":
             latest = self._latest
             return {
@@ -448,6 +546,15 @@ class Agent:
             self._stop_workers("job failed")
             self.emit("job_failed", {"reason": gen.reason})
             return 1
+        if self._elastic and self.workers is not None and gen.status in ("running", "waiting"):
+            if gen.status == "waiting":
+                return None  # workers hold their state at a step boundary until enough nodes return
+            if self.node_id in gen.members:
+                try:
+                    self._continue_workers(gen)
+                except _Superseded:
+                    self.generation = previous
+                return None
         self._stop_workers(f"generation {gen.number}" if previous else "start")
         if gen.status == "running" and self.node_id in gen.members:
             try:
@@ -461,7 +568,14 @@ class Agent:
     def _check_workers(self, gen: GenerationRecord) -> None:
         codes = self.workers.poll()
         failed = {r: c for r, c in codes.items() if c not in (None, 0)}
-        if failed:
+        if failed and self._elastic:
+            # The others keep their state and recover in the next generation; only the dead restart.
+            summary = self.workers.failure_summary(self.host)
+            if self._reported != (gen.number, "failed"):
+                self.emit("workers_failed", {"generation": gen.number, "exit_codes": failed, "action": "restart as joiners"})
+                log.error("worker failure (generation %d):\n%s", gen.number, summary)
+            self._report(gen, NodeStatus(state="failed", exit_codes={r: c for r, c in codes.items() if c is not None}, message=summary))
+        elif failed:
             summary = self.workers.failure_summary(self.host)
             self.emit("workers_failed", {"generation": gen.number, "exit_codes": failed})
             log.error("worker failure (generation %d):\n%s", gen.number, summary)
@@ -479,12 +593,45 @@ class Agent:
             self.store.put(f"nodes/{self.node_id}", self._node_record().dumps(), lease=self._lease)
         except StoreError as err:
             self.emit("store_unreachable", {"error": str(err)})
+        if self._elastic and self.workers is not None and self.generation is not None and self.node_id in self.generation.members:
+            self._send_state_before_leaving()
         self._stop_workers("planned departure")
         try:
             self.store.delete(f"nodes/{self.node_id}")
         except StoreError:
             pass
         return 0
+
+
+    def _send_state_before_leaving(self) -> None:
+        """Elastic workers of a departing node send their shards in the generation that drops this
+        node, then exit; bounded by ``shutdown_timeout`` (counted from when the new generation came)."""
+        deadline = time.monotonic() + self.config.join_timeout
+        while time.monotonic() < deadline and not self.hard_stop.is_set():
+            try:
+                gen = self._read_generation()
+            except StoreError:
+                gen = None
+            if gen is not None and gen.number != self.generation.number:
+                if gen.status != "running" or self.node_id not in gen.senders:
+                    return
+                self._latest = gen
+                try:
+                    self._continue_workers(gen)
+                except _Superseded:
+                    continue
+                self.generation = gen
+                until = time.monotonic() + self.config.shutdown_timeout
+                while time.monotonic() < until and not self.hard_stop.is_set():
+                    if all(code is not None for code in self.workers.poll().values()):
+                        self.emit("state_sent", {"generation": gen.number, "exit_codes": self.workers.poll()})
+                        return
+                    time.sleep(0.05)
+                self.emit("departure_timeout", {"generation": gen.number, "seconds": self.config.shutdown_timeout})
+                return
+            if all(code is not None for code in self.workers.poll().values()):
+                return
+            time.sleep(0.05)
 
 
 class _Superseded(Exception):

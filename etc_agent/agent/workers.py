@@ -33,9 +33,11 @@ class WorkerSpec(BaseModel):
     def command(self) -> list[str]:
         if self.no_python:
             return list(self.entrypoint)
+        # Python workers run under a thin launcher that lets worker-API scripts survive a peer's
+        # crash without a restart (it re-enters the script with the state kept in memory).
         if self.module:
-            return [sys.executable, "-u", "-m", *self.entrypoint]
-        return [sys.executable, "-u", *self.entrypoint]
+            return [sys.executable, "-u", "-m", "etc_agent.worker.launch", "-m", *self.entrypoint]
+        return [sys.executable, "-u", "-m", "etc_agent.worker.launch", *self.entrypoint]
 
 
 def parse_std_spec(text: str, nproc: int) -> dict[int, int]:
@@ -119,6 +121,17 @@ class WorkerGroup:
             thread.start()
             worker.pumps.append(thread)
         return worker
+
+    def restart(self, local_rank: int, env: dict[str, str], attempt_dir: Path) -> None:
+        """Start the worker of ``local_rank`` again (after it exited) with ``env``."""
+        old = next(w for w in self.workers if w.local_rank == local_rank)
+        assert old.proc.poll() is not None, "restart of a live worker"
+        for t in old.pumps:
+            t.join(timeout=2)
+        for f in old.files:
+            f.close()
+        self.attempt_dir = attempt_dir
+        self.workers[self.workers.index(old)] = self._start(env)
 
     def poll(self) -> dict[int, int | None]:
         """Local rank -> exit code (None while running)."""

@@ -185,6 +185,16 @@ def etcrun(
         module=module, no_python=no_python, role=role, log_dir=log_dir,
         redirects=parse_std_spec(redirects, nproc), tee=parse_std_spec(tee, nproc), local_ranks_filter=filter_ranks,
     )
+    parallel_spec = None
+    if parallel:
+        from etc_agent.layout.config import ParallelSpec
+
+        parallel_spec = ParallelSpec.parse(parallel)
+        if not parallel_spec.fully_fixed and (parallel_spec.tp is None or parallel_spec.pp is None):
+            raise ValueError(f"--parallel {parallel}: choosing tp and pp automatically is not supported by etcrun yet; "
+                             "give tp and pp (dp=auto fills the devices)")
+    if model is not None and not model.exists():
+        raise ValueError(f"--model {model}: no such file")
     if (any(spec.redirects.values()) or any(spec.tee.values())) and log_dir is None:
         raise ValueError("--redirects/--tee need --log-dir")
     config = AgentConfig(
@@ -192,7 +202,7 @@ def etcrun(
         monitor_interval=monitor_interval, reconfig_delay=reconfig_delay, lease_ttl=float(conf.get("lease_ttl", lease_ttl)),
         join_timeout=join_timeout, shutdown_timeout=shutdown, local_addr=local_addr or ("127.0.0.1" if standalone else None),
         node_rank=node_rank if backend == "static" or "--node-rank" in sys.argv or "--node_rank" in sys.argv else None,
-        log_format=log_format,
+        log_format=log_format, parallel=parallel_spec.short() if parallel_spec else None,
     )
     if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = "1"

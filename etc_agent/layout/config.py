@@ -120,3 +120,64 @@ def _first_error(err: Exception) -> str:
         msg = str(first.get("msg", err)).removeprefix("Value error, ")
         return f"{loc}: {msg}" if loc else msg
     return str(err)
+
+
+class ParallelSpec(BaseModel):
+    """What the user asked for with ``--parallel``: fixed degrees, any of which may be ``auto``.
+
+    ``tp=2,pp=1,dp=auto`` keeps tp and pp and lets dp fill the devices; ``auto`` alone leaves every
+    degree to the planner's policy (which needs a model spec).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tp: int | None = Field(1, ge=1, description="Tensor-parallel degree; None = auto.")
+    pp: int | None = Field(1, ge=1, description="Pipeline-parallel degree; None = auto.")
+    dp: int | None = Field(None, ge=1, description="Data-parallel degree; None = auto (fill the devices).")
+    zero: int = Field(0, ge=0, le=1, description="ZeRO-1 optimizer sharding (used when dp > 1).")
+
+    @classmethod
+    def parse(cls, text: str) -> ParallelSpec:
+        text = text.replace(" ", "")
+        if text in ("", "auto"):
+            return cls(tp=None, pp=None, dp=None)
+        values: dict[str, int | None] = {}
+        for item in text.split(","):
+            name, sep, raw = item.partition("=")
+            if not sep or name not in _FIELDS:
+                raise ValueError(f"bad --parallel {text!r}: expected items like tp=2,pp=1,dp=auto,zero=1, got {item!r}")
+            if name in values:
+                raise ValueError(f"bad --parallel {text!r}: {name} given twice")
+            if raw == "auto" and name != "zero":
+                values[name] = None
+                continue
+            try:
+                values[name] = int(raw)
+            except ValueError:
+                raise ValueError(f"bad --parallel {text!r}: {name}={raw!r} is neither an integer nor auto") from None
+        values.setdefault("dp", None)
+        try:
+            return cls(**values)
+        except ValueError as err:
+            raise ValueError(f"bad --parallel {text!r}: {_first_error(err)}") from None
+
+    @property
+    def fully_fixed(self) -> bool:
+        return None not in (self.tp, self.pp, self.dp)
+
+    def short(self) -> str:
+        parts = [f"{n}={'auto' if getattr(self, n) is None else getattr(self, n)}" for n in ("tp", "pp", "dp")]
+        return ",".join(parts + [f"zero={self.zero}"])
+
+    def resolve(self, num_devices: int) -> ParallelConfig | None:
+        """The config using the most of ``num_devices`` devices (None if none fits).
+
+        Only ``dp`` may be auto here; ``tp``/``pp`` auto needs the policy and a model spec.
+        """
+        if self.tp is None or self.pp is None:
+            raise ValueError(f"--parallel {self.short()}: tp/pp auto needs --model (the planner's policy chooses them)")
+        unit = self.tp * self.pp
+        dp = self.dp if self.dp is not None else num_devices // unit
+        if dp < 1 or dp * unit > num_devices:
+            return None
+        return ParallelConfig(tp=self.tp, pp=self.pp, dp=dp, zero=self.zero if dp > 1 else 0)

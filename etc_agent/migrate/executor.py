@@ -104,8 +104,11 @@ def _to_wire(shards: Sequence[LocalShard]) -> list[tuple]:
     return [(s.shard.key, s.shard.global_shape, s.shard.offsets, s.shard.lengths, s.shard.dtype, s.shard.flat_range) for s in shards]
 
 
-def _from_wire(items: list[tuple]) -> list[Shard]:
-    return [Shard(*item) for item in items]
+def _from_wire(items: list[list]) -> list[Shard]:
+    return [
+        Shard(key, tuple(shape), tuple(offsets), tuple(lengths), dtype, tuple(flat) if flat is not None else None)
+        for key, shape, offsets, lengths, dtype, flat in items
+    ]
 
 
 def migrate_state(

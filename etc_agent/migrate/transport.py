@@ -7,6 +7,7 @@ that the caller created fresh for this generation: gloo on CPU, NCCL on GPU (sam
 
 from __future__ import annotations
 
+import json
 import time
 from datetime import timedelta
 from typing import Any, Protocol, Sequence
@@ -32,7 +33,7 @@ class Transport(Protocol):
     order and in several batches; False when they are matched in posting order (NCCL)."""
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every process's ``obj``, indexed by transport rank."""
+        """Every process's ``obj`` (JSON-serialisable; sent as JSON, never pickled), by transport rank."""
 
     def post(
         self,
@@ -63,9 +64,12 @@ class TorchTransport:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        def gather(tensor: torch.Tensor) -> list[torch.Tensor]:
+            out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+            dist.all_gather(out, tensor, group=self.group)
+            return out
+
+        return json_all_gather(obj, gather)
 
     def post(self, round_index, sends, recvs, timeout_s, peer_names) -> _TorchPending:
         ops, what = [], []
@@ -88,6 +92,57 @@ class TorchTransport:
 
     def exchange(self, round_index, sends, recvs, timeout_s, peer_names) -> None:
         self.post(round_index, sends, recvs, timeout_s, peer_names).wait()
+
+
+class GroupTransport:
+    """Point-to-point on a standalone process group object (not the default group, not registered).
+
+    A migration spans old and new devices (leavers send, joiners receive) while the training group
+    of the new generation holds only the new world; this transport runs on a group made for the
+    migration alone (``ProcessGroupGloo(store, rank, size, timeout)`` or the NCCL equivalent).
+    """
+
+    def __init__(self, group: dist.ProcessGroup, backend: str):
+        self.group = group
+        self.rank = group.rank()
+        self.world_size = group.size()
+        self.backend = backend
+        self.matches_by_tag = backend == "gloo"
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        def gather(tensor: torch.Tensor) -> list[torch.Tensor]:
+            out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+            self.group.allgather([out], [tensor]).wait()
+            return out
+
+        return json_all_gather(obj, gather)
+
+    def barrier(self) -> None:
+        self.group.allgather([[torch.zeros(1) for _ in range(self.world_size)]], [torch.zeros(1)]).wait()
+
+    def post(self, round_index, sends, recvs, timeout_s, peer_names) -> _TorchPending:
+        works, labels = [], []
+        deadline = time.monotonic() + timeout_s
+        try:
+            for peer, buf, tag in sends:
+                labels.append(f"send to {peer_names.get(peer, peer)} (rank {peer})")
+                works.append(self.group.send([buf.view(-1)], peer, tag if self.matches_by_tag else 0))
+            for peer, buf, tag in recvs:
+                labels.append(f"receive from {peer_names.get(peer, peer)} (rank {peer})")
+                works.append(self.group.recv([buf.view(-1)], peer, tag if self.matches_by_tag else 0))
+        except Exception as err:
+            raise MigrationError(f"round {round_index}: posting {labels[-1]} failed: {_first_line(err)}") from err
+        return _TorchPending(round_index, works, labels, deadline, timeout_s, self.backend == "nccl")
+
+
+def json_all_gather(obj: Any, gather) -> list[Any]:
+    """All-gather JSON values as byte tensors: lengths first, then the padded payloads."""
+    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+    lengths = gather(torch.tensor([data.numel()], dtype=torch.int64))
+    size = max(int(n.item()) for n in lengths)
+    padded = torch.zeros(max(size, 1), dtype=torch.uint8)
+    padded[: data.numel()] = data
+    return [json.loads(t[: int(n.item())].numpy().tobytes()) for t, n in zip(gather(padded), lengths)]
 
 
 class _TorchPending:

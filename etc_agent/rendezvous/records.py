@@ -63,6 +63,11 @@ class GenerationRecord(Record):
     num_devices: list[int] = Field(default_factory=list, description="Workers per member, same order.")
     restart_count: int = Field(0, ge=0, description="Restarts after worker failures so far (torchrun's count).")
     reason: str = Field("", description="Why this generation exists (join, leave, failure, start).")
+    parallel: str | None = Field(None, description="Parallel config of this world (tp=..,pp=..,dp=..,zero=..), from --parallel.")
+    senders: list[str] = Field(default_factory=list, description="Departing nodes whose workers send their state, then exit.")
+    sender_devices: list[int] = Field(default_factory=list, description="Workers per sender, same order.")
+    started: bool = Field(False, description="An earlier generation ran: training state exists somewhere.")
+    published_at: float = Field(0.0, description="Wall-clock time the leader published this generation.")
 
     @property
     def world_size(self) -> int:
@@ -72,6 +77,33 @@ class GenerationRecord(Record):
 class MasterRecord(Record):
     addr: str
     port: int
+
+
+class MigrationRecord(Record):
+    """What one migration did, written by new rank 0 (``generations/<n>/migration``)."""
+
+    generation: int
+    old_config: str | None
+    new_config: str
+    old_world_size: int
+    new_world_size: int
+    devices: list[str] = Field(description="Device of each new rank.")
+    senders: list[str] = Field(default_factory=list, description="Devices that only sent (departing).")
+    lost: list[str] = Field(default_factory=list, description="Devices whose state was gone (failures).")
+    reason: str = ""
+    step: int = Field(description="Training resumed at this global step.")
+    bytes_moved: int
+    bytes_moved_intra_node: int
+    bytes_moved_inter_node: int
+    bytes_reused: int = Field(0, description="Bytes of new state already in place on their device.")
+    state_bytes: int = Field(description="Total bytes of model and optimizer state.")
+    checkpoint_bytes: int = Field(description="Bytes a checkpoint-based migration moves (write all, read all).")
+    detect_s: float = Field(description="Generation published (or failure seen) until every rank stopped.")
+    agree_s: float = Field(description="Stopped until the new group formed.")
+    rebuild_s: float = Field(description="Building the new layout's model and optimizer (build + state).")
+    plan_s: float
+    transfer_s: float = Field(description="Data phase of the slowest rank (pack, send/receive, unpack).")
+    total_stall_s: float = Field(description="Training stopped until training resumed, on the slowest rank.")
 
 
 class NodeStatus(Record):

@@ -1,0 +1,381 @@
+"""A small GPT trained through the worker API, parallelised from the context it is given.
+
+- tensor parallel with DTensor (``parallelize_module``): q/k/v and fc1 column-parallel, attention
+  output and fc2 row-parallel, the token embedding vocab-parallel, the head column-parallel with
+  replicated logits; layer norms replicated;
+- pipeline parallel: layers split into ``pp`` contiguous stages (earlier stages take the extra layer),
+  embedding on the first stage, final norm and head on the last; activations and their gradients
+  go between stages with send/recv, one micro-batch at a time;
+- data parallel: gradients all-reduced over the dp group; ``zero=1`` splits the AdamW state of every
+  parameter's local shard across the dp group (each rank updates its range, then the ranges are
+  all-gathered);
+- the global batch stays fixed when dp changes (each replica accumulates ``global/(dp*micro)``
+  micro-batches), the data position is the global step, the LR schedule is a carried LambdaLR.
+
+Run it with ``etcrun --parallel tp=2,dp=auto ... -m etc_agent.examples.gpt`` or, as a world of 1,
+``python -m etc_agent.examples.gpt``. ``--elementwise`` replaces the gradient by an elementwise
+function of each parameter, so the whole state evolves layout-independently and can be compared
+bit for bit with a run in any other layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import etc_agent
+from etc_agent.layout.boxes import balanced_range
+
+
+# ---- model ---------------------------------------------------------------------------------
+class Block(nn.Module):
+    def __init__(self, hidden: int, heads: int, ffn: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(hidden)
+        self.q = nn.Linear(hidden, hidden)
+        self.k = nn.Linear(hidden, hidden)
+        self.v = nn.Linear(hidden, hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.ln2 = nn.LayerNorm(hidden)
+        self.fc1 = nn.Linear(hidden, ffn)
+        self.fc2 = nn.Linear(ffn, hidden)
+
+    def forward(self, x: torch.Tensor, tp: int) -> torch.Tensor:
+        b, s, _ = x.shape
+        h = self.ln1(x)
+        heads = self.heads // tp  # column-parallel q/k/v hold whole heads
+        q, k, v = (t.view(b, s, heads, -1).transpose(1, 2) for t in (self.q(h), self.k(h), self.v(h)))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, s, -1))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class Stage(nn.Module):
+    """The layers of one pipeline stage; names are global (``layers.<i>``) so keys do not depend on pp."""
+
+    def __init__(self, args: argparse.Namespace, first: bool, last: bool, layers: range):
+        super().__init__()
+        self.first, self.last = first, last
+        if first:
+            self.embed = nn.Embedding(args.vocab, args.hidden)
+            self.pos = nn.Embedding(args.seq, args.hidden)
+        self.layers = nn.ModuleDict({str(i): Block(args.hidden, args.heads, args.ffn) for i in layers})
+        if last:
+            self.norm = nn.LayerNorm(args.hidden)
+            self.head = nn.Linear(args.hidden, args.vocab, bias=False)
+
+    def forward(self, x: torch.Tensor, tp: int) -> torch.Tensor:
+        if self.first:
+            x = self.embed(x) + self.pos(torch.arange(x.shape[1]))
+        for block in self.layers.values():
+            x = block(x, tp)
+        if self.last:
+            x = self.head(self.norm(x))
+        return x
+
+
+def stage_layers(num_layers: int, pp: int, stage: int) -> range:
+    base, extra = divmod(num_layers, pp)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (1 if stage < extra else 0))
+
+
+def init_weights(module: nn.Module, seed: int) -> None:
+    """Every parameter from its own generator seeded by its global name: identical in every layout."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            g = torch.Generator().manual_seed(seed * 1_000_003 + sum(ord(c) * 31**i for i, c in enumerate(name)) % (1 << 31))
+            if name.endswith("bias"):
+                p.zero_()
+            elif "ln" in name or "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+
+
+# ---- optimizer -----------------------------------------------------------------------------
+class ShardedAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay) on each parameter's local shard, optionally ZeRO-1 split.
+
+    With ``dp_group`` (zero=1) each dp rank keeps ``exp_avg``/``exp_avg_sq`` for a balanced range of
+    the flattened local shard only, updates that range and all-gathers the updated ranges; the state
+    is described as :class:`~etc_agent.migrate.describe.BoxedTensor` flat ranges so it migrates to
+    any other layout. The update uses separate elementwise ops (no fused kernels), so each element's
+    result is the same whatever the layout.
+    """
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], lr: float, betas=(0.9, 0.95), eps=1e-8,
+                 weight_decay=0.01, dp_group: dist.ProcessGroup | None = None):
+        params = [p for _, p in named_params]
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.dp_group = dp_group
+        dp = dist.get_world_size(dp_group) if dp_group is not None else 1
+        dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
+        self.ranges: dict[nn.Parameter, tuple[int, int]] = {}
+        for _, p in named_params:
+            local = p.to_local() if isinstance(p, DTensor) else p
+            start, length = balanced_range(local.numel(), dp, dp_rank)
+            self.ranges[p] = (start, start + length)
+            state = {"step": torch.zeros((), dtype=torch.float32)}
+            for name in ("exp_avg", "exp_avg_sq"):
+                if dp_group is None:
+                    state[name] = torch.zeros_like(p)
+                else:
+                    state[name] = etc_agent_boxed(torch.zeros(length, dtype=local.dtype), p, (start, start + length))
+            self.state[p] = state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        pending = []
+        for group in self.param_groups:
+            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                local = (p.to_local() if isinstance(p, DTensor) else p).view(-1)
+                grad = p.grad
+                if isinstance(grad, DTensor):
+                    # e.g. the vocab-parallel embedding's gradient comes back replicated (or partial)
+                    if grad.placements != p.placements:
+                        grad = grad.redistribute(p.device_mesh, p.placements)
+                    grad = grad.to_local()
+                grad = grad.reshape(-1)
+                m, v = (_storage(state[n]) for n in ("exp_avg", "exp_avg_sq"))
+                start, stop = self.ranges[p] if self.dp_group is not None else (0, local.numel())
+                step = float(state["step"].item()) + 1
+                x, g = local[start:stop], grad[start:stop]
+                new_x = x * (1 - lr * wd)
+                new_m = m * beta1 + g * (1 - beta1)
+                new_v = v * beta2 + (g * g) * (1 - beta2)
+                denom = (new_v / (1 - beta2**step)).sqrt() + eps
+                new_x = new_x - (new_m / (1 - beta1**step)) / denom * lr
+                pending.append((p, state, local, new_x, new_m, new_v, m, v, step))
+        gathered = self._gather([(item[0], item[3]) for item in pending]) if self.dp_group is not None else None
+        # Commit only after every collective completed: a failure above leaves the state at the last step.
+        for i, (p, state, local, new_x, new_m, new_v, m, v, step) in enumerate(pending):
+            if gathered is None:
+                local.copy_(new_x)
+            else:
+                local.copy_(gathered[i])
+            m.copy_(new_m)
+            v.copy_(new_v)
+            state["step"].fill_(step)
+
+    def _gather(self, items: list[tuple[nn.Parameter, torch.Tensor]]) -> list[torch.Tensor]:
+        """All-gather every parameter's updated range over dp (one padded flat buffer per rank)."""
+        dp = dist.get_world_size(self.dp_group)
+        sizes = [(p.to_local() if isinstance(p, DTensor) else p).numel() for p, _ in items]
+        ranges_of = [[balanced_range(n, dp, r) for r in range(dp)] for n in sizes]
+        width = max(sum(rs[r][1] for rs in ranges_of) for r in range(dp))
+        mine = torch.zeros(width)
+        pos = 0
+        for _, x in items:
+            mine[pos : pos + x.numel()] = x
+            pos += x.numel()
+        outs = [torch.empty(width) for _ in range(dp)]
+        dist.all_gather(outs, mine, group=self.dp_group)
+        full = []
+        cursor = [0] * dp
+        for n, rs in zip(sizes, ranges_of):
+            parts = []
+            for r in range(dp):
+                length = rs[r][1]
+                parts.append(outs[r][cursor[r] : cursor[r] + length])
+                cursor[r] += length
+            full.append(torch.cat(parts) if n else torch.empty(0))
+        return full
+
+
+def _storage(value):
+    return value.tensor if hasattr(value, "flat_range") else (value.to_local() if isinstance(value, DTensor) else value).view(-1)
+
+
+def etc_agent_boxed(tensor: torch.Tensor, param: nn.Parameter, flat_range: tuple[int, int]):
+    """The ZeRO range ``flat_range`` of ``param``'s local shard, described for migration."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from etc_agent.migrate.describe import BoxedTensor
+
+    if isinstance(param, DTensor):
+        shape, offsets = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    else:
+        shape, offsets = tuple(param.shape), (0,) * param.dim()
+    return BoxedTensor(tensor, tuple(param.shape), tuple(offsets), tuple(shape), flat_range)
+
+
+# ---- build ---------------------------------------------------------------------------------
+def make_build(args: argparse.Namespace):
+    def build(ctx: etc_agent.ParallelContext) -> dict:
+        cfg = ctx.config
+        if args.heads % cfg.tp or args.ffn % cfg.tp or args.vocab % cfg.tp:
+            raise ValueError(f"tp={cfg.tp} must divide heads ({args.heads}), ffn ({args.ffn}) and vocab ({args.vocab})")
+        first, last = ctx.pp_rank == 0, ctx.pp_rank == cfg.pp - 1
+        model = Stage(args, first, last, stage_layers(args.layers, cfg.pp, ctx.pp_rank))
+        init_weights(model, args.seed)
+        if cfg.tp > 1:
+            plan = {}
+            for i in model.layers:
+                for name in ("q", "k", "v", "fc1"):
+                    plan[f"layers.{i}.{name}"] = ColwiseParallel()
+                for name in ("proj", "fc2"):
+                    plan[f"layers.{i}.{name}"] = RowwiseParallel()
+            if first:
+                plan["embed"] = RowwiseParallel(input_layouts=Replicate())
+            if last:
+                plan["head"] = ColwiseParallel(output_layouts=Replicate())
+            # Every rank built the same full weights: keep the local slices, no scatter.
+            parallelize_module(model, ctx.mesh["tp"], plan, src_data_rank=None)
+        optim = ShardedAdamW(list(model.named_parameters()), lr=args.lr, weight_decay=args.weight_decay,
+                             dp_group=ctx.dp_group if cfg.zero else None)
+        warmup = max(1, args.steps // 10)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            optim, lambda s: min(1.0, (s + 1) / warmup) * (0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)) * 0.9 + 0.1)
+        )
+        return {"model": model, "optim": optim, "sched": sched}
+
+    return build
+
+
+# ---- data and step -------------------------------------------------------------------------
+def batch(args: argparse.Namespace, step: int, index: int) -> torch.Tensor:
+    """Sequence ``index`` of global step ``step``: a noisy affine token walk (learnable, deterministic)."""
+    g = torch.Generator().manual_seed(args.seed * 7919 + step * 104729 + index)
+    start = int(torch.randint(args.vocab, (1,), generator=g))
+    mult = 1 + 2 * int(torch.randint(3, (1,), generator=g))
+    seq = [start]
+    for _ in range(args.seq):
+        seq.append((seq[-1] * mult + 1) % args.vocab)
+    tokens = torch.tensor(seq)
+    noise = torch.rand(args.seq + 1, generator=g) < 0.1
+    return torch.where(noise, torch.randint(args.vocab, (args.seq + 1,), generator=g), tokens)
+
+
+def train_step(job: etc_agent.Job, args: argparse.Namespace, step: int) -> float | None:
+    """One optimizer step over the global batch; returns the global mean loss on the reporting rank."""
+    ctx, model, optim, sched = job.ctx, job.state["model"], job.state["optim"], job.state["sched"]
+    cfg = ctx.config
+    per_replica = args.global_batch // cfg.dp
+    num_micro_total = args.global_batch // args.micro_batch
+    first, last = ctx.pp_rank == 0, ctx.pp_rank == cfg.pp - 1
+    loss_sum = torch.zeros(())
+    optim.zero_grad(set_to_none=True)
+    for mb in range(per_replica // args.micro_batch):
+        lo = ctx.dp_rank * per_replica + mb * args.micro_batch
+        data = torch.stack([batch(args, step, i) for i in range(lo, lo + args.micro_batch)])
+        inputs, targets = data[:, :-1], data[:, 1:]
+        shape = (args.micro_batch, args.seq, args.hidden)
+        if first:
+            x = inputs
+        else:
+            x = torch.empty(shape)
+            dist.recv(x, src=ctx.pp_peer(ctx.pp_rank - 1))
+            x.requires_grad_(True)
+        out = model(x, cfg.tp)
+        if last:
+            loss = F.cross_entropy(out.reshape(-1, args.vocab), targets.reshape(-1)) / num_micro_total
+            loss.backward()
+            loss_sum += loss.detach()
+        else:
+            dist.send(out.detach(), dst=ctx.pp_peer(ctx.pp_rank + 1))
+            grad = torch.empty(shape)
+            dist.recv(grad, src=ctx.pp_peer(ctx.pp_rank + 1))
+            out.backward(grad)
+        if not first:
+            dist.send(x.grad, dst=ctx.pp_peer(ctx.pp_rank - 1))
+    if cfg.dp > 1:
+        for p in model.parameters():
+            if p.grad is not None:
+                if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                    p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+                dist.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, group=ctx.dp_group)
+    optim.step()
+    sched.step()
+    if last:
+        if cfg.dp > 1:
+            dist.all_reduce(loss_sum, group=ctx.dp_group)
+        if ctx.dp_rank == 0 and ctx.tp_rank == 0:
+            return float(loss_sum)
+    return None
+
+
+def elementwise_step(job: etc_agent.Job) -> None:
+    """A layout-independent update: every gradient element is a function of its parameter element."""
+    model, optim, sched = job.state["model"], job.state["optim"], job.state["sched"]
+    for p in model.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        g = torch.sin(local.detach() * 3.0 + 0.5) * 0.01
+        p.grad = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()) if isinstance(p, DTensor) else g
+    optim.step()
+    sched.step()
+
+
+# ---- main ----------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--global-batch", type=int, default=12, help="Sequences per step, whatever dp is.")
+    ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=64)
+    ap.add_argument("--seq", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=32)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--ffn", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--weight-decay", type=float, default=0.01)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--parallel", default="tp=1,pp=1,dp=auto", help="Layout when etcrun --parallel does not give one.")
+    ap.add_argument("--elementwise", action="store_true", help="Layout-independent update (for bitwise state checks).")
+    ap.add_argument("--step-delay", type=float, default=0.0, help="Seconds to sleep per step (to watch a run).")
+    ap.add_argument("--loss-log", default=None, help="Append {step, loss, ...} JSON lines here.")
+    ap.add_argument("--dump-state", default=None, help="At the end, save the full unsharded state here (torch.save).")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    micro_total = args.global_batch // args.micro_batch
+    if args.global_batch % args.micro_batch:
+        raise ValueError("--global-batch must be a multiple of --micro-batch")
+    job = etc_agent.init(parallel=args.parallel)
+    job.start(make_build(args))
+    for step in job.steps(args.steps):
+        if micro_total % job.ctx.config.dp:
+            raise ValueError(f"dp={job.ctx.config.dp} does not divide the {micro_total} micro-batches of a step")
+        started = time.perf_counter()
+        if args.elementwise:
+            elementwise_step(job)
+            loss = None
+        else:
+            loss = train_step(job, args, step)
+        if loss is not None:
+            record = {"step": step, "loss": loss, "config": job.ctx.config.short(), "generation": job.ctx.generation,
+                      "step_s": round(time.perf_counter() - started, 4)}
+            print(json.dumps(record), flush=True)
+            if args.loss_log:
+                with open(args.loss_log, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+        if args.step_delay:
+            time.sleep(args.step_delay)
+    full = job.gather_state()
+    if full is not None and args.dump_state:
+        torch.save(full, args.dump_state)
+        print(f"saved the full state ({len(full)} tensors) to {args.dump_state}", file=sys.stderr, flush=True)
+    job.finish()
+
+
+if __name__ == "__main__":
+    main()

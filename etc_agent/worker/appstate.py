@@ -1,0 +1,186 @@
+"""The user's app state, split into tensors that migrate and small plain values that are carried.
+
+An app state is a dict, as for ``torch.distributed.checkpoint``: name -> ``nn.Module`` | ``Optimizer``
+| Stateful (``state_dict``/``load_state_dict``) | ``Tensor`` | ``DTensor`` | :class:`BoxedTensor` |
+plain value. Keys of the migrated tensors:
+
+- module ``m``: ``m.<fqn>`` for every entry of ``state_dict()`` (parameters and buffers);
+- optimizer ``o``: ``o.state.<param fqn>.<state name>``, the parameter named after the module that
+  holds it, so keys do not depend on the layout; its param-group settings (lr, betas, ...) are plain;
+- Stateful ``s``: ``s.<path>`` for tensors in ``state_dict()``; everything else in it is plain;
+- a tensor entry ``t``: ``t``.
+
+Tensors of a new state are written in place (module parameters, optimizer state, a Stateful's
+``state_dict()`` tensors must alias its storage); Statefuls then get ``load_state_dict`` with the
+migrated tensors and the carried plain values. Plain values travel as JSON, never pickled.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from etc_agent.migrate.describe import BoxedTensor
+
+TensorLike = (torch.Tensor, BoxedTensor)
+
+
+def _is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def param_names(app: Mapping[str, Any]) -> dict[int, str]:
+    """``id(parameter)`` -> ``<module name>.<fqn>`` for every module of the app state."""
+    names: dict[int, str] = {}
+    for name, obj in app.items():
+        if isinstance(obj, nn.Module):
+            for fqn, param in obj.named_parameters(remove_duplicate=False):
+                names.setdefault(id(param), f"{name}.{fqn}")
+    return names
+
+
+def materialize_optimizer_state(optim: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state for every parameter now, in the parameters' own layout.
+
+    Adam/AdamW get what their first step would create (zeros, step 0) directly, without a step;
+    other optimizers go through one zero-gradient, lr=0 step, then their state tensors are zeroed.
+    """
+    if all(p in optim.state and optim.state[p] for g in optim.param_groups for p in g["params"]):
+        return
+    if isinstance(optim, (torch.optim.Adam, torch.optim.AdamW)):
+        for group in optim.param_groups:
+            for p in group["params"]:
+                if optim.state.get(p):
+                    continue
+                state = {
+                    "step": torch.zeros((), dtype=torch.float32),
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                }
+                if group.get("amsgrad"):
+                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                optim.state[p] = state
+        return
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    _init_optim_state(optim)
+    with torch.no_grad():
+        for state in optim.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    value.zero_()
+
+
+def split_state(app: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(tensors to migrate by key, plain values by entry name)`` of an app state."""
+    tensors: dict[str, Any] = {}
+    plain: dict[str, Any] = {}
+    names = param_names(app)
+    for name, obj in app.items():
+        if isinstance(obj, nn.Module):
+            for fqn, value in obj.state_dict().items():
+                tensors[f"{name}.{fqn}"] = value
+        elif isinstance(obj, torch.optim.Optimizer):
+            groups = []
+            for gi, group in enumerate(obj.param_groups):
+                groups.append({k: to_json(v, f"{name}.param_groups[{gi}].{k}") for k, v in group.items() if k != "params"})
+                for pi, p in enumerate(group["params"]):
+                    pname = names.get(id(p), f"group{gi}.param{pi}")
+                    for k, v in obj.state.get(p, {}).items():
+                        if isinstance(v, TensorLike):
+                            tensors[f"{name}.state.{pname}.{k}"] = v
+            plain[name] = {"param_groups": groups}
+        elif isinstance(obj, TensorLike):
+            tensors[name] = obj
+        elif _is_stateful(obj):
+            plain[name] = _split_nested(obj.state_dict(), name, tensors)
+        else:
+            plain[name] = to_json(obj, name)
+    return tensors, plain
+
+
+def _split_nested(value: Any, path: str, tensors: dict[str, Any]) -> Any:
+    if isinstance(value, TensorLike):
+        tensors[path] = value
+        return {"__migrated__": path}
+    if isinstance(value, Mapping):
+        return {"__dict__": [[_json_key(k, path), _split_nested(v, f"{path}.{k}", tensors)] for k, v in value.items()]}
+    return to_json(value, path)
+
+
+def load_state(app: dict[str, Any], plain: Mapping[str, Any], tensors: Mapping[str, Any]) -> None:
+    """Restore carried plain values into a new app state whose tensors hold the migrated data."""
+    for name, obj in list(app.items()):
+        if name not in plain:
+            continue
+        value = plain[name]
+        if isinstance(obj, torch.optim.Optimizer):
+            for group, saved in zip(obj.param_groups, value["param_groups"]):
+                for k, v in saved.items():
+                    restored = from_json(v)
+                    if isinstance(group.get(k), tuple) and isinstance(restored, list):
+                        restored = tuple(restored)
+                    group[k] = restored
+        elif isinstance(obj, (nn.Module, *TensorLike)):
+            continue
+        elif _is_stateful(obj):
+            obj.load_state_dict(_join_nested(value, tensors))
+        else:
+            app[name] = from_json(value)
+
+
+def _join_nested(value: Any, tensors: Mapping[str, Any]) -> Any:
+    if isinstance(value, dict) and "__migrated__" in value:
+        migrated = tensors[value["__migrated__"]]
+        return migrated.tensor if isinstance(migrated, BoxedTensor) else migrated
+    if isinstance(value, dict) and "__dict__" in value:
+        return {from_json(k): _join_nested(v, tensors) for k, v in value["__dict__"]}
+    return from_json(value)
+
+
+def _json_key(key: Any, path: str) -> Any:
+    if isinstance(key, (str, int, float, bool)) or key is None:
+        return to_json(key, path)
+    raise ValueError(f"app state {path}: key {key!r} of type {type(key).__name__} cannot be carried")
+
+
+def to_json(value: Any, path: str) -> Any:
+    """A JSON form of a plain value that :func:`from_json` turns back (tuples, bytes, small tensors)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        items = [to_json(v, f"{path}[{i}]") for i, v in enumerate(value)]
+        return {"__tuple__": items} if isinstance(value, tuple) else items
+    if isinstance(value, Mapping):
+        return {"__dict__": [[_json_key(k, path), to_json(v, f"{path}.{k}")] for k, v in value.items()]}
+    if isinstance(value, (bytes, bytearray)):
+        return {"__bytes__": base64.b64encode(bytes(value)).decode()}
+    if isinstance(value, torch.Tensor) and not hasattr(value, "placements") and value.numel() <= 1 << 16:
+        raw = value.detach().cpu().contiguous()
+        return {"__tensor__": base64.b64encode(raw.view(torch.uint8).numpy().tobytes() if raw.numel() else b"").decode(),
+                "dtype": str(raw.dtype).removeprefix("torch."), "shape": list(raw.shape)}
+    raise ValueError(
+        f"app state {path}: a {type(value).__name__} cannot be carried across a migration; "
+        "return tensors, modules, optimizers, Statefuls or JSON-like values from build()"
+    )
+
+
+def from_json(value: Any) -> Any:
+    if isinstance(value, list):
+        return [from_json(v) for v in value]
+    if isinstance(value, dict):
+        if "__tuple__" in value:
+            return tuple(from_json(v) for v in value["__tuple__"])
+        if "__dict__" in value:
+            return {from_json(k): from_json(v) for k, v in value["__dict__"]}
+        if "__bytes__" in value:
+            return base64.b64decode(value["__bytes__"])
+        if "__tensor__" in value:
+            dtype = getattr(torch, value["dtype"])
+            data = bytearray(base64.b64decode(value["__tensor__"]))
+            flat = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+            return flat.view(dtype).reshape(value["shape"]).clone()
+    return value

@@ -1,0 +1,68 @@
+"""The parallel context a training script builds its model for: config, ranks, mesh and groups."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from etc_agent.layout.config import ParallelConfig
+
+MESH_DIMS = ("pp", "dp", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """Where this process sits in the current generation's layout.
+
+    Ranks follow Megatron's order (tp fastest, then dp, then pp). Everything here belongs to one
+    generation: after a migration the job hands out a new context; keep none of the old one.
+    """
+
+    config: ParallelConfig
+    """The parallel configuration of this generation."""
+    rank: int
+    """Training rank in ``[0, world_size)``."""
+    world_size: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    mesh: DeviceMesh
+    """Device mesh with dims ``("pp", "dp", "tp")`` over the whole world."""
+    device: torch.device
+    """The device this process computes on."""
+    generation: int
+    """The agent's generation number (0 for a plain ``python script.py`` run)."""
+    tp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup
+
+    @property
+    def tp(self) -> int:
+        return self.config.tp
+
+    @property
+    def pp(self) -> int:
+        return self.config.pp
+
+    @property
+    def dp(self) -> int:
+        return self.config.dp
+
+    def pp_peer(self, pp_rank: int) -> int:
+        """Global rank of the process at ``pp_rank`` in this process's pipeline (same dp, tp)."""
+        return self.config.rank(pp_rank, self.dp_rank, self.tp_rank)
+
+
+def make_context(config: ParallelConfig, rank: int, generation: int, device: torch.device) -> ParallelContext:
+    """Build the mesh and groups of ``config`` on the default process group (which must span the world)."""
+    config.check_world_size(dist.get_world_size())
+    mesh = init_device_mesh(device.type, (config.pp, config.dp, config.tp), mesh_dim_names=MESH_DIMS)
+    coord = config.coord(rank)
+    return ParallelContext(
+        config=config, rank=rank, world_size=config.world_size, tp_rank=coord.tp, pp_rank=coord.pp, dp_rank=coord.dp,
+        mesh=mesh, device=device, generation=generation,
+        tp_group=mesh.get_group("tp"), dp_group=mesh.get_group("dp"), pp_group=mesh.get_group("pp"),
+    )

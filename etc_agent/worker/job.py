@@ -1,0 +1,499 @@
+"""The worker API: a training loop that lives across membership changes.
+
+::
+
+    job = etc_agent.init()
+    job.start(build)                     # build(ctx) -> app state for ctx's layout
+    for step in job.steps(num_steps):    # global steps, continuing across migrations
+        state, ctx = job.state, job.ctx
+        ...
+    job.finish()
+
+Generation switch (every process of the old and the new generation; call sequence):
+
+1. at every step boundary each rank all-reduces (MAX) the newest generation number its agent has
+   seen, so all ranks stop at the same boundary and none is left inside a collective;
+2. each rank describes its shards (boxes only), destroys the old process group and clears
+   DTensor's dispatch cache (no mesh or group of the old generation may outlive the switch);
+3. it asks its agent for its part of the new generation (transport rank, training rank or none
+   when it departs) and waits on the generation's store until every process has arrived;
+4. members form the new training group and mesh and call ``build(ctx)`` for the new layout;
+5. all (members, departing senders) form a separate migration group, exchange which step their
+   state is at, and run :func:`~etc_agent.migrate.executor.migrate_state`: the plan is computed on
+   every process from the same descriptions and its hash compared before anything moves;
+6. the small plain state (step, RNG, param-group settings, LR scheduler) is carried from the first
+   source; new rank 0 reports one :class:`~etc_agent.rendezvous.records.MigrationRecord`;
+7. departing processes exit; the others resume at the step their state is at.
+
+A peer crash surfaces as an error inside the user's step. Under ``etcrun`` the worker launcher
+(:mod:`etc_agent.worker.launch`) calls :meth:`Job.recover`: the group is torn down at once (so
+peers fail fast too), the job waits for the generation the agent publishes after the failure,
+runs the switch above with the surviving replicas as sources, and re-enters the script, whose
+``init``/``start`` return the live job and whose ``steps`` continue from the recovered step.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from etc_agent.layout.config import ParallelConfig, ParallelSpec
+from etc_agent.layout.devices import Device
+from etc_agent.migrate.describe import BoxedTensor, describe_state
+from etc_agent.migrate.executor import migrate_state
+from etc_agent.migrate.transport import GroupTransport, MigrationError, TorchTransport
+from etc_agent.planner.core import StateLostError
+from etc_agent.utils.jsonline import JsonLineError, parse_address, request
+from etc_agent.worker.appstate import load_state, materialize_optimizer_state, split_state
+from etc_agent.worker.context import ParallelContext, make_context
+
+log = logging.getLogger("etc_agent.worker")
+
+Build = Callable[[ParallelContext], dict]
+
+_COMM_MARKERS = ("gloo", "nccl", "connection", "timed out", "timeout", "peer", "process group", "processgroup", "socket")
+
+
+class JobError(RuntimeError):
+    """The job cannot go on (state lost, the agent unreachable, a switch that did not complete)."""
+
+
+def _env_float(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        raise ValueError(f"{name}={os.environ[name]!r} is not a number") from None
+
+
+class _AgentLink:
+    """The worker's side of its agent's control channel (``ETC_AGENT_ADDR``), polled in a thread."""
+
+    def __init__(self, address: str, local_rank: int, poll_interval: float = 0.1):
+        self.address = parse_address(address)
+        self.local_rank = local_rank
+        self.poll_interval = poll_interval
+        self.latest: int = -1
+        self.reply: dict[str, Any] = {}
+        self.error: str | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._changed = threading.Condition(self._lock)
+        request(self.address, {"op": "hello", "local_rank": local_rank, "pid": os.getpid(), "elastic": True}, timeout=10)
+        self._thread = threading.Thread(target=self._poll, name="etc-agent-link", daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                reply = request(self.address, {"op": "assignment", "local_rank": self.local_rank}, timeout=10)
+                failures = 0
+                with self._changed:
+                    self.reply = reply
+                    if reply.get("latest") is not None:
+                        self.latest = max(self.latest, int(reply["latest"]))
+                    self.error = None
+                    self._changed.notify_all()
+            except (OSError, JsonLineError) as err:
+                failures += 1
+                if failures >= 3:
+                    with self._changed:
+                        self.error = f"agent at {self.address[0]}:{self.address[1]} unreachable: {err}"
+                        self._changed.notify_all()
+            self._stop.wait(self.poll_interval)
+
+    def assignment(self, at_least: int, timeout_s: float, why: str) -> dict[str, Any]:
+        """The newest assignment for a generation >= ``at_least`` (waiting for the agent to prepare it)."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while True:
+                current = self.reply.get("assignment")
+                if current is not None and current["generation"] >= at_least:
+                    return current
+                if self.reply.get("latest_status") in ("failed", "succeeded") and (self.reply.get("latest") or -1) >= at_least:
+                    raise JobError(f"the job {self.reply['latest_status']} while this worker waited for generation {at_least}")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    detail = f"; last error: {self.error}" if self.error else ""
+                    raise JobError(f"no generation >= {at_least} from the agent within {timeout_s:.0f} s ({why}){detail}")
+                self._changed.wait(min(remaining, 0.5))
+
+    def newer_than(self, generation: int) -> dict[str, Any] | None:
+        with self._lock:
+            current = self.reply.get("assignment")
+            return current if current is not None and current["generation"] > generation else None
+
+    def send(self, req: dict[str, Any]) -> None:
+        try:
+            request(self.address, req, timeout=10)
+        except (OSError, JsonLineError) as err:
+            log.warning("could not send %s to the agent: %s", req.get("op"), err)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+
+class Job:
+    """One worker's view of the elastic job. Create it with :func:`etc_agent.init`."""
+
+    def __init__(self, parallel: str | None = None):
+        self.default_parallel = ParallelSpec.parse(parallel) if parallel else ParallelSpec()
+        self.timeout_s = _env_float("ETC_AGENT_TIMEOUT", 120.0)
+        """Bound on forming a group, on every collective of the switch, and on waiting for a generation."""
+        self.backend = os.environ.get("ETC_AGENT_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.node_id = os.environ.get("ETC_AGENT_NODE_ID", "local")
+        self.device = torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.state: dict | None = None
+        """The app state of the current layout (what ``build`` returned, holding the migrated data)."""
+        self.ctx: ParallelContext | None = None
+        """The current :class:`ParallelContext`; replaced after every migration."""
+        self.next_step = 0
+        """Steps completed so far (the next global step to run)."""
+        self.generation = -1
+        self.migrations: list[dict] = []
+        """One record per migration this process took part in (as sent to the agent)."""
+        self._build: Build | None = None
+        self._store = None
+        self._stepped = False
+        self._in_step = False
+        self._finished = False
+        address = os.environ.get("ETC_AGENT_ADDR")
+        self.elastic = address is not None and os.environ.get("ETC_AGENT_ELASTIC", "1") != "0"
+        self._link = _AgentLink(address, self.local_rank) if self.elastic else None
+
+    # ---- public API ------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.ctx.rank if self.ctx else -1
+
+    def start(self, build: Build) -> None:
+        """Join the job: the first generation builds fresh state; a later joiner receives it from peers.
+
+        Calling it again (the launcher re-entering the script after a recovery) keeps the live state.
+        """
+        if self._build is not None:
+            return
+        self._build = build
+        if not self.elastic:
+            self._start_static()
+            return
+        env_generation = int(os.environ.get("ETC_AGENT_GENERATION", 0))
+        self._switch(self._link.assignment(env_generation, self.timeout_s, "start"), stopped_at=None, failure=False)
+
+    def steps(self, num_steps: int) -> Iterator[int]:
+        """Global step numbers from the current one to ``num_steps - 1``; switches between steps."""
+        if self._build is None:
+            raise RuntimeError("call job.start(build) before job.steps()")
+        while True:
+            if self.elastic:
+                self._maybe_switch()
+            if self.next_step >= num_steps:
+                return
+            self._stepped = False
+            self._in_step = True
+            yield self.next_step
+            self._in_step = False
+            self.next_step += 1
+
+    def finish(self) -> None:
+        """Leave cleanly after the last step (all ranks call it)."""
+        if self._finished:
+            return
+        self._finished = True
+        if dist.is_initialized():
+            try:
+                dist.barrier()
+            finally:
+                dist.destroy_process_group()
+        if self._link is not None:
+            self._link.close()
+
+    def gather_state(self) -> dict[str, torch.Tensor] | None:
+        """The whole app state's tensors, unsharded, on rank 0 (None elsewhere). All ranks call it.
+
+        Runs on the executor: rank 0's new layout holds every key as one full box.
+        """
+        tensors, _ = split_state(self.state)
+        transport = TorchTransport()
+        infos = transport.all_gather_object([[s.shard.key, list(s.shard.global_shape), s.shard.dtype] for s in describe_state(tensors)])
+        full = None
+        if self.ctx.rank == 0:
+            from etc_agent.migrate.executor import TORCH_DTYPES
+
+            shapes = {key: (tuple(shape), dtype) for info in infos for key, shape, dtype in info}
+            full = {key: BoxedTensor(torch.empty(shape, dtype=TORCH_DTYPES[dtype]), shape, (0,) * len(shape)) for key, (shape, dtype) in sorted(shapes.items())}
+        result = migrate_state(tensors, full, device=Device("g", self.ctx.rank), old_rank=self.ctx.rank,
+                               new_rank=0 if self.ctx.rank == 0 else None, transport=transport, timeout_s=self.timeout_s)
+        if full is None:
+            return None
+        return {key: result.tensors[key].view(full[key].global_shape) for key in full}
+
+    # ---- static (no agent) ---------------------------------------------------------------
+    def _start_static(self) -> None:
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        rank = int(os.environ.get("RANK", 0))
+        timeout = timedelta(seconds=self.timeout_s)
+        if not dist.is_initialized():
+            if world == 1 and "MASTER_ADDR" not in os.environ:
+                dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            else:
+                dist.init_process_group(self.backend, init_method="env://", rank=rank, world_size=world, timeout=timeout)
+        config = self._config_for(os.environ.get("ETC_AGENT_PARALLEL"), world)
+        self.ctx = make_context(config, rank, 0, self.device)
+        self.state = self._build_state(self.ctx)
+
+    def _config_for(self, parallel: str | None, world: int) -> ParallelConfig:
+        if parallel:
+            config = ParallelConfig.parse(parallel)
+        else:
+            config = self.default_parallel.resolve(world)
+            if config is None:
+                raise ValueError(f"parallel config {self.default_parallel.short()} does not fit a world of {world}")
+        config.check_world_size(world)
+        return config
+
+    def _build_state(self, ctx: ParallelContext) -> dict:
+        state = self._build(ctx)
+        if not isinstance(state, dict):
+            raise TypeError(f"build() must return a dict (the app state), got {type(state).__name__}")
+        for obj in state.values():
+            if isinstance(obj, torch.optim.Optimizer):
+                materialize_optimizer_state(obj)
+                obj.register_step_post_hook(self._on_optimizer_step)
+        return state
+
+    def _on_optimizer_step(self, *args: Any) -> None:
+        self._stepped = True
+
+    # ---- switching generations -----------------------------------------------------------
+    def _maybe_switch(self) -> None:
+        flag = torch.tensor([max(self._link.latest, self.generation)], dtype=torch.int64)
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        except Exception as err:  # a peer died between steps
+            if not self.recover(err):
+                raise
+            return
+        pending = int(flag.item())
+        if pending > self.generation:
+            self._switch(self._link.assignment(pending, self.timeout_s, f"switch to generation {pending}"),
+                         stopped_at=(time.time(), time.perf_counter()), failure=False)
+
+    def recover(self, err: BaseException) -> bool:
+        """After a peer failed mid-step: keep the state, switch to the next generation. False if ``err``
+        is not a communication failure (or there is no agent), so the caller re-raises it."""
+        if not self.elastic or self.state is None or self._finished:
+            return False
+        text = str(err).lower()
+        if not (isinstance(err, (MigrationError, getattr(dist, "DistError", MigrationError))) or
+                (isinstance(err, RuntimeError) and any(m in text for m in _COMM_MARKERS))):
+            return False
+        stopped_at = (time.time(), time.perf_counter())
+        if self._in_step and self._stepped:
+            self.next_step += 1  # the optimizer stepped before the failure: that step is done
+        self._in_step = False
+        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        print(f"[etc_agent] rank {self.rank}: communication failed at step {self.next_step} ({first_line}); "
+              "keeping the state, waiting for the next generation", file=sys.stderr, flush=True)
+        self._switch(None, stopped_at=stopped_at, failure=True)
+        return True
+
+    def _teardown_group(self) -> None:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as err:  # a broken group may fail to shut down cleanly
+                log.warning("destroying the old process group: %s", err)
+        # DTensor's dispatch cache compares meshes by shape and names: stale entries would attach
+        # new DTensors to the old mesh.
+        torch._C._clear_DTensor_sharding_propagator_cache()
+        self.ctx = None
+
+    def _switch(self, assignment: dict | None, stopped_at: tuple[float, float] | None, failure: bool) -> None:
+        """Move from the current generation (if any) into ``assignment``'s (None: the one after the
+        current, once the agent has it); see the module docstring."""
+        old_rank = self.ctx.rank if self.ctx is not None else None
+        old_config = self.ctx.config.short() if self.ctx is not None else None
+        old_boxed = None
+        plain: dict | None = None
+        if self.state is not None:
+            tensors, plain = split_state(self.state)
+            old_boxed = {s.shard.key: BoxedTensor(s.tensor, s.shard.global_shape, s.shard.offsets, s.shard.lengths, s.shard.flat_range)
+                         for s in describe_state(tensors)}
+            plain = {"app": plain, "rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+        self._teardown_group()  # peers blocked on this process fail now instead of at their timeout
+        if assignment is None:
+            assignment = self._link.assignment(self.generation + 1, self.timeout_s, "recovery after a failure")
+        while True:
+            outcome = self._enter(assignment, old_rank, old_config, old_boxed, plain, stopped_at, failure)
+            if outcome is not None:
+                assignment = outcome  # superseded while gathering: go to the newer generation
+                continue
+            return
+
+    def _arrive(self, assignment: dict) -> bool:
+        """Wait until every process of the generation reached its store (False: a newer one came)."""
+        from torch.distributed import TCPStore
+
+        generation = assignment["generation"]
+        self._store = TCPStore(assignment["store_addr"], assignment["store_port"], is_master=False,
+                               timeout=timedelta(seconds=self.timeout_s), wait_for_workers=False)
+        key = f"gen{generation}/arrived"
+        self._store.add(key, 1)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            count = self._store.add(key, 0)
+            if count >= assignment["pg_world_size"]:
+                return True
+            if self._link.newer_than(generation):
+                return False
+            if time.monotonic() > deadline:
+                raise JobError(f"generation {generation}: {count} of {assignment['pg_world_size']} processes arrived within "
+                               f"{self.timeout_s:.0f} s (devices: {', '.join(assignment['devices'])})")
+            time.sleep(0.01)
+
+    def _enter(self, assignment, old_rank, old_config, old_boxed, plain, stopped_at, failure) -> dict | None:
+        generation = assignment["generation"]
+        t0 = time.perf_counter()
+        if not self._arrive(assignment):
+            return self._link.newer_than(generation)
+        timeout = timedelta(seconds=self.timeout_s)
+        new_rank = assignment["rank"]
+        device = Device.parse(assignment["devices"][assignment["pg_rank"]])
+        new_state, new_tensors, ctx = None, None, None
+        t_group = t_build = time.perf_counter()
+        if new_rank is not None:
+            dist.init_process_group(self.backend, store=dist.PrefixStore(f"gen{generation}/train/", self._store),
+                                    rank=new_rank, world_size=assignment["world_size"], timeout=timeout)
+            config = self._config_for(assignment["parallel"], assignment["world_size"])
+            ctx = make_context(config, new_rank, generation, self.device)
+            t_group = time.perf_counter()
+            new_state = self._build_state(ctx)
+            new_tensors, _ = split_state(new_state)
+            t_build = time.perf_counter()
+        group = dist.ProcessGroupGloo(dist.PrefixStore(f"gen{generation}/migrate/", self._store), assignment["pg_rank"],
+                                      assignment["pg_world_size"], timeout)
+        transport = GroupTransport(group, "gloo")
+        holds = old_boxed is not None
+        statuses = transport.all_gather_object({
+            "device": str(device), "old_rank": old_rank if holds else None, "step": self.next_step if holds else None,
+            "config": old_config if holds else None, "plain": plain if holds else None, "new_rank": new_rank,
+        })
+        holders = [i for i, s in enumerate(statuses) if s["step"] is not None]
+        result, source, lost = None, None, []
+        if not holders:
+            if assignment["started"]:
+                raise JobError(f"generation {generation}: no process holds any training state (all holders are gone) "
+                               "and there is no checkpoint to restore from")
+            resume_step = self.next_step
+        else:
+            for step in sorted({statuses[i]["step"] for i in holders}, reverse=True):
+                sources = [i for i in holders if statuses[i]["step"] == step]
+                source = sources[0]
+                old_world = ParallelConfig.parse(statuses[source]["config"]).world_size
+                held = {statuses[i]["old_rank"] for i in sources}
+                lost_ranks = {r: (Device(f"lost{r}", 0), []) for r in range(old_world) if r not in held}
+                lost = [str(d) for d, _ in lost_ranks.values()]
+                mine = transport.rank in sources
+                try:
+                    result = migrate_state(
+                        old_boxed if mine else None, new_tensors, device=device, old_rank=old_rank if mine else None,
+                        new_rank=new_rank, transport=transport, tp=ctx.config.tp if ctx else 1,
+                        failed=[d for d, _ in lost_ranks.values()], lost_old_ranks=lost_ranks, timeout_s=self.timeout_s,
+                    )
+                    resume_step = step
+                    break
+                except StateLostError as err:
+                    # Every process computed the same plan and hit the same gap: try an older step.
+                    last_error = err
+            else:
+                raise JobError(f"generation {generation}: state lost, no step has a live copy of every shard: {last_error}")
+        t_migrated = time.perf_counter()
+        if new_rank is None:
+            self._report(transport, assignment, statuses, result, source, lost, stopped_at, t0, t_group, t_build, t_migrated, failure)
+            print(f"[etc_agent] {device}: state sent for generation {generation}; leaving the job", file=sys.stderr, flush=True)
+            if self._link is not None:
+                self._link.close()
+            raise SystemExit(0)
+        if source is not None:
+            carried = statuses[source]["plain"]
+            load_state(new_state, carried["app"], new_tensors)
+            torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(carried["rng"])), dtype=torch.uint8).clone())
+        self.state, self.ctx, self.next_step, self.generation = new_state, ctx, resume_step, generation
+        self._report(transport, assignment, statuses, result, source, lost, stopped_at, t0, t_group, t_build, t_migrated, failure)
+        del group, transport
+        return None
+
+    def _report(self, transport, assignment, statuses, result, source, lost, stopped_at, t0, t_group, t_build, t_migrated, failure) -> None:
+        """Gather each process's phase times; new rank 0 sends one record to its agent and logs it."""
+        now_wall, now = time.time(), time.perf_counter()
+        mine = {
+            "stop_wall": stopped_at[0] if stopped_at else None,
+            "stall": (now - stopped_at[1]) if stopped_at else None,
+            "agree": (t_group - stopped_at[1]) if stopped_at else None,
+            "rebuild": t_build - t_group,
+            "plan": result.metrics.plan_s if result else 0.0,
+            "transfer": result.metrics.transfer_phase_s if result else 0.0,
+            "kept": (result.metrics.bytes_reused + result.metrics.bytes_copied_locally) if result else 0,
+        }
+        everyone = transport.all_gather_object(mine)
+        if result is None or assignment["rank"] != 0:
+            return
+        new_world = assignment["world_size"]
+        stops = [e["stop_wall"] for e in everyone if e["stop_wall"] is not None]
+        published = assignment["published_at"]
+        detect = (max(stops) - published if not failure else published - min(stops)) if stops else 0.0
+        plan = result.plan
+
+        def worst(name: str) -> float:
+            values = [e[name] for e in everyone if e[name] is not None]
+            return max(values) if values else 0.0
+
+        record = {
+            "generation": assignment["generation"], "old_config": statuses[source]["config"], "new_config": self.ctx.config.short(),
+            "old_world_size": ParallelConfig.parse(statuses[source]["config"]).world_size, "new_world_size": new_world,
+            "devices": assignment["devices"][:new_world], "senders": assignment["devices"][new_world:], "lost": lost,
+            "reason": assignment["reason"], "step": self.next_step,
+            "bytes_moved": plan.bytes_moved, "bytes_moved_intra_node": plan.bytes_moved - plan.bytes_moved_inter_node,
+            "bytes_moved_inter_node": plan.bytes_moved_inter_node, "bytes_reused": sum(e["kept"] for e in everyone),
+            "state_bytes": plan.state_bytes, "checkpoint_bytes": plan.checkpoint_bytes,
+            "detect_s": round(max(detect, 0.0), 4), "agree_s": round(worst("agree"), 4), "rebuild_s": round(worst("rebuild"), 4),
+            "plan_s": round(worst("plan"), 4), "transfer_s": round(worst("transfer"), 4), "total_stall_s": round(worst("stall"), 4),
+        }
+        self.migrations.append(record)
+        print(json.dumps({"event": "etc_migration", **record}), file=sys.stderr, flush=True)
+        if self._link is not None:
+            self._link.send({"op": "migration", "record": record})
+
+
+_CURRENT: Job | None = None
+
+
+def init(parallel: str | None = None) -> Job:
+    """The job of this process (created on first call; later calls return the same live job).
+
+    ``parallel``: the layout to use when ``etcrun --parallel`` does not say (e.g. ``tp=2,dp=auto``);
+    by default every device is a data-parallel replica.
+    """
+    global _CURRENT
+    if _CURRENT is None:
+        _CURRENT = Job(parallel)
+    return _CURRENT
+
+
+def current() -> Job | None:
+    return _CURRENT
