@@ -473,9 +473,7 @@ class Agent:
                 self.store.put("last_migration", record.dumps())
             except StoreError as err:
                 self.emit("store_unreachable", {"error": str(err), "pending": "migration record"})
-            self.emit("migration", {"generation": record.generation, "from": record.old_config, "to": record.new_config,
-                                    "bytes_moved": record.bytes_moved, "checkpoint_bytes": record.checkpoint_bytes,
-                                    "stall_s": round(record.total_stall_s, 3)})
+            self.emit("migration", record.model_dump(exclude={"schema_version"}))
             return {"ok": True}
         if op == "generation":
             latest = self._latest

@@ -41,6 +41,8 @@ import os
 import sys
 import threading
 import time
+import traceback
+import gc
 from datetime import timedelta
 from typing import Any, Callable, Iterator
 
@@ -66,6 +68,18 @@ _COMM_MARKERS = ("gloo", "nccl", "connection", "timed out", "timeout", "peer", "
 
 class JobError(RuntimeError):
     """The job cannot go on (state lost, the agent unreachable, a switch that did not complete)."""
+
+
+class ArrivalTimeout(JobError):
+    """Not every process of a generation reached its store in time (one may have died)."""
+
+
+def is_communication_error(err: BaseException) -> bool:
+    """Errors a failed or vanished peer causes (as opposed to bugs in the training script)."""
+    if isinstance(err, (MigrationError, ArrivalTimeout)) or isinstance(err, getattr(dist, "DistError", MigrationError)):
+        return True
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and not isinstance(err, JobError) and any(m in text for m in _COMM_MARKERS)
 
 
 def _env_float(name: str, default: float) -> float:
@@ -281,15 +295,19 @@ class Job:
 
     # ---- switching generations -----------------------------------------------------------
     def _maybe_switch(self) -> None:
-        flag = torch.tensor([max(self._link.latest, self.generation)], dtype=torch.int64)
-        try:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        except Exception as err:  # a peer died between steps
-            if not self.recover(err):
-                raise
-            return
-        pending = int(flag.item())
-        if pending > self.generation:
+        """The step-boundary agreement; after any switch it runs again, so that the first collective
+        of every process in a new generation (survivor, joiner, recovered) is this one."""
+        while True:
+            flag = torch.tensor([max(self._link.latest, self.generation)], dtype=torch.int64)
+            try:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            except Exception as err:  # a peer died between steps
+                if not self.recover(err):
+                    raise
+                continue
+            pending = int(flag.item())
+            if pending <= self.generation:
+                return
             self._switch(self._link.assignment(pending, self.timeout_s, f"switch to generation {pending}"),
                          stopped_at=(time.time(), time.perf_counter()), failure=False)
 
@@ -298,21 +316,26 @@ class Job:
         is not a communication failure (or there is no agent), so the caller re-raises it."""
         if not self.elastic or self.state is None or self._finished:
             return False
-        text = str(err).lower()
-        if not (isinstance(err, (MigrationError, getattr(dist, "DistError", MigrationError))) or
-                (isinstance(err, RuntimeError) and any(m in text for m in _COMM_MARKERS))):
+        if not is_communication_error(err):
             return False
         stopped_at = (time.time(), time.perf_counter())
         if self._in_step and self._stepped:
             self.next_step += 1  # the optimizer stepped before the failure: that step is done
         self._in_step = False
         first_line = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        # The failed step's frames hold the old groups (a ctx local, a pending work); gloo closes a
+        # group's connections only when its last reference goes, and peers blocked on this process
+        # fail fast only then.
+        traceback.clear_frames(err.__traceback__)
         print(f"[etc_agent] rank {self.rank}: communication failed at step {self.next_step} ({first_line}); "
               "keeping the state, waiting for the next generation", file=sys.stderr, flush=True)
         self._switch(None, stopped_at=stopped_at, failure=True)
         return True
 
     def _teardown_group(self) -> None:
+        if self.ctx is not None:
+            self.ctx.mesh._pg_registry.clear()  # old DTensors keep their mesh; it must not keep the groups
+        self.ctx = None
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -321,7 +344,7 @@ class Job:
         # DTensor's dispatch cache compares meshes by shape and names: stale entries would attach
         # new DTensors to the old mesh.
         torch._C._clear_DTensor_sharding_propagator_cache()
-        self.ctx = None
+        gc.collect()
 
     def _switch(self, assignment: dict | None, stopped_at: tuple[float, float] | None, failure: bool) -> None:
         """Move from the current generation (if any) into ``assignment``'s (None: the one after the
@@ -335,11 +358,30 @@ class Job:
             old_boxed = {s.shard.key: BoxedTensor(s.tensor, s.shard.global_shape, s.shard.offsets, s.shard.lengths, s.shard.flat_range)
                          for s in describe_state(tensors)}
             plain = {"app": plain, "rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+            # The boxes keep the tensors; the app objects (which may hold old groups) go now.
+            del tensors
+            self.state = None
         self._teardown_group()  # peers blocked on this process fail now instead of at their timeout
         if assignment is None:
             assignment = self._link.assignment(self.generation + 1, self.timeout_s, "recovery after a failure")
         while True:
-            outcome = self._enter(assignment, old_rank, old_config, old_boxed, plain, stopped_at, failure)
+            try:
+                outcome = self._enter(assignment, old_rank, old_config, old_boxed, plain, stopped_at, failure)
+            except Exception as err:
+                # A peer failed during the switch: this process still holds its old shards (sources
+                # are only read), so it takes part again in the generation the agent publishes next.
+                if not is_communication_error(err):
+                    raise
+                first_line = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+                print(f"[etc_agent] {self.node_id}:{self.local_rank}: switch to generation {assignment['generation']} failed "
+                      f"({first_line}); waiting for the next generation", file=sys.stderr, flush=True)
+                traceback.clear_frames(err.__traceback__)
+                del err
+                self.state, self.ctx = None, None
+                self._teardown_group()
+                assignment = self._link.assignment(assignment["generation"] + 1, self.timeout_s, "retry after a failed switch")
+                failure = True
+                continue
             if outcome is not None:
                 assignment = outcome  # superseded while gathering: go to the newer generation
                 continue
@@ -362,7 +404,7 @@ class Job:
             if self._link.newer_than(generation):
                 return False
             if time.monotonic() > deadline:
-                raise JobError(f"generation {generation}: {count} of {assignment['pg_world_size']} processes arrived within "
+                raise ArrivalTimeout(f"generation {generation}: {count} of {assignment['pg_world_size']} processes arrived within "
                                f"{self.timeout_s:.0f} s (devices: {', '.join(assignment['devices'])})")
             time.sleep(0.01)
 
