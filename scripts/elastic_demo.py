@@ -188,13 +188,25 @@ def reference_losses(parallel_steps: int, work: Path, extra_script_args: list[st
     return read_losses(loss_log), state_file
 
 
+def compare_states(elastic: Path, reference: Path) -> list[str]:
+    """Keys whose tensors differ (bitwise) between two full-state dumps; a missing key counts too."""
+    import torch
+
+    a, b = torch.load(elastic), torch.load(reference)
+    differ = sorted(set(a) ^ set(b))
+    differ += [k for k in sorted(set(a) & set(b)) if a[k].shape != b[k].shape or not torch.equal(a[k], b[k])]
+    return differ
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parallel", default="tp=2,pp=1,dp=auto")
     ap.add_argument("--nproc", type=int, default=2, help="Workers per agent.")
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--step-delay", type=float, default=0.05)
+    ap.add_argument("--step-delay", type=float, default=0.1)
     ap.add_argument("--quiet", action="store_true", help="Do not echo the agents' output.")
+    ap.add_argument("--events", default="join,leave,kill", help="Comma-separated events in order: join, leave, kill.")
+    ap.add_argument("--elementwise", action="store_true", help="Layout-independent update; check the final state bit for bit.")
     args = ap.parse_args()
     from rich.console import Console
     from rich.table import Table
@@ -203,8 +215,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="etc-demo-") as tmp:
         work = Path(tmp)
         console.print(f"[bold]ETC demo[/]: {args.parallel}, agents of {args.nproc} workers; join, SIGTERM leave, SIGKILL of a worker")
-        result = run_scenario(args.parallel, args.nproc, args.steps, args.step_delay, work, echo=not args.quiet)
-        reference, _ = reference_losses(args.steps, work)
+        extra = ["--elementwise"] if args.elementwise else []
+        events = tuple(e for e in args.events.split(",") if e)
+        unknown = set(events) - {"join", "leave", "kill"}
+        if unknown:
+            raise SystemExit(f"--events: unknown {sorted(unknown)}")
+        result = run_scenario(args.parallel, args.nproc, args.steps, args.step_delay, work, echo=not args.quiet,
+                              events=events, extra_script_args=extra)
+        reference, reference_state = reference_losses(args.steps, work, extra)
+        mismatched = compare_states(result["state_file"], reference_state) if args.elementwise else None
     table = Table(title="migrations")
     for col in ("gen", "reason", "old -> new", "step", "moved", "checkpoint would move", "detect s", "agree s", "rebuild s", "plan s", "transfer s", "stall s"):
         table.add_column(col)
@@ -213,19 +232,21 @@ def main() -> None:
                       f"{m['bytes_moved'] / 1e6:.2f} MB", f"{m['checkpoint_bytes'] / 1e6:.2f} MB", *(f"{m.get(k, 0):.3f}" for k in ("detect_s", "agree_s", "rebuild_s", "plan_s", "transfer_s")), f"{m['total_stall_s']:.3f}")
     console.print(table)
     losses = result["losses"]
-    worst = max((abs(losses[s] - reference[s]) / abs(reference[s]) for s in reference if s in losses), default=float("nan"))
+    worst = max((abs(losses[s] - reference[s]) / (abs(reference[s]) or 1.0) for s in reference if s in losses), default=float("nan"))
     curve = Table(title="loss (elastic vs uninterrupted reference)")
     for col in ("step", "elastic", "reference", "rel diff"):
         curve.add_column(col)
     for s in sorted(reference)[:: max(1, len(reference) // 12)]:
-        curve.add_row(str(s), f"{losses.get(s, float('nan')):.5f}", f"{reference[s]:.5f}", f"{abs(losses.get(s, float('nan')) - reference[s]) / abs(reference[s]):.1e}")
+        curve.add_row(str(s), f"{losses.get(s, float('nan')):.5f}", f"{reference[s]:.5f}", f"{abs(losses.get(s, float('nan')) - reference[s]) / (abs(reference[s]) or 1.0):.1e}")
     console.print(curve)
     missing = sorted(set(reference) - set(losses))
     console.print(f"events: {result['events']}; agent exit codes {result['codes']}; steps missing: {missing or 'none'}; "
                   f"worst relative loss difference {worst:.2e}")
+    if args.elementwise:
+        console.print(f"final state vs reference, bit for bit: {'equal' if not mismatched else f'{len(mismatched)} tensors differ: {mismatched[:5]}'}")
     print(json.dumps({"demo": args.parallel, "migrations": len(result["migrations"]), "worst_rel_loss_diff": worst,
-                      "missing_steps": missing, "exit_codes": result["codes"]}))
-    if missing or not worst <= 1e-4 or any(c not in (0,) for c in result["codes"]):
+                      "missing_steps": missing, "exit_codes": result["codes"], "state_mismatches": mismatched}))
+    if missing or (not args.elementwise and not worst <= 1e-4) or mismatched or any(c not in (0,) for c in result["codes"]):
         raise SystemExit(1)
 
 

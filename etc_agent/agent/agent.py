@@ -223,6 +223,10 @@ class Agent:
                 except ValueError as err:
                     self.emit("rejected_record", {"key": skv.key, "reason": str(err)})
             failed = [n for n, s in statuses.items() if s.state == "failed" and n in current.members]
+            fatal = [s.message for n, s in statuses.items() if s.state == "failed" and s.fatal]
+            if fatal:
+                publish(current.model_copy(update={"number": number, "status": "failed", "reason": fatal[0]}))
+                return
             if failed:
                 if restart_count >= self.config.max_restarts:
                     publish(current.model_copy(update={"number": number, "status": "failed",
@@ -465,7 +469,24 @@ class Agent:
                 "latest": latest.number if latest else None,
                 "latest_status": latest.status if latest else None,
                 "assignment": self._assignments.get(int(req["local_rank"])),
+                "finished": self._job_finished(),
             }
+        if op == "fatal":
+            gen = self.generation
+            if gen is not None:
+                self._report(gen, NodeStatus(state="failed", message=str(req.get("reason", ""))[:2000], fatal=True))
+            self.emit("fatal", {"reason": str(req.get("reason", ""))[:500]})
+            return {"ok": True}
+        if op == "finished":
+            # The training ranks completed the last step: processes still on their way into a
+            # generation (a late joiner) exit instead of waiting for peers that are gone.
+            try:
+                self.store.put("finished", json.dumps({"step": int(req["step"]), "generation": int(req["generation"])}))
+            except StoreError as err:
+                self.emit("store_unreachable", {"error": str(err), "pending": "finished marker"})
+            self._finished_cache = (time.monotonic(), True)
+            self.emit("training_finished", {"step": int(req["step"]), "generation": int(req["generation"])})
+            return {"ok": True}
         if op == "migration":
             record = MigrationRecord.model_validate(req["record"])
             try:
@@ -484,6 +505,17 @@ class Agent:
                 "leaving": self.leaving.is_set(),
             }
         raise ValueError(f"unknown control op {op!r}")
+
+    def _job_finished(self) -> bool:
+        checked_at, value = getattr(self, "_finished_cache", (0.0, False))
+        if value or time.monotonic() - checked_at < 0.5:
+            return value
+        try:
+            value = self.store.get("finished") is not None
+        except StoreError:
+            value = False
+        self._finished_cache = (time.monotonic(), value)
+        return value
 
     def request_departure(self) -> None:
         """Planned departure (SIGTERM): leave the membership, let the others go on without us."""

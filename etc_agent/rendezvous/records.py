@@ -110,3 +110,4 @@ class NodeStatus(Record):
     state: Literal["running", "succeeded", "failed"]
     exit_codes: dict[int, int] = Field(default_factory=dict, description="Local rank -> exit code of workers that ended.")
     message: str = ""
+    fatal: bool = Field(False, description="The failure cannot be fixed by a restart (training state lost): the job fails now.")

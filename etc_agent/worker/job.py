@@ -70,6 +70,14 @@ class JobError(RuntimeError):
     """The job cannot go on (state lost, the agent unreachable, a switch that did not complete)."""
 
 
+class StateLost(JobError):
+    """Some training state has no live copy; the job cannot go on without a checkpoint."""
+
+
+class JobFinished(Exception):
+    """Training completed its last step before this process got into the job."""
+
+
 class ArrivalTimeout(JobError):
     """Not every process of a generation reached its store in time (one may have died)."""
 
@@ -136,6 +144,8 @@ class _AgentLink:
                     return current
                 if self.reply.get("latest_status") in ("failed", "succeeded") and (self.reply.get("latest") or -1) >= at_least:
                     raise JobError(f"the job {self.reply['latest_status']} while this worker waited for generation {at_least}")
+                if self.reply.get("finished"):
+                    raise JobFinished()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     detail = f"; last error: {self.error}" if self.error else ""
@@ -206,7 +216,7 @@ class Job:
             self._start_static()
             return
         env_generation = int(os.environ.get("ETC_AGENT_GENERATION", 0))
-        self._switch(self._link.assignment(env_generation, self.timeout_s, "start"), stopped_at=None, failure=False)
+        self._switch(env_generation, "start", stopped_at=None, failure=False)
 
     def steps(self, num_steps: int) -> Iterator[int]:
         """Global step numbers from the current one to ``num_steps - 1``; switches between steps."""
@@ -228,6 +238,8 @@ class Job:
         if self._finished:
             return
         self._finished = True
+        if self._link is not None and self.ctx is not None and self.ctx.rank == 0:
+            self._link.send({"op": "finished", "step": self.next_step, "generation": self.generation})
         if dist.is_initialized():
             try:
                 dist.barrier()
@@ -308,8 +320,7 @@ class Job:
             pending = int(flag.item())
             if pending <= self.generation:
                 return
-            self._switch(self._link.assignment(pending, self.timeout_s, f"switch to generation {pending}"),
-                         stopped_at=(time.time(), time.perf_counter()), failure=False)
+            self._switch(pending, f"switch to generation {pending}", stopped_at=(time.time(), time.perf_counter()), failure=False)
 
     def recover(self, err: BaseException) -> bool:
         """After a peer failed mid-step: keep the state, switch to the next generation. False if ``err``
@@ -329,7 +340,7 @@ class Job:
         traceback.clear_frames(err.__traceback__)
         print(f"[etc_agent] rank {self.rank}: communication failed at step {self.next_step} ({first_line}); "
               "keeping the state, waiting for the next generation", file=sys.stderr, flush=True)
-        self._switch(None, stopped_at=stopped_at, failure=True)
+        self._switch(self.generation + 1, "recovery after a failure", stopped_at=stopped_at, failure=True)
         return True
 
     def _teardown_group(self) -> None:
@@ -346,9 +357,19 @@ class Job:
         torch._C._clear_DTensor_sharding_propagator_cache()
         gc.collect()
 
-    def _switch(self, assignment: dict | None, stopped_at: tuple[float, float] | None, failure: bool) -> None:
-        """Move from the current generation (if any) into ``assignment``'s (None: the one after the
-        current, once the agent has it); see the module docstring."""
+    def _switch(self, at_least: int, why: str, stopped_at: tuple[float, float] | None, failure: bool) -> None:
+        try:
+            self._switch_to(at_least, why, stopped_at, failure)
+        except JobFinished:
+            print(f"[etc_agent] {self.node_id}:{self.local_rank}: training finished before this process got into the job; exiting",
+                  file=sys.stderr, flush=True)
+            if self._link is not None:
+                self._link.close()
+            raise SystemExit(0) from None
+
+    def _switch_to(self, at_least: int, why: str, stopped_at: tuple[float, float] | None, failure: bool) -> None:
+        """Move from the current generation (if any) into the first one >= ``at_least`` that the agent
+        serves; see the module docstring."""
         old_rank = self.ctx.rank if self.ctx is not None else None
         old_config = self.ctx.config.short() if self.ctx is not None else None
         old_boxed = None
@@ -362,11 +383,12 @@ class Job:
             del tensors
             self.state = None
         self._teardown_group()  # peers blocked on this process fail now instead of at their timeout
-        if assignment is None:
-            assignment = self._link.assignment(self.generation + 1, self.timeout_s, "recovery after a failure")
+        assignment = self._link.assignment(at_least, self.timeout_s, why)
         while True:
             try:
                 outcome = self._enter(assignment, old_rank, old_config, old_boxed, plain, stopped_at, failure)
+            except JobFinished:
+                raise
             except Exception as err:
                 # A peer failed during the switch: this process still holds its old shards (sources
                 # are only read), so it takes part again in the generation the agent publishes next.
@@ -403,6 +425,8 @@ class Job:
                 return True
             if self._link.newer_than(generation):
                 return False
+            if self._link.reply.get("finished"):
+                raise JobFinished()
             if time.monotonic() > deadline:
                 raise ArrivalTimeout(f"generation {generation}: {count} of {assignment['pg_world_size']} processes arrived within "
                                f"{self.timeout_s:.0f} s (devices: {', '.join(assignment['devices'])})")
@@ -439,8 +463,8 @@ class Job:
         result, source, lost = None, None, []
         if not holders:
             if assignment["started"]:
-                raise JobError(f"generation {generation}: no process holds any training state (all holders are gone) "
-                               "and there is no checkpoint to restore from")
+                self._fatal(StateLost(f"generation {generation}: no process holds any training state (all holders are gone) "
+                                      "and there is no checkpoint to restore from"))
             resume_step = self.next_step
         else:
             for step in sorted({statuses[i]["step"] for i in holders}, reverse=True):
@@ -463,7 +487,7 @@ class Job:
                     # Every process computed the same plan and hit the same gap: try an older step.
                     last_error = err
             else:
-                raise JobError(f"generation {generation}: state lost, no step has a live copy of every shard: {last_error}")
+                self._fatal(StateLost(f"generation {generation}: training state lost, no step has a live copy of every shard: {last_error}"))
         t_migrated = time.perf_counter()
         if new_rank is None:
             self._report(transport, assignment, statuses, result, source, lost, stopped_at, t0, t_group, t_build, t_migrated, failure)
@@ -479,6 +503,12 @@ class Job:
         self._report(transport, assignment, statuses, result, source, lost, stopped_at, t0, t_group, t_build, t_migrated, failure)
         del group, transport
         return None
+
+    def _fatal(self, err: JobError) -> None:
+        """Tell the agent the job cannot go on (it fails the job instead of restarting), then raise."""
+        if self._link is not None:
+            self._link.send({"op": "fatal", "reason": str(err)})
+        raise err
 
     def _report(self, transport, assignment, statuses, result, source, lost, stopped_at, t0, t_group, t_build, t_migrated, failure) -> None:
         """Gather each process's phase times; new rank 0 sends one record to its agent and logs it."""
