@@ -72,13 +72,20 @@ class Cluster:
         return proc
 
     def worker_pids(self, agent: int) -> list[int]:
-        """Live worker pids of one agent, from its process tree."""
-        out = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout.splitlines()[1:]
-        children: dict[int, list[tuple[int, str]]] = {}
-        for row in out:
-            pid, ppid, cmd = row.strip().split(None, 2)
-            children.setdefault(int(ppid), []).append((int(pid), cmd))
-        return sorted(pid for pid, cmd in children.get(self.agents[agent].pid, []) if "etc_agent.examples.gpt" in cmd)
+        """Live worker pids of one agent (its children running the example), from /proc."""
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid == self.agents[agent].pid and "etc_agent.examples.gpt" in cmdline:
+                pids.append(int(entry.name))
+        return sorted(pids)
 
     def wait_for(self, predicate, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
@@ -165,6 +172,8 @@ def run_scenario(parallel: str, nproc: int, steps: int, step_delay: float, work:
                 cluster.agents[target].send_signal(signal.SIGTERM)
             elif event == "kill":
                 pids = cluster.worker_pids(1)
+                if not pids:
+                    raise RuntimeError("no live worker of agent 1 to kill\n" + cluster.tail())
                 os.kill(pids[-1], signal.SIGKILL)
             expected += 1
             events_done.append({"event": event, "at_s": round(t, 1), "step": max(read_losses(loss_log), default=-1)})
@@ -224,13 +233,11 @@ def main() -> None:
                               events=events, extra_script_args=extra)
         reference, reference_state = reference_losses(args.steps, work, extra)
         mismatched = compare_states(result["state_file"], reference_state) if args.elementwise else None
-    table = Table(title="migrations")
-    for col in ("gen", "reason", "old -> new", "step", "moved", "checkpoint would move", "detect s", "agree s", "rebuild s", "plan s", "transfer s", "stall s"):
-        table.add_column(col)
+    from etc_agent.cli.main import migration_table
+    from etc_agent.rendezvous.records import MigrationRecord
+
     for m in result["migrations"]:
-        table.add_row(str(m["generation"]), m["reason"], f"{m['old_config']} -> {m['new_config']}", str(m.get("step", "")),
-                      f"{m['bytes_moved'] / 1e6:.2f} MB", f"{m['checkpoint_bytes'] / 1e6:.2f} MB", *(f"{m.get(k, 0):.3f}" for k in ("detect_s", "agree_s", "rebuild_s", "plan_s", "transfer_s")), f"{m['total_stall_s']:.3f}")
-    console.print(table)
+        console.print(migration_table(MigrationRecord.model_validate({k: v for k, v in m.items() if k in MigrationRecord.model_fields})))
     losses = result["losses"]
     worst = max((abs(losses[s] - reference[s]) / (abs(reference[s]) or 1.0) for s in reference if s in losses), default=float("nan"))
     curve = Table(title="loss (elastic vs uninterrupted reference)")

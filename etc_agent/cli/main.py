@@ -172,7 +172,7 @@ def status(
 
     from etc_agent.rendezvous.embedded import EmbeddedStore
     from etc_agent.rendezvous.etcd import EtcdOptions, EtcdStore
-    from etc_agent.rendezvous.records import GenerationRecord, LeaderRecord, NodeRecord, NodeStatus
+    from etc_agent.rendezvous.records import GenerationRecord, LeaderRecord, MigrationRecord, NodeRecord, NodeStatus
 
     backend = rdzv_backend.lower()
     if backend in ("etcd", "etcd-v2", "etcd-v3"):
@@ -199,12 +199,20 @@ def status(
         if generation is not None:
             for kv in store.get_prefix(f"generations/{generation.number}/status/"):
                 statuses[kv.key.rsplit("/", 1)[-1]] = NodeStatus.loads(kv.value)
+        migration = None
+        migration_kv = store.get("last_migration")
+        if migration_kv is not None:
+            try:
+                migration = MigrationRecord.loads(migration_kv.value)
+            except ValueError as err:
+                rejected.append({"key": "last_migration", "reason": str(err)})
     data = {
         "run_id": rdzv_id,
         "leader": leader,
         "nodes": [n.model_dump() for n in nodes],
         "generation": generation.model_dump() if generation else None,
         "status": {k: v.model_dump() for k, v in statuses.items()},
+        "last_migration": migration.model_dump() if migration else None,
         "rejected": rejected,
     }
     if json_out:
@@ -228,6 +236,32 @@ def status(
         state = statuses[n.node_id].state if n.node_id in statuses else ("spare" if rank == "-" else "")
         table.add_row(n.node_id, n.host, str(n.num_devices), rank, role, state)
     console.print(table)
+    if migration is not None:
+        console.print(migration_table(migration))
+
+
+def migration_table(m) -> "Table":
+    """One migration record: what changed, what moved, and where the stall went."""
+    from rich.table import Table
+
+    table = Table(title=f"last migration: generation {m.generation} ({m.reason})", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    table.add_row("config", f"{m.old_config} ({m.old_world_size} ranks) -> {m.new_config} ({m.new_world_size} ranks)")
+    table.add_row("resumed at step", str(m.step))
+    if m.senders or m.lost:
+        table.add_row("departed / lost devices", f"{', '.join(m.senders) or '-'} / {', '.join(m.lost) or '-'}")
+    table.add_row("state", _mb(m.state_bytes))
+    table.add_row("moved", f"{_mb(m.bytes_moved)} (intra-node {_mb(m.bytes_moved_intra_node)}, inter-node {_mb(m.bytes_moved_inter_node)}); "
+                           f"kept in place {_mb(m.bytes_reused)}")
+    table.add_row("a checkpoint would move", f"{_mb(m.checkpoint_bytes)} (write once, every new rank reads its shards)")
+    table.add_row("stall", f"{m.total_stall_s:.3f} s: detect {m.detect_s:.3f}, agree {m.agree_s:.3f}, rebuild {m.rebuild_s:.3f}, "
+                           f"plan {m.plan_s:.3f}, transfer {m.transfer_s:.3f}")
+    return table
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.2f} MB"
 
 
 def main(argv: list[str] | None = None) -> None:

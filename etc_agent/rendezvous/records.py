@@ -97,7 +97,8 @@ class MigrationRecord(Record):
     bytes_moved_inter_node: int
     bytes_reused: int = Field(0, description="Bytes of new state already in place on their device.")
     state_bytes: int = Field(description="Total bytes of model and optimizer state.")
-    checkpoint_bytes: int = Field(description="Bytes a checkpoint-based migration moves (write all, read all).")
+    checkpoint_bytes: int = Field(description="Bytes a checkpoint-based migration moves: every element written once, "
+                                  "every new rank reading its shards.")
     detect_s: float = Field(description="Generation published (or failure seen) until every rank stopped.")
     agree_s: float = Field(description="Stopped until the new group formed.")
     rebuild_s: float = Field(description="Building the new layout's model and optimizer (build + state).")
