@@ -183,6 +183,8 @@ def run_scenario(parallel: str, nproc: int, steps: int, step_delay: float, work:
         for a in cluster.agents:
             if a.poll() is None:
                 a.kill()
+        for i, lines in enumerate(cluster.outputs):
+            (work / f"agent-{i}.log").write_text("".join(lines))
     return {"losses": read_losses(loss_log), "migrations": migrations(cluster), "codes": codes, "events": events_done,
             "state_file": state_file, "cluster": cluster}
 

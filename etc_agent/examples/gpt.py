@@ -163,7 +163,12 @@ class ShardedAdamW(torch.optim.Optimizer):
                 denom = (new_v / (1 - beta2**step)).sqrt() + eps
                 new_x = new_x - (new_m / (1 - beta1**step)) / denom * lr
                 pending.append((p, state, local, new_x, new_m, new_v, m, v, step))
-        gathered = self._gather([(item[0], item[3]) for item in pending]) if self.dp_group is not None else None
+        gathered = None
+        if self.dp_group is not None:
+            gathered = self._gather([(item[0], item[3]) for item in pending])
+            # Every rank has its gathered update before any commits: a peer lost during the gather
+            # fails all ranks here, so no dp group steps while another cannot.
+            dist.all_reduce(torch.zeros(1))
         # Commit only after every collective completed: a failure above leaves the state at the last step.
         for i, (p, state, local, new_x, new_m, new_v, m, v, step) in enumerate(pending):
             if gathered is None:

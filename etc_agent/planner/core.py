@@ -173,9 +173,12 @@ class _Planner:
     def _groups(self) -> tuple[list[KeyGroup], list[str]]:
         missing = [k for k in self.new.key_placement if k not in self.old.key_placement]
         if missing:
-            raise ValueError(
-                f"the new layout needs {len(missing)} tensors no old rank holds, e.g. {sorted(missing)[:3]}"
-            )
+            message = f"the new layout needs {len(missing)} tensors no old rank holds, e.g. {sorted(missing)[:3]}"
+            if not self.old_rank_alive.all():
+                # Failed ranks may have been their only holders.
+                lost = {k: prod(self.new.placements[self.new.key_placement[k]].geometry.global_shape) for k in missing}
+                raise StateLostError(f"state lost: {message}", lost)
+            raise ValueError(message)
         by_pair: dict[tuple[int, int], list[str]] = defaultdict(list)
         for key in sorted(self.new.key_placement):
             op, np_ = self.old.key_placement[key], self.new.key_placement[key]

@@ -17,7 +17,11 @@ Handler = Callable[[dict[str, Any]], dict[str, Any]]
 class _RequestHandler(socketserver.StreamRequestHandler):
     def handle(self) -> None:
         handler: Handler = self.server.handler  # type: ignore[attr-defined]
-        for line in self.rfile:
+        try:
+            lines = list(self._lines())
+        except OSError:  # the client went away (a worker killed mid-request)
+            return
+        for line in lines:
             try:
                 reply = handler(json.loads(line))
             except Exception as err:  # noqa: BLE001 - reported to the client, never kills the server
@@ -27,6 +31,12 @@ class _RequestHandler(socketserver.StreamRequestHandler):
                 self.wfile.flush()
             except OSError:
                 return
+
+
+    def _lines(self):
+        for line in self.rfile:
+            yield line
+            return  # one request per connection
 
 
 class _Server(socketserver.ThreadingTCPServer):

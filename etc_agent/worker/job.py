@@ -171,8 +171,12 @@ class _AgentLink:
 class Job:
     """One worker's view of the elastic job. Create it with :func:`etc_agent.init`."""
 
-    def __init__(self, parallel: str | None = None):
+    def __init__(self, parallel: str | None = None, commit_barrier: bool = True):
         self.default_parallel = ParallelSpec.parse(parallel) if parallel else ParallelSpec()
+        self.commit_barrier = commit_barrier
+        """Before every optimizer step, all ranks meet (a one-element all-reduce): a rank's peer that
+        died during the step then fails every rank before any optimizer steps, so all states stay at
+        the same step (otherwise dp groups away from the failure could step while others cannot)."""
         self.timeout_s = _env_float("ETC_AGENT_TIMEOUT", 120.0)
         """Bound on forming a group, on every collective of the switch, and on waiting for a generation."""
         self.backend = os.environ.get("ETC_AGENT_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -299,8 +303,13 @@ class Job:
         for obj in state.values():
             if isinstance(obj, torch.optim.Optimizer):
                 materialize_optimizer_state(obj)
+                if self.elastic and self.commit_barrier:
+                    obj.register_step_pre_hook(self._before_optimizer_step)
                 obj.register_step_post_hook(self._on_optimizer_step)
         return state
+
+    def _before_optimizer_step(self, *args: Any) -> None:
+        dist.all_reduce(torch.zeros(1))
 
     def _on_optimizer_step(self, *args: Any) -> None:
         self._stepped = True
@@ -555,15 +564,15 @@ class Job:
 _CURRENT: Job | None = None
 
 
-def init(parallel: str | None = None) -> Job:
+def init(parallel: str | None = None, commit_barrier: bool = True) -> Job:
     """The job of this process (created on first call; later calls return the same live job).
 
     ``parallel``: the layout to use when ``etcrun --parallel`` does not say (e.g. ``tp=2,dp=auto``);
-    by default every device is a data-parallel replica.
+    by default every device is a data-parallel replica. ``commit_barrier``: see :attr:`Job.commit_barrier`.
     """
     global _CURRENT
     if _CURRENT is None:
-        _CURRENT = Job(parallel)
+        _CURRENT = Job(parallel, commit_barrier)
     return _CURRENT
 
 

@@ -1,0 +1,129 @@
+"""Worker API pieces that run in one process: the --parallel spec, app-state splitting and carrying,
+optimizer state creation, and a world-of-1 run of the example through the public API."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT
+from torch import nn
+
+from etc_agent.layout.config import ParallelSpec
+from etc_agent.migrate.describe import BoxedTensor
+from etc_agent.worker.appstate import from_json, load_state, materialize_optimizer_state, split_state, to_json
+
+
+@pytest.mark.parametrize(
+    "text, devices, expected",
+    [
+        ("tp=2,pp=1,dp=auto", 6, "tp=2,pp=1,dp=3,zero=0"),
+        ("tp=2", 4, "tp=2,pp=1,dp=2,zero=0"),
+        ("tp=2,pp=2,dp=auto,zero=1", 8, "tp=2,pp=2,dp=2,zero=1"),
+        ("tp=2,pp=2,dp=auto,zero=1", 4, "tp=2,pp=2,dp=1,zero=0"),  # zero needs dp > 1
+        ("tp=2,pp=2,dp=auto", 6, "tp=2,pp=2,dp=1,zero=0"),  # the most devices that fit
+        ("tp=4,pp=1,dp=auto", 2, None),
+        ("tp=1,pp=1,dp=2", 4, "tp=1,pp=1,dp=2,zero=0"),
+    ],
+)
+def test_parallel_spec_resolves_dp(text, devices, expected):
+    config = ParallelSpec.parse(text).resolve(devices)
+    assert (config.short() if config else None) == expected
+
+
+@pytest.mark.parametrize("text, message", [("tp=x", "neither an integer nor auto"), ("tq=2", "expected items"),
+                                           ("tp=2,tp=4", "given twice"), ("zero=2", "zero")])
+def test_parallel_spec_rejects_bad_input(text, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelSpec.parse(text)
+
+
+def test_parallel_spec_auto_tp_needs_a_model():
+    with pytest.raises(ValueError, match="needs --model"):
+        ParallelSpec.parse("auto").resolve(8)
+
+
+@pytest.mark.parametrize("value", [1, 2.5, "x", None, True, [1, (2, 3)], {"a": {"b": (1.0, 2.0)}, 3: "int key"},
+                                   b"\x00\xffbytes", (0.9, 0.999)])
+def test_plain_values_round_trip_through_json(value):
+    assert from_json(json.loads(json.dumps(to_json(value, "v")))) == value
+
+
+def test_small_tensors_round_trip_and_large_objects_are_refused():
+    rng = torch.get_rng_state()
+    back = from_json(json.loads(json.dumps(to_json(rng, "rng"))))
+    assert torch.equal(back, rng) and back.dtype == rng.dtype
+    with pytest.raises(ValueError, match="thing: a object cannot be carried"):
+        to_json(object(), "thing")
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 4)
+        self.register_buffer("count", torch.zeros(2))
+
+
+def test_split_state_names_optimizer_state_after_parameters_and_carries_plain_values():
+    model = Tiny()
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1, betas=(0.8, 0.9))
+    materialize_optimizer_state(optim)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 0.5 ** s)
+    boxed = BoxedTensor(torch.arange(4.0), (8,), (4,))
+    app = {"model": model, "optim": optim, "sched": sched, "extra": boxed, "epoch": 3}
+    tensors, plain = split_state(app)
+    assert set(tensors) == {"model.a.weight", "model.a.bias", "model.count", "extra",
+                            *(f"optim.state.model.a.{p}.{k}" for p in ("weight", "bias") for k in ("step", "exp_avg", "exp_avg_sq"))}
+    assert plain["epoch"] == 3 and plain["optim"]["param_groups"][0]["lr"] == 0.1
+
+    # A second app built the same way receives the plain values (tensors are written in place by the executor).
+    sched.step()
+    sched.step()
+    _, plain = split_state(app)
+    plain = json.loads(json.dumps(plain))
+    model2 = Tiny()
+    optim2 = torch.optim.AdamW(model2.parameters(), lr=0.1, betas=(0.8, 0.9))
+    sched2 = torch.optim.lr_scheduler.LambdaLR(optim2, lambda s: 0.5 ** s)
+    app2 = {"model": model2, "optim": optim2, "sched": sched2, "extra": BoxedTensor(torch.zeros(4), (8,), (4,)), "epoch": 0}
+    load_state(app2, plain, split_state(app2)[0])
+    assert app2["epoch"] == 3
+    assert sched2.last_epoch == 2 and optim2.param_groups[0]["lr"] == pytest.approx(0.025)
+    assert optim2.param_groups[0]["betas"] == (0.8, 0.9)
+
+
+def test_adam_state_is_created_as_its_first_step_would():
+    model = Tiny()
+    optim = torch.optim.Adam(model.parameters(), lr=0.1, amsgrad=True)
+    materialize_optimizer_state(optim)
+    for p in model.parameters():
+        state = optim.state[p]
+        assert float(state["step"]) == 0 and state["exp_avg"].shape == p.shape and not state["max_exp_avg_sq"].any()
+    before = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optim.step()  # the pre-made state is used as is
+    assert all(float(optim.state[p]["step"]) == 1 for p in model.parameters())
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_other_optimizers_get_zeroed_state_without_moving_parameters():
+    model = Tiny()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    before = [p.detach().clone() for p in model.parameters()]
+    materialize_optimizer_state(optim)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(not optim.state[p]["momentum_buffer"].any() for p in model.parameters())
+
+
+def test_plain_python_runs_the_example_as_a_world_of_one(tmp_path):
+    """No etcrun: `python -m etc_agent.examples.gpt` trains as one process; the loss goes down."""
+    log = tmp_path / "loss.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "etc_agent.examples.gpt", "--steps", "12", "--loss-log", str(log)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+    assert len(losses) == 12 and losses[-1] < losses[0]
+    assert all(json.loads(line)["config"] == "tp=1,pp=1,dp=1,zero=0" for line in log.read_text().splitlines())
