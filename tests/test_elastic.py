@@ -17,7 +17,7 @@ from elastic_demo import compare_states, reference_losses, run_scenario  # noqa:
 
 CASES = {
     # name: (parallel, workers per agent, steps, step delay, events, elementwise)
-    "tp2-loss": ("tp=2,pp=1,dp=auto", 2, 40, 0.1, ("join", "leave", "kill"), False),
+    "tp2-torch-adamw-loss": ("tp=2,pp=1,dp=auto", 2, 40, 0.1, ("join", "leave", "kill"), False),
     "tp2-bitwise": ("tp=2,pp=1,dp=auto", 2, 40, 0.15, ("join", "leave", "kill"), True),
     "tp2pp2-zero1-bitwise": ("tp=2,pp=2,dp=auto,zero=1", 4, 40, 0.2, ("join", "leave"), True),
     "tp2pp2-loss": ("tp=2,pp=2,dp=auto", 4, 40, 0.15, ("join", "leave", "kill"), False),
@@ -30,6 +30,8 @@ def test_elastic_training_through_join_leave_and_crash(name, etcd_server, tmp_pa
     run_id = f"{name}-{uuid.uuid4().hex[:6]}"
     rdzv = ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id]
     extra = ["--elementwise"] if elementwise else []
+    if "torch-adamw" in name:
+        extra += ["--optimizer", "torch"]
     work = tmp_path / "elastic"
     work.mkdir()
     result = run_scenario(parallel, nproc, steps, delay, work, echo=False, rdzv=rdzv, events=events, extra_script_args=extra)

@@ -243,8 +243,14 @@ def make_build(args: argparse.Namespace):
                 plan["head"] = ColwiseParallel(output_layouts=Replicate())
             # Every rank built the same full weights: keep the local slices, no scatter.
             parallelize_module(model, ctx.mesh["tp"], plan, src_data_rank=None)
-        optim = ShardedAdamW(list(model.named_parameters()), lr=args.lr, weight_decay=args.weight_decay,
-                             dp_group=ctx.dp_group if cfg.zero else None)
+        if args.optimizer == "torch":
+            if cfg.zero:
+                raise ValueError("--optimizer torch has no ZeRO-1 split; use the default optimizer with zero=1")
+            # Parameters mix DTensors (TP-split) and plain tensors (norms): no foreach kernels.
+            optim = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, foreach=False)
+        else:
+            optim = ShardedAdamW(list(model.named_parameters()), lr=args.lr, weight_decay=args.weight_decay,
+                                 dp_group=ctx.dp_group if cfg.zero else None)
         warmup = max(1, args.steps // 10)
         sched = torch.optim.lr_scheduler.LambdaLR(
             optim, lambda s: min(1.0, (s + 1) / warmup) * (0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)) * 0.9 + 0.1)
@@ -343,6 +349,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--weight-decay", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--parallel", default="tp=1,pp=1,dp=auto", help="Layout when etcrun --parallel does not give one.")
+    ap.add_argument("--optimizer", choices=("sharded", "torch"), default="sharded",
+                    help="sharded: this file's AdamW (ZeRO-1 capable); torch: torch.optim.AdamW (zero=0 only).")
     ap.add_argument("--elementwise", action="store_true", help="Layout-independent update (for bitwise state checks).")
     ap.add_argument("--step-delay", type=float, default=0.0, help="Seconds to sleep per step (to watch a run).")
     ap.add_argument("--loss-log", default=None, help="Append {step, loss, ...} JSON lines here.")
