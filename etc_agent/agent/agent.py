@@ -99,6 +99,8 @@ class Agent:
         """What each local worker is in the generation this node serves (rank, group, store address)."""
         self._stores: list = []
         self._spec = ParallelSpec.parse(config.parallel) if config.parallel else None
+        self._ready = True
+        self._standby_hellos: set[int] = set()
 
     # ---- logging --------------------------------------------------------------------
     def _log_event(self, event: str, fields: dict) -> None:
@@ -112,7 +114,7 @@ class Agent:
     def _node_record(self) -> NodeRecord:
         return NodeRecord(
             node_id=self.node_id, host=self.host, num_devices=self.config.nproc_per_node, pid=os.getpid(),
-            node_rank_hint=self.config.node_rank, leaving=self.leaving.is_set(),
+            node_rank_hint=self.config.node_rank, leaving=self.leaving.is_set(), ready=self._ready,
         )
 
     def _register(self) -> None:
@@ -191,7 +193,7 @@ class Agent:
             except ValueError as err:
                 self.emit("rejected_record", {"key": kv.key, "reason": str(err)})
                 continue
-            if include_leaving or not record.leaving:
+            if (include_leaving or not record.leaving) and record.ready:
                 nodes.append((record, kv.mod_revision))
         # Group order: --node-rank hints first, then by time of registration.
         nodes.sort(key=lambda item: (item[0].node_rank_hint if item[0].node_rank_hint is not None else 1 << 30, item[1], item[0].node_id))
@@ -424,6 +426,7 @@ class Agent:
         # another thread made workers abort ("terminate called without an active exception").
         import torch.distributed  # noqa: F401
         self._control = JsonLineServer(self._on_control, "127.0.0.1", 0, name="etc-control")
+        self._join_warm()
         self._register()
         for target in (self._keepalive, self._elect):
             t = threading.Thread(target=target, name=f"etc-{target.__name__}", daemon=True)
@@ -460,7 +463,13 @@ class Agent:
         if op in ("hello", "heartbeat"):
             self._worker_seen[int(req["local_rank"])] = time.monotonic()
             if op == "hello" and req.get("elastic"):
+                if not self._elastic:
+                    try:
+                        self.store.put("elastic", json.dumps({"node": self.node_id}))
+                    except StoreError:
+                        pass
                 self._elastic = True
+                self._standby_hellos.add(int(req["local_rank"]))
             return {"node_id": self.node_id, "generation": self.generation.number if self.generation else None}
         if op == "assignment":
             self._worker_seen[int(req["local_rank"])] = time.monotonic()
@@ -470,6 +479,7 @@ class Agent:
                 "latest_status": latest.status if latest else None,
                 "assignment": self._assignments.get(int(req["local_rank"])),
                 "finished": self._job_finished(),
+                "standby": not self._assignments,
             }
         if op == "fatal":
             gen = self.generation
@@ -505,6 +515,47 @@ class Agent:
                 "leaving": self.leaving.is_set(),
             }
         raise ValueError(f"unknown control op {op!r}")
+
+    def _join_warm(self) -> None:
+        """Joining a running elastic job: start the workers first (interpreter, torch, the script's
+        imports) and register as ready only once they said hello, so the running ranks do not stall
+        while this node's processes start. They wait for their assignment in ``job.start()``."""
+        try:
+            elastic = self.store.get("elastic") is not None
+            current = self._read_generation()
+        except StoreError:
+            return
+        if not elastic or current is None or current.status != "running" or self.spec.no_python:
+            return
+        self._ready = False
+        self._elastic = True
+        envs = []
+        for local_rank in range(self.config.nproc_per_node):
+            envs.append({
+                "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(self.config.nproc_per_node), "ROLE_NAME": self.spec.role,
+                "TORCHELASTIC_RUN_ID": self.config.run_id, "TORCHELASTIC_MAX_RESTARTS": str(self.config.max_restarts),
+                "ETC_AGENT_GENERATION": str(current.number + 1), "ETC_AGENT_NODE_ID": self.node_id,
+                "ETC_AGENT_ADDR": self._control.address, "RANK": "-1",
+                **({"OMP_NUM_THREADS": os.environ["OMP_NUM_THREADS"]} if "OMP_NUM_THREADS" in os.environ else {}),
+            })
+        self.workers = WorkerGroup(self.spec, envs, self._run_dir / "standby")
+        self.emit("workers_warming", {"workers": len(envs), "note": "joining once they run"})
+        deadline = time.monotonic() + self.config.join_timeout
+        while time.monotonic() < deadline and not self.stop_requested.is_set() and not self.leaving.is_set():
+            if len(self._standby_hellos) >= self.config.nproc_per_node:
+                self._ready = True
+                self.emit("workers_warm", {"seconds": round(time.monotonic() - (deadline - self.config.join_timeout), 2)})
+                return
+            if any(code is not None for code in self.workers.poll().values()):
+                # The script is not a worker-API script after all (or it failed at start): join normally.
+                self.workers.stop(self.config.shutdown_timeout)
+                self.workers = None
+                self._elastic = False
+                self._ready = True
+                self.emit("workers_warming_failed", {"note": "a worker exited before saying hello; joining without warm start"})
+                return
+            time.sleep(0.05)
+        self._ready = True
 
     def _job_finished(self) -> bool:
         checked_at, value = getattr(self, "_finished_cache", (0.0, False))
@@ -585,6 +636,9 @@ class Agent:
                 except _Superseded:
                     self.generation = previous
                 return None
+            if not self._assignments:
+                self.emit("spare", {"generation": gen.number, "members": len(gen.members), "workers": "warm, waiting"})
+                return None  # warm standby workers of a node not (yet) in the job keep waiting
         self._stop_workers(f"generation {gen.number}" if previous else "start")
         if gen.status == "running" and self.node_id in gen.members:
             try:

@@ -47,6 +47,8 @@ class NodeRecord(Record):
     pid: int = Field(description="Agent process id.")
     node_rank_hint: int | None = Field(None, description="--node-rank, when the user fixed it.")
     leaving: bool = Field(False, description="The agent received SIGTERM and is departing.")
+    ready: bool = Field(True, description="False while a node joining an elastic job starts its workers; "
+                                          "the leader adds it once they run, so the others do not wait for their start.")
 
 
 class LeaderRecord(Record):

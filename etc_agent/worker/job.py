@@ -146,6 +146,8 @@ class _AgentLink:
                     raise JobError(f"the job {self.reply['latest_status']} while this worker waited for generation {at_least}")
                 if self.reply.get("finished"):
                     raise JobFinished()
+                if self.reply.get("standby"):
+                    deadline = time.monotonic() + timeout_s  # a warm joiner waits as long as its node does
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     detail = f"; last error: {self.error}" if self.error else ""
