@@ -19,8 +19,9 @@ CASES = {
     # name: (parallel, workers per agent, steps, step delay, events, elementwise)
     "tp2-torch-adamw-loss": ("tp=2,pp=1,dp=auto", 2, 40, 0.1, ("join", "leave", "kill"), False),
     "tp2-bitwise": ("tp=2,pp=1,dp=auto", 2, 40, 0.15, ("join", "leave", "kill"), True),
-    "tp2pp2-zero1-bitwise": ("tp=2,pp=2,dp=auto,zero=1", 4, 40, 0.2, ("join", "leave"), True),
-    "tp2pp2-loss": ("tp=2,pp=2,dp=auto", 4, 40, 0.15, ("join", "leave", "kill"), False),
+    # A joining agent starts its 4 workers before it enters (10+ s on 2 loaded cores): long enough runs.
+    "tp2pp2-zero1-bitwise": ("tp=2,pp=2,dp=auto,zero=1", 4, 60, 0.5, ("join", "leave"), True),
+    "tp2pp2-loss": ("tp=2,pp=2,dp=auto", 4, 50, 0.2, ("join", "leave", "kill"), False),
 }
 
 
