@@ -239,7 +239,8 @@ def main() -> None:
     from etc_agent.rendezvous.records import MigrationRecord
 
     for m in result["migrations"]:
-        console.print(migration_table(MigrationRecord.model_validate({k: v for k, v in m.items() if k in MigrationRecord.model_fields})))
+        record = MigrationRecord.model_validate({k: v for k, v in m.items() if k in MigrationRecord.model_fields})
+        console.print(migration_table(record, title="migration"))
     losses = result["losses"]
     worst = max((abs(losses[s] - reference[s]) / (abs(reference[s]) or 1.0) for s in reference if s in losses), default=float("nan"))
     curve = Table(title="loss (elastic vs uninterrupted reference)")

@@ -240,11 +240,11 @@ def status(
         console.print(migration_table(migration))
 
 
-def migration_table(m) -> "Table":
+def migration_table(m, title: str = "last migration") -> "Table":
     """One migration record: what changed, what moved, and where the stall went."""
     from rich.table import Table
 
-    table = Table(title=f"last migration: generation {m.generation} ({m.reason})", show_header=False)
+    table = Table(title=f"{title}: generation {m.generation} ({m.reason})", show_header=False)
     table.add_column("what", style="bold")
     table.add_column("value")
     table.add_row("config", f"{m.old_config} ({m.old_world_size} ranks) -> {m.new_config} ({m.new_world_size} ranks)")
