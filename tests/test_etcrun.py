@@ -239,6 +239,9 @@ def test_compat_mode_gives_up_after_max_restarts(job):
         (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--etcd-ca-cert", "/nope.pem", "x.py"], "not found"),
         (["--standalone", "-r", "3", "x.py"], "--redirects/--tee need --log-dir"),
         (["--no-such-flag", "x.py"], "No such option"),
+        (["--standalone", "--parallel", "auto", "x.py"], "tp/pp auto needs --model"),
+        (["--standalone", "--parallel", "tp=2,dp=many", "x.py"], "neither an integer nor auto"),
+        (["--standalone", "--parallel", "auto", "--model", "/nope.yaml", "x.py"], "no such file"),
     ],
 )
 def test_bad_flags_are_one_line_and_exit_2(args, message):

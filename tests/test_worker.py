@@ -13,6 +13,8 @@ from conftest import ROOT
 from torch import nn
 
 from etc_agent.layout.config import ParallelSpec
+from etc_agent.layout.model import ModelSpec
+from etc_agent.planner.policy import resolve_parallel
 from etc_agent.migrate.describe import BoxedTensor
 from etc_agent.worker.appstate import from_json, load_state, materialize_optimizer_state, split_state, to_json
 
@@ -44,6 +46,23 @@ def test_parallel_spec_rejects_bad_input(text, message):
 def test_parallel_spec_auto_tp_needs_a_model():
     with pytest.raises(ValueError, match="needs --model"):
         ParallelSpec.parse("auto").resolve(8)
+    with pytest.raises(ValueError, match="needs --model"):
+        resolve_parallel(ParallelSpec.parse("tp=auto,pp=1"), [8])
+
+
+@pytest.mark.parametrize("text, nodes", [("auto", [8, 8]), ("tp=auto,pp=1,dp=auto", [8, 8]), ("tp=2,pp=auto,dp=auto,zero=1", [4, 4]),
+                                         ("auto", [8])])
+def test_policy_resolves_auto_degrees_to_a_config_using_every_device(text, nodes):
+    spec = ParallelSpec.parse(text)
+    model = ModelSpec.from_yaml(ROOT / "configs" / "models" / "llama-7b.yaml")
+    config = resolve_parallel(spec, nodes, model)
+    assert config is not None and config.world_size == sum(nodes)
+    assert spec.tp is None or config.tp == spec.tp
+    assert spec.pp is None or config.pp == spec.pp
+    assert config.zero == (spec.zero if config.dp > 1 else 0)
+    model.check_parallel(config)
+    # Fixed tp/pp: only dp fills, and a world that cannot be filled exactly gives None.
+    assert resolve_parallel(ParallelSpec.parse("tp=2,pp=1,dp=auto"), [2, 2, 1]) is None
 
 
 @pytest.mark.parametrize("value", [1, 2.5, "x", None, True, [1, (2, 3)], {"a": {"b": (1.0, 2.0)}, 3: "int key"},

@@ -59,6 +59,7 @@ class AgentConfig(BaseModel):
     node_rank: int | None = Field(None, description="Fixed position in the group order (--node-rank), if given.")
     log_format: str = Field("text", description="'json': one JSON line per agent event.")
     parallel: str | None = Field(None, description="--parallel spec (e.g. tp=2,pp=1,dp=auto); the leader resolves it per world.")
+    model: str | None = Field(None, description="--model spec YAML: the policy picks auto tp/pp from it.")
 
 
 @dataclass
@@ -99,6 +100,11 @@ class Agent:
         """What each local worker is in the generation this node serves (rank, group, store address)."""
         self._stores: list = []
         self._spec = ParallelSpec.parse(config.parallel) if config.parallel else None
+        self._model = None
+        if config.model:
+            from etc_agent.layout.model import ModelSpec
+
+            self._model = ModelSpec.from_yaml(config.model)
         self._ready = True
         self._standby_hellos: set[int] = set()
 
@@ -249,10 +255,11 @@ class Agent:
         if self._spec is not None and len(ordered) >= self.config.min_nodes:
             # The longest prefix of the members whose devices the parallel config uses exactly;
             # nodes after it wait as spares.
+            from etc_agent.planner.policy import resolve_parallel
+
             for count in range(len(ordered), self.config.min_nodes - 1, -1):
-                total = sum(devices[n] for n in ordered[:count])
-                config = self._spec.resolve(total) if count else None
-                if config is not None and config.world_size == total:
+                config = resolve_parallel(self._spec, [devices[n] for n in ordered[:count]], self._model) if count else None
+                if config is not None:
                     ordered, parallel = ordered[:count], config.short()
                     break
             else:

@@ -190,11 +190,14 @@ def etcrun(
         from etc_agent.layout.config import ParallelSpec
 
         parallel_spec = ParallelSpec.parse(parallel)
-        if not parallel_spec.fully_fixed and (parallel_spec.tp is None or parallel_spec.pp is None):
-            raise ValueError(f"--parallel {parallel}: choosing tp and pp automatically is not supported by etcrun yet; "
-                             "give tp and pp (dp=auto fills the devices)")
-    if model is not None and not model.exists():
-        raise ValueError(f"--model {model}: no such file")
+        if (parallel_spec.tp is None or parallel_spec.pp is None) and model is None:
+            raise ValueError(f"--parallel {parallel}: tp/pp auto needs --model (a model spec YAML for the policy)")
+    if model is not None:
+        from etc_agent.layout.model import ModelSpec
+
+        if not model.exists():
+            raise ValueError(f"--model {model}: no such file")
+        ModelSpec.from_yaml(model)  # a bad spec is a one-line error now, not in the leader later
     if (any(spec.redirects.values()) or any(spec.tee.values())) and log_dir is None:
         raise ValueError("--redirects/--tee need --log-dir")
     config = AgentConfig(
@@ -203,6 +206,7 @@ def etcrun(
         join_timeout=join_timeout, shutdown_timeout=shutdown, local_addr=local_addr or ("127.0.0.1" if standalone else None),
         node_rank=node_rank if backend == "static" or "--node-rank" in sys.argv or "--node_rank" in sys.argv else None,
         log_format=log_format, parallel=parallel_spec.short() if parallel_spec else None,
+        model=str(model) if model is not None and parallel_spec is not None else None,
     )
     if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = "1"

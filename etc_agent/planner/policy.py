@@ -26,10 +26,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import ceil, prod
+from typing import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from etc_agent.layout.config import ParallelConfig
+from etc_agent.layout.config import ParallelConfig, ParallelSpec
 from etc_agent.layout.devices import DeviceSet
 from etc_agent.layout.megatron import layer_tensors, stage_layers
 from etc_agent.layout.model import DTYPE_BYTES, ModelSpec
@@ -212,3 +213,31 @@ def choose_config(
             f"instead of {fastest.migration_seconds if fastest.migration_seconds is not None else float('nan'):.3g} s"
         )
     return PolicyDecision(winner, candidates, reason)
+
+
+def resolve_parallel(
+    spec: ParallelSpec, node_sizes: Sequence[int], model: ModelSpec | None = None, opts: PolicyOptions | None = None
+) -> ParallelConfig | None:
+    """The configuration of ``spec`` that uses exactly the devices of nodes with ``node_sizes``.
+
+    Fixed ``tp``/``pp`` leave only dp to fill (``dp=auto``); an ``auto`` tp or pp needs ``model``: the
+    policy's fastest estimated configuration among those using every device (fixed degrees and the
+    zero setting kept). None when nothing fits.
+    """
+    total = sum(node_sizes)
+    if spec.tp is not None and spec.pp is not None:
+        config = spec.resolve(total)
+        return config if config is not None and config.world_size == total else None
+    if model is None:
+        raise ValueError(f"--parallel {spec.short()}: tp/pp auto needs --model (the policy chooses them from the model spec)")
+    devices = DeviceSet.parse(",".join(f"n{i}:{size}" for i, size in enumerate(node_sizes)))
+    for candidate in candidate_configs(model, devices, opts or PolicyOptions()):
+        c = candidate.config
+        if not candidate.fits or c.world_size != total:
+            continue
+        if any(want is not None and got != want for want, got in ((spec.tp, c.tp), (spec.pp, c.pp), (spec.dp, c.dp))):
+            continue
+        if c.zero != (spec.zero if c.dp > 1 else 0):
+            continue
+        return c
+    return None
