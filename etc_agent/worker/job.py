@@ -428,6 +428,7 @@ class Job:
         self._store = TCPStore(assignment["store_addr"], assignment["store_port"], is_master=False,
                                timeout=timedelta(seconds=self.timeout_s), wait_for_workers=False)
         key = f"gen{generation}/arrived"
+        self._store.set(f"{key}/{assignment['pg_rank']}", "1")
         self._store.add(key, 1)
         deadline = time.monotonic() + self.timeout_s
         while True:
@@ -439,8 +440,9 @@ class Job:
             if self._link.reply.get("finished"):
                 raise JobFinished()
             if time.monotonic() > deadline:
+                missing = [d for r, d in enumerate(assignment["devices"]) if not self._store.check([f"{key}/{r}"])]
                 raise ArrivalTimeout(f"generation {generation}: {count} of {assignment['pg_world_size']} processes arrived within "
-                               f"{self.timeout_s:.0f} s (devices: {', '.join(assignment['devices'])})")
+                                     f"{self.timeout_s:.0f} s; missing: {', '.join(missing)}")
             time.sleep(0.01)
 
     def _enter(self, assignment, old_rank, old_config, old_boxed, plain, stopped_at, failure) -> dict | None:
