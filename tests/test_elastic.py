@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -82,3 +83,18 @@ def test_elastic_training_through_join_leave_and_crash(name, etcd_server, tmp_pa
     shown = json.loads(status.stdout)["last_migration"]
     assert shown is not None and shown["generation"] == records[-1]["generation"]
     assert shown["new_config"] == records[-1]["new_config"]
+
+
+def test_a_crash_that_takes_the_only_copy_fails_the_job_naming_the_lost_state(etcd_server, tmp_path):
+    """zero=1 splits the optimizer state over dp: a killed rank's range has no replica. The job must
+    stop with the lost tensors named (not restart from scratch, not hang)."""
+    run_id = f"lost-{uuid.uuid4().hex[:6]}"
+    rdzv = ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id]
+    started = time.monotonic()
+    result = run_scenario("tp=1,pp=1,dp=auto,zero=1", 2, 200, 0.1, tmp_path, echo=False, rdzv=rdzv, events=("kill",),
+                          wait_migrations=False, extra_script_args=["--micro-batch", "1"])
+    assert result["codes"] == [1, 1], result["codes"]
+    assert time.monotonic() - started < 150
+    text = "".join("".join(lines) for lines in result["cluster"].outputs)
+    assert "state lost" in text and "optim.state.model." in text
+    assert "job_failed" in text and max(result["losses"]) < 199  # stopped, not trained on from scratch

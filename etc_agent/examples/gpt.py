@@ -109,7 +109,7 @@ def init_weights(module: nn.Module, seed: int) -> None:
 class ShardedAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay) on each parameter's local shard, optionally ZeRO-1 split.
 
-    With ``dp_group`` (zero=1) each dp rank keeps ``exp_avg``/``exp_avg_sq`` for a balanced range of
+    With ``ctx`` (zero=1) each dp rank keeps ``exp_avg``/``exp_avg_sq`` for a balanced range of
     the flattened local shard only, updates that range and all-gathers the updated ranges; the state
     is described as :class:`~etc_agent.migrate.describe.BoxedTensor` flat ranges so it migrates to
     any other layout. The update uses separate elementwise ops (no fused kernels), so each element's
@@ -117,10 +117,13 @@ class ShardedAdamW(torch.optim.Optimizer):
     """
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], lr: float, betas=(0.9, 0.95), eps=1e-8,
-                 weight_decay=0.01, dp_group: dist.ProcessGroup | None = None):
+                 weight_decay=0.01, ctx: etc_agent.ParallelContext | None = None):
         params = [p for _, p in named_params]
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self.dp_group = dp_group
+        # The context, not its group: holding a group object would keep its connections open after
+        # a failure (see ParallelContext).
+        self.ctx = ctx
+        dp_group = ctx.dp_group if ctx is not None else None
         dp = dist.get_world_size(dp_group) if dp_group is not None else 1
         dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
         self.ranges: dict[nn.Parameter, tuple[int, int]] = {}
@@ -154,7 +157,7 @@ class ShardedAdamW(torch.optim.Optimizer):
                     grad = grad.to_local()
                 grad = grad.reshape(-1)
                 m, v = (_storage(state[n]) for n in ("exp_avg", "exp_avg_sq"))
-                start, stop = self.ranges[p] if self.dp_group is not None else (0, local.numel())
+                start, stop = self.ranges[p] if self.ctx is not None else (0, local.numel())
                 step = float(state["step"].item()) + 1
                 x, g = local[start:stop], grad[start:stop]
                 new_x = x * (1 - lr * wd)
@@ -164,7 +167,7 @@ class ShardedAdamW(torch.optim.Optimizer):
                 new_x = new_x - (new_m / (1 - beta1**step)) / denom * lr
                 pending.append((p, state, local, new_x, new_m, new_v, m, v, step))
         gathered = None
-        if self.dp_group is not None:
+        if self.ctx is not None:
             gathered = self._gather([(item[0], item[3]) for item in pending])
             # Every rank has its gathered update before any commits: a peer lost during the gather
             # fails all ranks here, so no dp group steps while another cannot.
@@ -181,7 +184,8 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     def _gather(self, items: list[tuple[nn.Parameter, torch.Tensor]]) -> list[torch.Tensor]:
         """All-gather every parameter's updated range over dp (one padded flat buffer per rank)."""
-        dp = dist.get_world_size(self.dp_group)
+        dp_group = self.ctx.dp_group
+        dp = dist.get_world_size(dp_group)
         sizes = [(p.to_local() if isinstance(p, DTensor) else p).numel() for p, _ in items]
         ranges_of = [[balanced_range(n, dp, r) for r in range(dp)] for n in sizes]
         width = max(sum(rs[r][1] for rs in ranges_of) for r in range(dp))
@@ -191,7 +195,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             mine[pos : pos + x.numel()] = x
             pos += x.numel()
         outs = [torch.empty(width) for _ in range(dp)]
-        dist.all_gather(outs, mine, group=self.dp_group)
+        dist.all_gather(outs, mine, group=dp_group)
         full = []
         cursor = [0] * dp
         for n, rs in zip(sizes, ranges_of):
@@ -250,7 +254,7 @@ def make_build(args: argparse.Namespace):
             optim = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, foreach=False)
         else:
             optim = ShardedAdamW(list(model.named_parameters()), lr=args.lr, weight_decay=args.weight_decay,
-                                 dp_group=ctx.dp_group if cfg.zero else None)
+                                 ctx=ctx if cfg.zero else None)
         warmup = max(1, args.steps // 10)
         sched = torch.optim.lr_scheduler.LambdaLR(
             optim, lambda s: min(1.0, (s + 1) / warmup) * (0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)) * 0.9 + 0.1)

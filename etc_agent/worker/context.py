@@ -35,9 +35,21 @@ class ParallelContext:
     """The device this process computes on."""
     generation: int
     """The agent's generation number (0 for a plain ``python script.py`` run)."""
-    tp_group: dist.ProcessGroup
-    dp_group: dist.ProcessGroup
-    pp_group: dist.ProcessGroup
+
+    # Groups are looked up through the mesh rather than held: after a failure the job drops the
+    # mesh's groups so their connections close and peers blocked on this process fail at once,
+    # even while a script still holds this context.
+    @property
+    def tp_group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group("tp")
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group("dp")
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group("pp")
 
     @property
     def tp(self) -> int:
@@ -64,5 +76,4 @@ def make_context(config: ParallelConfig, rank: int, generation: int, device: tor
     return ParallelContext(
         config=config, rank=rank, world_size=config.world_size, tp_rank=coord.tp, pp_rank=coord.pp, dp_rank=coord.dp,
         mesh=mesh, device=device, generation=generation,
-        tp_group=mesh.get_group("tp"), dp_group=mesh.get_group("dp"), pp_group=mesh.get_group("pp"),
     )
