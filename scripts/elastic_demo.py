@@ -139,7 +139,8 @@ def migrations(cluster: Cluster) -> list[dict]:
 
 def run_scenario(parallel: str, nproc: int, steps: int, step_delay: float, work: Path, echo: bool,
                  rdzv: list[str] | None = None, events: tuple[str, ...] = ("join", "leave", "kill"),
-                 extra_script_args: list[str] | None = None, wait_migrations: bool = True) -> dict:
+                 extra_script_args: list[str] | None = None, wait_migrations: bool = True,
+                 agent_args: list[str] | None = None) -> dict:
     """Run the elastic scenario; return losses, migration records and exit codes.
 
     ``wait_migrations=False``: do not wait for a migration after each event (a run expected to fail)."""
@@ -148,7 +149,7 @@ def run_scenario(parallel: str, nproc: int, steps: int, step_delay: float, work:
     script_args = ["--steps", str(steps), "--parallel", parallel, "--step-delay", str(step_delay),
                    "--loss-log", str(loss_log), "--dump-state", str(state_file), *(extra_script_args or [])]
     rdzv = rdzv or ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", f"demo-{uuid.uuid4().hex[:6]}"]
-    cluster = Cluster(rdzv, nproc, parallel, script_args, work, echo)
+    cluster = Cluster(rdzv, nproc, parallel, script_args, work, echo, extra=agent_args)
     events_done: list[dict] = []
     started = time.monotonic()
     try:
@@ -219,6 +220,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--step-delay", type=float, default=0.1)
     ap.add_argument("--quiet", action="store_true", help="Do not echo the agents' output.")
+    ap.add_argument("--migration", choices=("live", "checkpoint"), default="live",
+                    help="checkpoint: the baseline (DCP save, restart every worker, load with resharding).")
     ap.add_argument("--events", default="join,leave,kill", help="Comma-separated events in order: join, leave, kill.")
     ap.add_argument("--elementwise", action="store_true", help="Layout-independent update; check the final state bit for bit.")
     args = ap.parse_args()
@@ -234,8 +237,9 @@ def main() -> None:
         unknown = set(events) - {"join", "leave", "kill"}
         if unknown:
             raise SystemExit(f"--events: unknown {sorted(unknown)}")
+        agent_args = ["--migration", args.migration, "--checkpoint-dir", str(work / "checkpoints")] if args.migration == "checkpoint" else []
         result = run_scenario(args.parallel, args.nproc, args.steps, args.step_delay, work, echo=not args.quiet,
-                              events=events, extra_script_args=extra)
+                              events=events, extra_script_args=extra, agent_args=agent_args)
         reference, reference_state = reference_losses(args.steps, work, extra)
         mismatched = compare_states(result["state_file"], reference_state) if args.elementwise else None
     from etc_agent.cli.main import migration_table

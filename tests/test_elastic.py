@@ -98,3 +98,27 @@ def test_a_crash_that_takes_the_only_copy_fails_the_job_naming_the_lost_state(et
     text = "".join("".join(lines) for lines in result["cluster"].outputs)
     assert "state lost" in text and "optim.state.model." in text
     assert "job_failed" in text and max(result["losses"]) < 199  # stopped, not trained on from scratch
+
+
+def test_checkpoint_baseline_through_etcrun(etcd_server, tmp_path):
+    """--migration checkpoint: at each change every worker saves with DCP and exits, fresh workers
+    load with resharding. Same training result; its records say what it moved and how long it stalled."""
+    run_id = f"ckpt-{uuid.uuid4().hex[:6]}"
+    rdzv = ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id]
+    checkpoints = tmp_path / "checkpoints"
+    work = tmp_path / "run"
+    work.mkdir()
+    steps = 40
+    result = run_scenario("tp=2,pp=1,dp=auto", 2, steps, 0.1, work, echo=False, rdzv=rdzv, events=("join", "leave"),
+                          agent_args=["--migration", "checkpoint", "--checkpoint-dir", str(checkpoints)])
+    assert result["codes"] == [0, 0, 0], result["cluster"].tail(40)
+    assert sorted(result["losses"]) == list(range(steps))
+    records = sorted(result["migrations"], key=lambda m: m["generation"])
+    assert [r["method"] for r in records] == ["checkpoint", "checkpoint"]
+    assert [(r["old_world_size"], r["new_world_size"]) for r in records] == [(4, 6), (6, 4)]
+    for r in records:
+        assert r["state_bytes"] > 0 and r["bytes_moved"] > r["state_bytes"] and r["total_stall_s"] > r["transfer_s"] > 0
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["gen1", "gen2"]
+    reference, _ = reference_losses(steps, tmp_path)
+    worst = max(abs(result["losses"][s] - reference[s]) / abs(reference[s]) for s in range(steps))
+    assert worst <= 1e-4

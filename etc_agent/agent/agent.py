@@ -60,6 +60,9 @@ class AgentConfig(BaseModel):
     log_format: str = Field("text", description="'json': one JSON line per agent event.")
     parallel: str | None = Field(None, description="--parallel spec (e.g. tp=2,pp=1,dp=auto); the leader resolves it per world.")
     model: str | None = Field(None, description="--model spec YAML: the policy picks auto tp/pp from it.")
+    migration: str = Field("live", pattern="^(live|checkpoint)$", description="live: workers stay and state moves device to device; "
+                           "checkpoint: workers save with DCP, exit, and new workers load with resharding (the baseline).")
+    checkpoint_dir: str | None = Field(None, description="Directory shared by all nodes for --migration checkpoint.")
 
 
 @dataclass
@@ -341,6 +344,9 @@ class Agent:
         }
         if gen.parallel:
             env["ETC_AGENT_PARALLEL"] = gen.parallel
+        env["ETC_AGENT_MIGRATION"] = self.config.migration
+        if self.config.checkpoint_dir:
+            env["ETC_AGENT_CHECKPOINT_DIR"] = self.config.checkpoint_dir
         if "OMP_NUM_THREADS" in os.environ:
             env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
         return env
@@ -351,7 +357,8 @@ class Agent:
         Transport ranks: members' devices in member order (their training ranks), then the senders'.
         """
         devices = [f"{n}:{d}" for n, k in zip(gen.members, gen.num_devices) for d in range(k)]
-        devices += [f"{n}:{d}" for n, k in zip(gen.senders, gen.sender_devices) for d in range(k)]
+        if self.config.migration == "live":  # checkpoint mode: departing workers saved and exited already
+            devices += [f"{n}:{d}" for n, k in zip(gen.senders, gen.sender_devices) for d in range(k)]
         if self.node_id in gen.members:
             offset, leaving = sum(gen.num_devices[: gen.members.index(self.node_id)]), False
         else:
@@ -381,10 +388,18 @@ class Agent:
                                       "ranks": f"{offset}-{offset + nproc - 1}", "restart_count": gen.restart_count})
 
     def _continue_workers(self, gen: GenerationRecord) -> None:
-        """Elastic workers stay alive into ``gen``; dead ones are started again (they join as receivers)."""
+        """Elastic workers stay alive into ``gen``; dead ones are started again (they join as receivers).
+
+        With ``--migration checkpoint`` the workers save and exit (code ``RESTART_EXIT``) at the agreed
+        step instead; once they are gone, fresh ones start and load (the checkpoint baseline)."""
         master = self._master(gen)
         self._prepare_assignments(gen, master)
         restarted = []
+        if self.config.migration == "checkpoint":
+            deadline = time.monotonic() + max(self.config.shutdown_timeout, 60.0)
+            while any(code is None for code in self.workers.poll().values()) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            self.workers.stop(self.config.shutdown_timeout)
         if self.node_id in gen.members:
             for local_rank, code in self.workers.poll().items():
                 if code is not None:
@@ -532,7 +547,7 @@ class Agent:
             current = self._read_generation()
         except StoreError:
             return
-        if not elastic or current is None or current.status != "running" or self.spec.no_python:
+        if not elastic or current is None or current.status != "running" or self.spec.no_python or self.config.migration != "live":
             return
         self._ready = False
         self._elastic = True
@@ -658,7 +673,7 @@ class Agent:
 
     def _check_workers(self, gen: GenerationRecord) -> None:
         codes = self.workers.poll()
-        failed = {r: c for r, c in codes.items() if c not in (None, 0)}
+        failed = {r: c for r, c in codes.items() if c not in (None, 0, RESTART_EXIT)}
         if failed and self._elastic:
             # The others keep their state and recover in the next generation; only the dead restart.
             summary = self.workers.failure_summary(self.host)
@@ -723,6 +738,10 @@ class Agent:
             if all(code is not None for code in self.workers.poll().values()):
                 return
             time.sleep(0.05)
+
+
+RESTART_EXIT = 75
+"""A worker's exit code after it saved its state for a checkpoint-based switch (EX_TEMPFAIL)."""
 
 
 class _Superseded(Exception):

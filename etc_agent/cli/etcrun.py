@@ -135,6 +135,8 @@ def etcrun(
     master_port: Annotated[int, typer.Option("--master-port", "--master_port", help="Static rendezvous: port on node rank 0.")] = 29500,
     local_addr: Annotated[Optional[str], typer.Option("--local-addr", "--local_addr", help="Address other nodes use to reach this node.")] = None,
     shutdown_timeout: Annotated[Optional[int], typer.Option("--shutdown-timeout", "--shutdown_timeout", help="Seconds between SIGTERM and SIGKILL for workers (default 30).")] = None,
+    migration: Annotated[str, typer.Option("--migration", help="live (device to device) or checkpoint (DCP save, restart, load: the baseline).")] = "live",
+    checkpoint_dir: Annotated[Optional[Path], typer.Option("--checkpoint-dir", help="Shared directory for --migration checkpoint.")] = None,
     parallel: Annotated[Optional[str], typer.Option("--parallel", help="Initial parallel config (tp=..,pp=..,dp=..) or auto, for worker-API scripts.")] = None,
     model: Annotated[Optional[Path], typer.Option("--model", help="Model spec YAML for the --parallel auto policy.")] = None,
     etcd_ca_cert: Annotated[Optional[str], typer.Option("--etcd-ca-cert", help="CA bundle for etcd TLS.")] = None,
@@ -192,6 +194,10 @@ def etcrun(
         parallel_spec = ParallelSpec.parse(parallel)
         if (parallel_spec.tp is None or parallel_spec.pp is None) and model is None:
             raise ValueError(f"--parallel {parallel}: tp/pp auto needs --model (a model spec YAML for the policy)")
+    if migration not in ("live", "checkpoint"):
+        raise ValueError(f"--migration {migration!r}: use live or checkpoint")
+    if migration == "checkpoint" and checkpoint_dir is None:
+        raise ValueError("--migration checkpoint needs --checkpoint-dir (a directory every node can reach)")
     if model is not None:
         from etc_agent.layout.model import ModelSpec
 
@@ -207,6 +213,7 @@ def etcrun(
         node_rank=node_rank if backend == "static" or "--node-rank" in sys.argv or "--node_rank" in sys.argv else None,
         log_format=log_format, parallel=parallel_spec.short() if parallel_spec else None,
         model=str(model) if model is not None and parallel_spec is not None else None,
+        migration=migration, checkpoint_dir=str(checkpoint_dir.resolve()) if checkpoint_dir else None,
     )
     if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = "1"

@@ -85,6 +85,8 @@ class MigrationRecord(Record):
     """What one migration did, written by new rank 0 (``generations/<n>/migration``)."""
 
     generation: int
+    method: Literal["live", "checkpoint"] = Field("live", description="live: device to device; checkpoint: DCP save, "
+                                                                     "restart every worker, load with resharding (the baseline).")
     old_config: str | None
     new_config: str
     old_world_size: int

@@ -201,6 +201,10 @@ class Job:
         self._stepped = False
         self._in_step = False
         self._finished = False
+        self.migration = os.environ.get("ETC_AGENT_MIGRATION", "live")
+        """live, or checkpoint: at a switch save with DCP and exit; new workers load (the baseline)."""
+        self.checkpoint_dir = os.environ.get("ETC_AGENT_CHECKPOINT_DIR")
+        self._started_wall = time.time()
         address = os.environ.get("ETC_AGENT_ADDR")
         self.elastic = address is not None and os.environ.get("ETC_AGENT_ELASTIC", "1") != "0"
         self._link = _AgentLink(address, self.local_rank) if self.elastic else None
@@ -331,12 +335,54 @@ class Job:
             pending = int(flag.item())
             if pending <= self.generation:
                 return
+            if self.migration == "checkpoint":
+                self._save_and_exit(pending, time.time())
             self._switch(pending, f"switch to generation {pending}", stopped_at=(time.time(), time.perf_counter()), failure=False)
+
+    def _save_and_exit(self, pending: int, stopped_at: float) -> None:
+        """The checkpoint baseline: save every shard with DCP (files synced), then exit so the agent
+        starts fresh workers for generation ``pending`` that load with resharding."""
+        from pathlib import Path
+
+        from etc_agent.agent.agent import RESTART_EXIT
+        from etc_agent.baselines.checkpoint import save_shards
+
+        path = Path(self.checkpoint_dir) / f"gen{pending}"
+        tensors, plain = split_state(self.state)
+        t0 = time.perf_counter()
+        save_shards(describe_state(tensors), path)
+        save_s = time.perf_counter() - t0
+        if self.ctx.rank == 0:
+            meta = {"app": plain, "rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(), "step": self.next_step,
+                    "stopped_at": stopped_at, "save_s": save_s, "config": self.ctx.config.short(), "generation": pending}
+            (path / "etc_state.json").write_text(json.dumps(meta))
+        dist.barrier()
+        print(f"[etc_agent] rank {self.ctx.rank}: saved to {path} in {save_s:.3f} s; exiting for generation {pending} "
+              "(--migration checkpoint)", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(RESTART_EXIT)  # no interpreter teardown: the saved state is all that matters now
+
+    def _load_checkpoint(self, new_tensors: dict, generation: int) -> dict | None:
+        """Load the newest checkpoint-baseline save into the new state (collective over the new world)."""
+        from pathlib import Path
+
+        from etc_agent.baselines.checkpoint import load_shards
+
+        saves = sorted(Path(self.checkpoint_dir).glob("gen*/etc_state.json"), key=lambda p: int(p.parent.name[3:]))
+        saves = [p for p in saves if int(p.parent.name[3:]) <= generation]
+        if not saves:
+            return None
+        meta = json.loads(saves[-1].read_text())
+        t0 = time.perf_counter()
+        load_shards(describe_state(new_tensors), saves[-1].parent)
+        meta["load_s"] = time.perf_counter() - t0
+        meta["written_bytes"] = sum(f.stat().st_size for f in saves[-1].parent.iterdir() if f.suffix == ".distcp")
+        return meta
 
     def recover(self, err: BaseException) -> bool:
         """After a peer failed mid-step: keep the state, switch to the next generation. False if ``err``
         is not a communication failure (or there is no agent), so the caller re-raises it."""
-        if not self.elastic or self.state is None or self._finished:
+        if not self.elastic or self.state is None or self._finished or self.migration != "live":
             return False
         if not is_communication_error(err):
             return False
@@ -474,6 +520,14 @@ class Job:
         })
         holders = [i for i, s in enumerate(statuses) if s["step"] is not None]
         result, source, lost = None, None, []
+        if not holders and self.migration == "checkpoint" and assignment["started"] and new_rank is not None:
+            meta = self._load_checkpoint(new_tensors, generation)
+            if meta is not None:
+                load_state(new_state, meta["app"], new_tensors)
+                torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(meta["rng"])), dtype=torch.uint8).clone())
+                self.state, self.ctx, self.next_step, self.generation = new_state, ctx, meta["step"], generation
+                self._report_checkpoint(transport, assignment, meta, t_group, t_build, new_tensors)
+                return None
         if not holders:
             if assignment["started"]:
                 self._fatal(StateLost(f"generation {generation}: no process holds any training state (all holders are gone) "
@@ -516,6 +570,33 @@ class Job:
         self._report(transport, assignment, statuses, result, source, lost, stopped_at, t0, t_group, t_build, t_migrated, failure)
         del group, transport
         return None
+
+    def _report_checkpoint(self, transport, assignment, meta, t_group, t_build, new_tensors) -> None:
+        """The baseline's record: stall from the old workers' stop to this resume (one clock: one machine
+        here; across machines the wall clocks must agree)."""
+        read = sum(s.tensor.numel() * s.tensor.element_size() for s in describe_state(new_tensors))
+        mine = {"read": read, "load": meta["load_s"], "rebuild": t_build - t_group, "group_wall": time.time() - (time.perf_counter() - t_group)}
+        everyone = transport.all_gather_object(mine)
+        if assignment["rank"] != 0:
+            return
+        now = time.time()
+        stopped = meta["stopped_at"]
+        moved = meta["written_bytes"] + sum(e["read"] for e in everyone)
+        record = {
+            "generation": assignment["generation"], "method": "checkpoint", "old_config": meta["config"],
+            "new_config": self.ctx.config.short(), "old_world_size": ParallelConfig.parse(meta["config"]).world_size,
+            "new_world_size": assignment["world_size"], "devices": assignment["devices"][: assignment["world_size"]],
+            "reason": assignment["reason"], "step": self.next_step, "bytes_moved": moved, "bytes_moved_intra_node": 0,
+            "bytes_moved_inter_node": moved, "state_bytes": meta["written_bytes"], "checkpoint_bytes": moved,
+            "detect_s": round(max(stopped - assignment["published_at"], 0.0), 4),
+            "agree_s": round(max(e["group_wall"] for e in everyone) - stopped - meta["save_s"], 4),
+            "rebuild_s": round(max(e["rebuild"] for e in everyone), 4), "plan_s": 0.0,
+            "transfer_s": round(meta["save_s"] + max(e["load"] for e in everyone), 4), "total_stall_s": round(now - stopped, 4),
+        }
+        self.migrations.append(record)
+        print(json.dumps({"event": "etc_migration", **record}), file=sys.stderr, flush=True)
+        if self._link is not None:
+            self._link.send({"op": "migration", "record": record})
 
     def _fatal(self, err: JobError) -> None:
         """Tell the agent the job cannot go on (it fails the job instead of restarting), then raise."""
