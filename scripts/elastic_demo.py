@@ -173,6 +173,12 @@ def run_scenario(parallel: str, nproc: int, steps: int, step_delay: float, work:
                 # SIGTERM the last-started agent still running that does not host the store.
                 target = max(i for i, a in enumerate(cluster.agents) if a.poll() is None and i != 0)
                 cluster.agents[target].send_signal(signal.SIGTERM)
+            elif event.startswith("reconfigure:"):
+                backend = rdzv[rdzv.index("--rdzv-backend") + 1]
+                subprocess.run([sys.executable, "-m", "etc_agent.cli.main", "reconfigure", "--parallel", event.split(":", 1)[1],
+                                "--rdzv-backend", "embedded" if backend == "c10d" else backend,
+                                "--rdzv-endpoint", rdzv[rdzv.index("--rdzv-endpoint") + 1], "--rdzv-id", rdzv[rdzv.index("--rdzv-id") + 1]],
+                               cwd=ROOT, check=True, capture_output=True, timeout=60)
             elif event == "kill":
                 pids = cluster.worker_pids(1)
                 if not pids:
@@ -222,7 +228,7 @@ def main() -> None:
     ap.add_argument("--quiet", action="store_true", help="Do not echo the agents' output.")
     ap.add_argument("--migration", choices=("live", "checkpoint"), default="live",
                     help="checkpoint: the baseline (DCP save, restart every worker, load with resharding).")
-    ap.add_argument("--events", default="join,leave,kill", help="Comma-separated events in order: join, leave, kill.")
+    ap.add_argument("--events", default="join;leave;kill", help="Semicolon-separated events in order: join, leave, kill, reconfigure:<parallel spec>.")
     ap.add_argument("--elementwise", action="store_true", help="Layout-independent update; check the final state bit for bit.")
     args = ap.parse_args()
     from rich.console import Console
@@ -233,8 +239,8 @@ def main() -> None:
         work = Path(tmp)
         console.print(f"[bold]ETC demo[/]: {args.parallel}, agents of {args.nproc} workers; join, SIGTERM leave, SIGKILL of a worker")
         extra = ["--elementwise"] if args.elementwise else []
-        events = tuple(e for e in args.events.split(",") if e)
-        unknown = set(events) - {"join", "leave", "kill"}
+        events = tuple(e for e in args.events.split(";") if e)
+        unknown = {e for e in events if e not in ("join", "leave", "kill") and not e.startswith("reconfigure:")}
         if unknown:
             raise SystemExit(f"--events: unknown {sorted(unknown)}")
         agent_args = ["--migration", args.migration, "--checkpoint-dir", str(work / "checkpoints")] if args.migration == "checkpoint" else []

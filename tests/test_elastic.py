@@ -122,3 +122,21 @@ def test_checkpoint_baseline_through_etcrun(etcd_server, tmp_path):
     reference, _ = reference_losses(steps, tmp_path)
     worst = max(abs(result["losses"][s] - reference[s]) / abs(reference[s]) for s in range(steps))
     assert worst <= 1e-4
+
+
+def test_reconfigure_changes_tp_pp_and_zero_on_the_same_devices(etcd_server, tmp_path):
+    """`etc-agent reconfigure`: tp=2 -> tp=1,pp=2 -> tp=2,zero=1 on the same 4 workers, live."""
+    run_id = f"reconf-{uuid.uuid4().hex[:6]}"
+    rdzv = ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id]
+    steps = 40
+    events = ("reconfigure:tp=1,pp=2,dp=auto", "reconfigure:tp=2,pp=1,dp=auto,zero=1")
+    result = run_scenario("tp=2,pp=1,dp=auto", 2, steps, 0.1, tmp_path, echo=False, rdzv=rdzv, events=events)
+    assert result["codes"] == [0, 0], result["cluster"].tail(40)
+    records = sorted(result["migrations"], key=lambda m: m["generation"])
+    assert [(r["old_config"], r["new_config"]) for r in records] == [
+        ("tp=2,pp=1,dp=2,zero=0", "tp=1,pp=2,dp=2,zero=0"), ("tp=1,pp=2,dp=2,zero=0", "tp=2,pp=1,dp=2,zero=1")]
+    assert all(r["bytes_moved"] > 0 and r["reason"].startswith("reconfigured") for r in records)
+    reference, _ = reference_losses(steps, tmp_path)
+    assert sorted(result["losses"]) == list(range(steps))
+    worst = max(abs(result["losses"][s] - reference[s]) / abs(reference[s]) for s in range(steps))
+    assert worst <= 1e-4, worst

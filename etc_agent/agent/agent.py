@@ -255,13 +255,14 @@ class Agent:
         ordered = ordered[: self.config.max_nodes]
         devices = {n.node_id: n.num_devices for n in alive}
         parallel = None
-        if self._spec is not None and len(ordered) >= self.config.min_nodes:
+        spec = self._requested_spec() or self._spec
+        if spec is not None and len(ordered) >= self.config.min_nodes:
             # The longest prefix of the members whose devices the parallel config uses exactly;
             # nodes after it wait as spares.
             from etc_agent.planner.policy import resolve_parallel
 
             for count in range(len(ordered), self.config.min_nodes - 1, -1):
-                config = resolve_parallel(self._spec, [devices[n] for n in ordered[:count]], self._model) if count else None
+                config = resolve_parallel(spec, [devices[n] for n in ordered[:count]], self._model) if count else None
                 if config is not None:
                     ordered, parallel = ordered[:count], config.short()
                     break
@@ -270,10 +271,12 @@ class Agent:
                 if not (current and current.status == "waiting" and current.members == ordered):
                     publish(GenerationRecord(number=number, status="waiting", members=ordered, num_devices=[devices[n] for n in ordered],
                                              restart_count=restart_count, started=started, published_at=time.time(),
-                                             reason=f"--parallel {self._spec.short()} fits no group of the {len(ordered)} nodes ({total} devices)"))
+                                             reason=f"--parallel {spec.short()} fits no group of the {len(ordered)} nodes ({total} devices)"))
                 return
         if current and current.status == "running" and reason is None and ordered == current.members:
-            return  # nothing to do
+            if parallel == current.parallel:
+                return  # nothing to do
+            reason = f"reconfigured to {parallel}"
         if reason is None:
             joined = [n for n in ordered if n not in current.members]
             left = [n for n in current.members if n not in ordered]
@@ -292,6 +295,17 @@ class Agent:
                                  restart_count=restart_count, reason=reason, parallel=parallel, senders=senders,
                                  sender_devices=[leaving[n].num_devices for n in senders], started=started,
                                  published_at=time.time()))
+
+    def _requested_spec(self) -> ParallelSpec | None:
+        """A layout asked for at run time (``etc-agent reconfigure``), which wins over ``--parallel``."""
+        kv = self.store.get("parallel")
+        if kv is None:
+            return None
+        try:
+            return ParallelSpec.parse(json.loads(kv.value)["spec"])
+        except (ValueError, KeyError, TypeError) as err:
+            self.emit("rejected_record", {"key": "parallel", "reason": str(err)})
+            return None
 
     # ---- this node's part of a generation -------------------------------------------
     def _master(self, gen: GenerationRecord) -> MasterRecord:

@@ -170,20 +170,9 @@ def status(
     """Show a job's members, leader, generation and worker status from the membership store."""
     from rich.table import Table
 
-    from etc_agent.rendezvous.embedded import EmbeddedStore
-    from etc_agent.rendezvous.etcd import EtcdOptions, EtcdStore
     from etc_agent.rendezvous.records import GenerationRecord, LeaderRecord, MigrationRecord, NodeRecord, NodeStatus
 
-    backend = rdzv_backend.lower()
-    if backend in ("etcd", "etcd-v2", "etcd-v3"):
-        store = EtcdStore(
-            EtcdOptions(endpoint=rdzv_endpoint, ca_cert=etcd_ca_cert, cert_key=etcd_key, cert_cert=etcd_cert, user=etcd_user, password=etcd_password),
-            rdzv_id,
-        )
-    elif backend in ("embedded", "c10d", "static"):
-        store = EmbeddedStore(rdzv_endpoint, rdzv_id)
-    else:
-        raise UserError(f"--rdzv-backend {rdzv_backend!r}: use etcd-v3 or embedded")
+    store = _open_store(rdzv_backend, rdzv_endpoint, rdzv_id, etcd_ca_cert, etcd_cert, etcd_key, etcd_user, etcd_password)
     with store:
         nodes, rejected = [], []
         for kv in store.get_prefix("nodes/"):
@@ -238,6 +227,40 @@ def status(
     console.print(table)
     if migration is not None:
         console.print(migration_table(migration))
+
+
+@app.command()
+def reconfigure(
+    parallel: Annotated[str, typer.Option("--parallel", help="New layout, e.g. tp=1,pp=2,dp=auto,zero=1.")],
+    rdzv_endpoint: Annotated[str, typer.Option("--rdzv-endpoint", help="host:port of etcd or of the embedded store.")],
+    rdzv_id: Annotated[str, typer.Option("--rdzv-id", help="Job id.")],
+    rdzv_backend: Annotated[str, typer.Option("--rdzv-backend", help="etcd-v3 or embedded.")] = "etcd-v3",
+    etcd_ca_cert: Annotated[Optional[str], typer.Option("--etcd-ca-cert")] = None,
+    etcd_cert: Annotated[Optional[str], typer.Option("--etcd-cert")] = None,
+    etcd_key: Annotated[Optional[str], typer.Option("--etcd-key")] = None,
+    etcd_user: Annotated[Optional[str], typer.Option("--etcd-user")] = None,
+    etcd_password: Annotated[Optional[str], typer.Option("--etcd-password", envvar="ETC_AGENT_ETCD_PASSWORD")] = None,
+) -> None:
+    """Ask a running worker-API job to switch layout on the same devices (the leader plans and publishes
+    it like a membership change; it wins over etcrun's --parallel from then on)."""
+    from etc_agent.layout.config import ParallelSpec
+
+    spec = ParallelSpec.parse(parallel)
+    with _open_store(rdzv_backend, rdzv_endpoint, rdzv_id, etcd_ca_cert, etcd_cert, etcd_key, etcd_user, etcd_password) as store:
+        store.put("parallel", json.dumps({"spec": spec.short()}))
+    sys.stdout.write(f"requested {spec.short()} for run {rdzv_id}\n")
+
+
+def _open_store(rdzv_backend, rdzv_endpoint, rdzv_id, ca_cert, cert, key, user, password):
+    from etc_agent.rendezvous.embedded import EmbeddedStore
+    from etc_agent.rendezvous.etcd import EtcdOptions, EtcdStore
+
+    backend = rdzv_backend.lower()
+    if backend in ("etcd", "etcd-v2", "etcd-v3"):
+        return EtcdStore(EtcdOptions(endpoint=rdzv_endpoint, ca_cert=ca_cert, cert_key=key, cert_cert=cert, user=user, password=password), rdzv_id)
+    if backend in ("embedded", "c10d", "static"):
+        return EmbeddedStore(rdzv_endpoint, rdzv_id)
+    raise UserError(f"--rdzv-backend {rdzv_backend!r}: use etcd-v3 or embedded")
 
 
 def migration_table(m, title: str = "last migration") -> "Table":
