@@ -44,6 +44,7 @@ import time
 import traceback
 import gc
 from datetime import timedelta
+from math import prod
 from typing import Any, Callable, Iterator
 
 import torch
@@ -574,20 +575,23 @@ class Job:
     def _report_checkpoint(self, transport, assignment, meta, t_group, t_build, new_tensors) -> None:
         """The baseline's record: stall from the old workers' stop to this resume (one clock: one machine
         here; across machines the wall clocks must agree)."""
-        read = sum(s.tensor.numel() * s.tensor.element_size() for s in describe_state(new_tensors))
-        mine = {"read": read, "load": meta["load_s"], "rebuild": t_build - t_group, "group_wall": time.time() - (time.perf_counter() - t_group)}
+        shards = describe_state(new_tensors)
+        read = sum(s.tensor.numel() * s.tensor.element_size() for s in shards)
+        sizes = {s.shard.key: prod(s.shard.global_shape) * s.tensor.element_size() for s in shards}
+        mine = {"read": read, "sizes": sizes, "load": meta["load_s"], "rebuild": t_build - t_group, "group_wall": time.time() - (time.perf_counter() - t_group)}
         everyone = transport.all_gather_object(mine)
         if assignment["rank"] != 0:
             return
         now = time.time()
         stopped = meta["stopped_at"]
         moved = meta["written_bytes"] + sum(e["read"] for e in everyone)
+        unique = sum({k: v for e in everyone for k, v in e["sizes"].items()}.values())
         record = {
             "generation": assignment["generation"], "method": "checkpoint", "old_config": meta["config"],
             "new_config": self.ctx.config.short(), "old_world_size": ParallelConfig.parse(meta["config"]).world_size,
             "new_world_size": assignment["world_size"], "devices": assignment["devices"][: assignment["world_size"]],
             "reason": assignment["reason"], "step": self.next_step, "bytes_moved": moved, "bytes_moved_intra_node": 0,
-            "bytes_moved_inter_node": moved, "state_bytes": meta["written_bytes"], "checkpoint_bytes": moved,
+            "bytes_moved_inter_node": moved, "state_bytes": unique, "checkpoint_bytes": moved,
             "detect_s": round(max(stopped - assignment["published_at"], 0.0), 4),
             "agree_s": round(max(e["group_wall"] for e in everyone) - stopped - meta["save_s"], 4),
             "rebuild_s": round(max(e["rebuild"] for e in everyone), 4), "plan_s": 0.0,
