@@ -41,10 +41,10 @@ class Cluster:
     """Agents started as separate ``etcrun`` processes of one job."""
 
     def __init__(self, rdzv: list[str], nproc: int, parallel: str, script_args: list[str], log_dir: Path, echo: bool,
-                 max_nodes: int = 4, extra: list[str] | None = None):
+                 max_nodes: int = 4, extra: list[str] | None = None, min_nodes: int = 1):
         self.rdzv, self.nproc, self.parallel = rdzv, nproc, parallel
         self.script_args, self.log_dir, self.echo = script_args, log_dir, echo
-        self.max_nodes = max_nodes
+        self.max_nodes, self.min_nodes = max_nodes, min_nodes
         self.extra = extra or []
         self.agents: list[subprocess.Popen] = []
         self.outputs: list[list[str]] = []
@@ -52,7 +52,7 @@ class Cluster:
 
     def add_agent(self, host_store: bool = False) -> subprocess.Popen:
         index = len(self.agents)
-        args = [sys.executable, "-m", "etc_agent.cli.etcrun", "--nnodes", f"1:{self.max_nodes}", "--nproc-per-node", str(self.nproc),
+        args = [sys.executable, "-m", "etc_agent.cli.etcrun", "--nnodes", f"{self.min_nodes}:{self.max_nodes}", "--nproc-per-node", str(self.nproc),
                 *self.rdzv, "--local-addr", "127.0.0.1", "--reconfig-delay", "0.5", "--lease-ttl", "3", "--max-restarts", "3",
                 "--parallel", self.parallel, "--log-format", "json", *self.extra]
         if "--rdzv-backend" in self.rdzv and self.rdzv[self.rdzv.index("--rdzv-backend") + 1] == "c10d":
@@ -140,21 +140,26 @@ def migrations(cluster: Cluster) -> list[dict]:
 def run_scenario(parallel: str, nproc: int, steps: int, step_delay: float, work: Path, echo: bool,
                  rdzv: list[str] | None = None, events: tuple[str, ...] = ("join", "leave", "kill"),
                  extra_script_args: list[str] | None = None, wait_migrations: bool = True,
-                 agent_args: list[str] | None = None) -> dict:
+                 agent_args: list[str] | None = None, initial_agents: int = 2, event_steps: list[int] | None = None,
+                 stop_after: int | None = None) -> dict:
     """Run the elastic scenario; return losses, migration records and exit codes.
 
-    ``wait_migrations=False``: do not wait for a migration after each event (a run expected to fail)."""
+    ``wait_migrations=False``: do not wait for a migration after each event (a run expected to fail).
+    ``stop_after``: once the last event's migration is done and this many more steps trained, kill the
+    job instead of training to the end (benchmarks; exit codes are then None)."""
     loss_log = work / "loss.jsonl"
     state_file = work / "state.pt"
     script_args = ["--steps", str(steps), "--parallel", parallel, "--step-delay", str(step_delay),
                    "--loss-log", str(loss_log), "--dump-state", str(state_file), *(extra_script_args or [])]
     rdzv = rdzv or ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", f"demo-{uuid.uuid4().hex[:6]}"]
-    cluster = Cluster(rdzv, nproc, parallel, script_args, work, echo, extra=agent_args)
+    # The job starts once the initial agents are all in, so no extra generation precedes the events.
+    cluster = Cluster(rdzv, nproc, parallel, script_args, work, echo, extra=agent_args, min_nodes=initial_agents)
     events_done: list[dict] = []
     started = time.monotonic()
     try:
         cluster.add_agent(host_store=True)
-        cluster.add_agent()
+        for _ in range(initial_agents - 1):
+            cluster.add_agent()
 
         def at_step(n: int) -> None:
             cluster.wait_for(lambda: max(read_losses(loss_log), default=-1) >= n, 300, f"step {n}")
@@ -163,7 +168,7 @@ def run_scenario(parallel: str, nproc: int, steps: int, step_delay: float, work:
             cluster.wait_for(lambda: len(migrations(cluster)) >= count, 300, f"migration {count}")
 
         expected = 0
-        step_marks = iter(range(steps // 5, steps, max(1, steps // 5)))
+        step_marks = iter(event_steps or range(steps // 5, steps, max(1, steps // 5)))
         for event in events:
             at_step(next(step_marks))
             t = time.monotonic() - started
@@ -188,7 +193,14 @@ def run_scenario(parallel: str, nproc: int, steps: int, step_delay: float, work:
             events_done.append({"event": event, "at_s": round(t, 1), "step": max(read_losses(loss_log), default=-1)})
             if wait_migrations:
                 migrated(expected)
-        codes = cluster.finish(timeout=600 if wait_migrations else 180)
+        if stop_after is not None:
+            resumed = max(read_losses(loss_log), default=-1)
+            at_step(resumed + stop_after)
+            for a in cluster.agents:
+                a.kill()
+            codes = [None] * len(cluster.agents)
+        else:
+            codes = cluster.finish(timeout=600 if wait_migrations else 180)
     finally:
         for a in cluster.agents:
             if a.poll() is None:

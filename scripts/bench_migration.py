@@ -1,0 +1,144 @@
+"""Migration benchmark through ``etcrun``: live migration vs the checkpoint baseline, same work.
+
+Every transition is a real job (agents over the embedded store, the example GPT trained by the
+worker API) that trains a few steps, changes once (a node joins or leaves, or ``etc-agent
+reconfigure`` asks for another layout), and trains on. The two methods run alternately, each
+repetition in a fresh job; the stall is the migration record's ``total_stall_s`` (training stopped
+on the first rank until it resumed on the last), bytes are the record's bytes moved.
+
+    python scripts/bench_migration.py --quick          # tiny model, 3 transitions, 1 repetition
+    python scripts/bench_migration.py --repeat 3       # ~1 GB of state, every transition
+
+Prints a rich table and one JSON line, and writes a bar chart (``--plot``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from elastic_demo import run_scenario  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Transition:
+    name: str
+    parallel: str
+    """Layout the job starts with (--parallel)."""
+    event: str
+    """join, leave, or reconfigure:<spec>."""
+    initial_agents: int = 2
+
+
+SUITE = [
+    Transition("dp-up (node join)", "tp=2,pp=1,dp=auto", "join"),
+    Transition("dp-down (node leave)", "tp=2,pp=1,dp=auto", "leave", initial_agents=3),
+    Transition("tp-down", "tp=2,pp=1,dp=auto", "reconfigure:tp=1,pp=1,dp=auto"),
+    Transition("tp-up", "tp=1,pp=1,dp=auto", "reconfigure:tp=2,pp=1,dp=auto"),
+    Transition("pp-up", "tp=1,pp=1,dp=auto", "reconfigure:tp=1,pp=2,dp=auto"),
+    Transition("pp-down", "tp=1,pp=2,dp=auto", "reconfigure:tp=1,pp=1,dp=auto"),
+    Transition("zero-on", "tp=1,pp=1,dp=auto", "reconfigure:tp=1,pp=1,dp=auto,zero=1"),
+    Transition("zero-off", "tp=1,pp=1,dp=auto,zero=1", "reconfigure:tp=1,pp=1,dp=auto"),
+    Transition("combined (tp down, pp up, zero on)", "tp=2,pp=1,dp=auto", "reconfigure:tp=1,pp=2,dp=auto,zero=1"),
+]
+QUICK = [SUITE[0], SUITE[2], SUITE[6]]
+
+# --elementwise: the step is an elementwise update of the same state (no forward/backward), so a CPU
+# run spends its time on the migration being measured, not on training; the state is the same.
+MODEL_FULL = ["--hidden", "768", "--heads", "12", "--ffn", "3072", "--layers", "10", "--vocab", "8192", "--seq", "16",
+              "--global-batch", "12", "--micro-batch", "1", "--elementwise"]
+"""~83.6 M parameters: fp32 weights + AdamW state = 1.0 GB."""
+MODEL_QUICK = ["--global-batch", "12", "--micro-batch", "1", "--elementwise"]
+
+
+def run_once(t: Transition, method: str, model_args: list[str], steps: int, work: Path) -> dict:
+    agent_args = ["--migration", "checkpoint", "--checkpoint-dir", str(work / "checkpoints")] if method == "checkpoint" else []
+    # Long enough never to end before the change; killed two steps after it (the record is what counts).
+    result = run_scenario(t.parallel, 2, 10_000, 0.0, work, echo=False, events=(t.event,), extra_script_args=model_args,
+                          agent_args=agent_args, initial_agents=t.initial_agents, event_steps=[1], stop_after=2)
+    records = [m for m in result["migrations"] if m.get("method", "live") == method]
+    if len(records) != 1:
+        raise RuntimeError(f"{t.name} / {method}: expected one migration record, got {len(records)}")
+    return records[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="Tiny model, 3 transitions, 1 repetition (a spot check).")
+    ap.add_argument("--repeat", type=int, default=3, help="Repetitions of each method per transition.")
+    ap.add_argument("--only", default=None, help="Comma-separated substrings: run the transitions whose name matches.")
+    ap.add_argument("--plot", type=Path, default=Path("bench_migration.png"))
+    args = ap.parse_args()
+    from rich.console import Console
+    from rich.table import Table
+
+    suite = QUICK if args.quick else SUITE
+    if args.only:
+        wanted = [w.strip() for w in args.only.split(",")]
+        suite = [t for t in suite if any(w in t.name for w in wanted)]
+    repeat = 1 if args.quick else args.repeat
+    model_args = MODEL_QUICK if args.quick else MODEL_FULL
+    steps = 0  # unused: each job is stopped two steps after its change
+    console = Console(stderr=True)
+    rows = []
+    started = time.monotonic()
+    for t in suite:
+        samples: dict[str, list[dict]] = {"live": [], "checkpoint": []}
+        for rep in range(repeat):
+            for method in ("live", "checkpoint") if rep % 2 == 0 else ("checkpoint", "live"):
+                with tempfile.TemporaryDirectory(prefix="etc-bench-") as tmp:
+                    record = run_once(t, method, model_args, steps, Path(tmp))
+                samples[method].append(record)
+                console.print(f"{t.name:38s} {method:10s} rep {rep + 1}: stall {record['total_stall_s']:.3f} s, "
+                              f"moved {record['bytes_moved'] / 1e6:.1f} MB")
+        etc_s = statistics.median(r["total_stall_s"] for r in samples["live"])
+        ckpt_s = statistics.median(r["total_stall_s"] for r in samples["checkpoint"])
+        live = samples["live"][0]
+        rows.append({
+            "name": t.name, "from": live["old_config"], "to": live["new_config"], "etc_s": round(etc_s, 4), "ckpt_s": round(ckpt_s, 4),
+            "ratio": round(ckpt_s / etc_s, 3) if etc_s > 0 else None, "bytes_moved": live["bytes_moved"],
+            "checkpoint_bytes": samples["checkpoint"][0]["bytes_moved"], "state_bytes": live["state_bytes"],
+            "etc_samples_s": [r["total_stall_s"] for r in samples["live"]],
+            "ckpt_samples_s": [r["total_stall_s"] for r in samples["checkpoint"]],
+        })
+    ratios = [r["ratio"] for r in rows if r["ratio"]]
+    summary = {"suite": "quick" if args.quick else "full", "repeat": repeat, "transitions": rows,
+               "median_ratio": round(statistics.median(ratios), 3) if ratios else None, "wall_s": round(time.monotonic() - started, 1)}
+
+    table = Table(title=f"migration stall, live vs checkpoint (medians of {repeat})")
+    for col in ("transition", "from -> to", "live s", "checkpoint s", "ratio", "moved MB", "checkpoint MB", "state MB"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["name"], f"{r['from']} -> {r['to']}", f"{r['etc_s']:.3f}", f"{r['ckpt_s']:.3f}", f"{r['ratio']:.2f}x",
+                      f"{r['bytes_moved'] / 1e6:.1f}", f"{r['checkpoint_bytes'] / 1e6:.1f}", f"{r['state_bytes'] / 1e6:.1f}")
+    Console().print(table)
+    print(json.dumps(summary))
+    _plot(rows, args.plot)
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows)), 4))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r["etc_s"] for r in rows], width=0.4, label="live (ETC)")
+    ax.bar([x + 0.2 for x in xs], [r["ckpt_s"] for r in rows], width=0.4, label="checkpoint (DCP save, restart, load)")
+    ax.set_xticks(list(xs), [r["name"] for r in rows], rotation=30, ha="right")
+    ax.set_ylabel("stall (s, median)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+if __name__ == "__main__":
+    main()
