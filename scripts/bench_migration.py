@@ -58,6 +58,9 @@ MODEL_FULL = ["--hidden", "768", "--heads", "12", "--ffn", "3072", "--layers", "
 MODEL_QUICK = ["--global-batch", "12", "--micro-batch", "1", "--elementwise"]
 
 
+PHASES = ("detect_s", "agree_s", "rebuild_s", "plan_s", "transfer_s")
+
+
 def run_once(t: Transition, method: str, model_args: list[str], steps: int, work: Path) -> dict:
     agent_args = ["--migration", "checkpoint", "--checkpoint-dir", str(work / "checkpoints")] if method == "checkpoint" else []
     # Long enough never to end before the change; killed two steps after it (the record is what counts).
@@ -105,6 +108,8 @@ def main() -> None:
             "name": t.name, "from": live["old_config"], "to": live["new_config"], "etc_s": round(etc_s, 4), "ckpt_s": round(ckpt_s, 4),
             "ratio": round(ckpt_s / etc_s, 3) if etc_s > 0 else None, "bytes_moved": live["bytes_moved"],
             "checkpoint_bytes": samples["checkpoint"][0]["bytes_moved"], "state_bytes": live["state_bytes"],
+            "etc_phases_s": {k: round(statistics.median(r[k] for r in samples["live"]), 4) for k in PHASES},
+            "ckpt_phases_s": {k: round(statistics.median(r[k] for r in samples["checkpoint"]), 4) for k in PHASES},
             "etc_samples_s": [r["total_stall_s"] for r in samples["live"]],
             "ckpt_samples_s": [r["total_stall_s"] for r in samples["checkpoint"]],
         })

@@ -233,7 +233,8 @@ def make_build(args: argparse.Namespace):
             raise ValueError(f"tp={cfg.tp} must divide heads ({args.heads}), ffn ({args.ffn}) and vocab ({args.vocab})")
         first, last = ctx.pp_rank == 0, ctx.pp_rank == cfg.pp - 1
         model = Stage(args, first, last, stage_layers(args.layers, cfg.pp, ctx.pp_rank))
-        init_weights(model, args.seed)
+        if not ctx.restoring:  # a migration overwrites the weights: do not pay for initialising them
+            init_weights(model, args.seed)
         if cfg.tp > 1:
             plan = {}
             for i in model.layers:

@@ -35,6 +35,9 @@ class ParallelContext:
     """The device this process computes on."""
     generation: int
     """The agent's generation number (0 for a plain ``python script.py`` run)."""
+    restoring: bool = False
+    """True when the state ``build`` returns will be overwritten (a migration or a checkpoint load
+    follows): ``build`` may skip expensive initialisation and only allocate."""
 
     # Groups are looked up through the mesh rather than held: after a failure the job drops the
     # mesh's groups so their connections close and peers blocked on this process fail at once,
@@ -68,12 +71,12 @@ class ParallelContext:
         return self.config.rank(pp_rank, self.dp_rank, self.tp_rank)
 
 
-def make_context(config: ParallelConfig, rank: int, generation: int, device: torch.device) -> ParallelContext:
+def make_context(config: ParallelConfig, rank: int, generation: int, device: torch.device, restoring: bool = False) -> ParallelContext:
     """Build the mesh and groups of ``config`` on the default process group (which must span the world)."""
     config.check_world_size(dist.get_world_size())
     mesh = init_device_mesh(device.type, (config.pp, config.dp, config.tp), mesh_dim_names=MESH_DIMS)
     coord = config.coord(rank)
     return ParallelContext(
         config=config, rank=rank, world_size=config.world_size, tp_rank=coord.tp, pp_rank=coord.pp, dp_rank=coord.dp,
-        mesh=mesh, device=device, generation=generation,
+        mesh=mesh, device=device, generation=generation, restoring=restoring,
     )

@@ -506,7 +506,7 @@ class Job:
             dist.init_process_group(self.backend, store=dist.PrefixStore(f"gen{generation}/train/", self._store),
                                     rank=new_rank, world_size=assignment["world_size"], timeout=timeout)
             config = self._config_for(assignment["parallel"], assignment["world_size"])
-            ctx = make_context(config, new_rank, generation, self.device)
+            ctx = make_context(config, new_rank, generation, self.device, restoring=bool(assignment["started"]))
             t_group = time.perf_counter()
             new_state = self._build_state(ctx)
             new_tensors, _ = split_state(new_state)
