@@ -110,6 +110,8 @@ class Agent:
             self._model = ModelSpec.from_yaml(config.model)
         self._ready = True
         self._standby_hellos: set[int] = set()
+        self._finished_cache: tuple[float, bool] = (0.0, False)
+        """(when checked, whether the store's ``finished`` marker exists), read at most every 0.5 s."""
 
     # ---- logging --------------------------------------------------------------------
     def _log_event(self, event: str, fields: dict) -> None:
@@ -331,38 +333,44 @@ class Agent:
             time.sleep(0.05)
         raise TimeoutError(f"generation {gen.number}: member {gen.members[0]} did not publish the master address")
 
+    def _node_env(self, local_rank: int, generation: int) -> dict[str, str]:
+        """What a worker gets from this node whatever its place in a generation."""
+        env = {
+            "LOCAL_RANK": str(local_rank),
+            "ROLE_NAME": self.spec.role,
+            "LOCAL_WORLD_SIZE": str(self.config.nproc_per_node),
+            "TORCHELASTIC_MAX_RESTARTS": str(self.config.max_restarts),
+            "TORCHELASTIC_RUN_ID": self.config.run_id,
+            "ETC_AGENT_GENERATION": str(generation),
+            "ETC_AGENT_NODE_ID": self.node_id,
+            "ETC_AGENT_ADDR": self._control.address,
+            "ETC_AGENT_MIGRATION": self.config.migration,
+        }
+        if self.config.checkpoint_dir:
+            env["ETC_AGENT_CHECKPOINT_DIR"] = self.config.checkpoint_dir
+        if "OMP_NUM_THREADS" in os.environ:
+            env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
+        return env
+
     def _worker_env(self, gen: GenerationRecord, master: MasterRecord, local_rank: int) -> dict[str, str]:
         index = gen.members.index(self.node_id)
         offset = sum(gen.num_devices[:index])
-        nproc = self.config.nproc_per_node
         env = {
+            **self._node_env(local_rank, gen.number),
             "RANK": str(offset + local_rank),
-            "LOCAL_RANK": str(local_rank),
             "GROUP_RANK": str(index),
             "ROLE_RANK": str(offset + local_rank),
-            "ROLE_NAME": self.spec.role,
-            "LOCAL_WORLD_SIZE": str(nproc),
             "WORLD_SIZE": str(gen.world_size),
             "GROUP_WORLD_SIZE": str(len(gen.members)),
             "ROLE_WORLD_SIZE": str(gen.world_size),
             "MASTER_ADDR": master.addr,
             "MASTER_PORT": str(master.port),
             "TORCHELASTIC_RESTART_COUNT": str(gen.restart_count),
-            "TORCHELASTIC_MAX_RESTARTS": str(self.config.max_restarts),
-            "TORCHELASTIC_RUN_ID": self.config.run_id,
             "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-            "ETC_AGENT_GENERATION": str(gen.number),
-            "ETC_AGENT_NODE_ID": self.node_id,
-            "ETC_AGENT_ADDR": self._control.address,
         }
         if gen.parallel:
             env["ETC_AGENT_PARALLEL"] = gen.parallel
-        env["ETC_AGENT_MIGRATION"] = self.config.migration
-        if self.config.checkpoint_dir:
-            env["ETC_AGENT_CHECKPOINT_DIR"] = self.config.checkpoint_dir
-        if "OMP_NUM_THREADS" in os.environ:
-            env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
         return env
 
     def _prepare_assignments(self, gen: GenerationRecord, master: MasterRecord) -> None:
@@ -565,15 +573,8 @@ class Agent:
             return
         self._ready = False
         self._elastic = True
-        envs = []
-        for local_rank in range(self.config.nproc_per_node):
-            envs.append({
-                "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(self.config.nproc_per_node), "ROLE_NAME": self.spec.role,
-                "TORCHELASTIC_RUN_ID": self.config.run_id, "TORCHELASTIC_MAX_RESTARTS": str(self.config.max_restarts),
-                "ETC_AGENT_GENERATION": str(current.number + 1), "ETC_AGENT_NODE_ID": self.node_id,
-                "ETC_AGENT_ADDR": self._control.address, "RANK": "-1",
-                **({"OMP_NUM_THREADS": os.environ["OMP_NUM_THREADS"]} if "OMP_NUM_THREADS" in os.environ else {}),
-            })
+        # No rank yet: a standby worker learns it from its assignment once the node is a member.
+        envs = [{**self._node_env(local_rank, current.number + 1), "RANK": "-1"} for local_rank in range(self.config.nproc_per_node)]
         self.workers = WorkerGroup(self.spec, envs, self._run_dir / "standby")
         self.emit("workers_warming", {"workers": len(envs), "note": "joining once they run"})
         deadline = time.monotonic() + self.config.join_timeout
@@ -594,7 +595,7 @@ class Agent:
         self._ready = True
 
     def _job_finished(self) -> bool:
-        checked_at, value = getattr(self, "_finished_cache", (0.0, False))
+        checked_at, value = self._finished_cache
         if value or time.monotonic() - checked_at < 0.5:
             return value
         try:

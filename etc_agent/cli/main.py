@@ -155,17 +155,28 @@ def plan(
         console.print(f"heatmap written to {plot}")
 
 
+# Options of the commands that talk to a job's membership store.
+RdzvEndpoint = Annotated[str, typer.Option("--rdzv-endpoint", help="host:port of etcd or of the embedded store.")]
+RdzvId = Annotated[str, typer.Option("--rdzv-id", help="Job id.")]
+RdzvBackend = Annotated[str, typer.Option("--rdzv-backend", help="etcd-v3 or embedded.")]
+EtcdCaCert = Annotated[Optional[str], typer.Option("--etcd-ca-cert")]
+EtcdCert = Annotated[Optional[str], typer.Option("--etcd-cert")]
+EtcdKey = Annotated[Optional[str], typer.Option("--etcd-key")]
+EtcdUser = Annotated[Optional[str], typer.Option("--etcd-user")]
+EtcdPassword = Annotated[Optional[str], typer.Option("--etcd-password", envvar="ETC_AGENT_ETCD_PASSWORD")]
+
+
 @app.command()
 def status(
-    rdzv_endpoint: Annotated[str, typer.Option("--rdzv-endpoint", help="host:port of etcd or of the embedded store.")],
-    rdzv_id: Annotated[str, typer.Option("--rdzv-id", help="Job id.")],
-    rdzv_backend: Annotated[str, typer.Option("--rdzv-backend", help="etcd-v3 or embedded.")] = "etcd-v3",
+    rdzv_endpoint: RdzvEndpoint,
+    rdzv_id: RdzvId,
+    rdzv_backend: RdzvBackend = "etcd-v3",
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object instead of tables.")] = False,
-    etcd_ca_cert: Annotated[Optional[str], typer.Option("--etcd-ca-cert")] = None,
-    etcd_cert: Annotated[Optional[str], typer.Option("--etcd-cert")] = None,
-    etcd_key: Annotated[Optional[str], typer.Option("--etcd-key")] = None,
-    etcd_user: Annotated[Optional[str], typer.Option("--etcd-user")] = None,
-    etcd_password: Annotated[Optional[str], typer.Option("--etcd-password", envvar="ETC_AGENT_ETCD_PASSWORD")] = None,
+    etcd_ca_cert: EtcdCaCert = None,
+    etcd_cert: EtcdCert = None,
+    etcd_key: EtcdKey = None,
+    etcd_user: EtcdUser = None,
+    etcd_password: EtcdPassword = None,
 ) -> None:
     """Show a job's members, leader, generation and worker status from the membership store."""
     from rich.table import Table
@@ -232,14 +243,14 @@ def status(
 @app.command()
 def reconfigure(
     parallel: Annotated[str, typer.Option("--parallel", help="New layout, e.g. tp=1,pp=2,dp=auto,zero=1.")],
-    rdzv_endpoint: Annotated[str, typer.Option("--rdzv-endpoint", help="host:port of etcd or of the embedded store.")],
-    rdzv_id: Annotated[str, typer.Option("--rdzv-id", help="Job id.")],
-    rdzv_backend: Annotated[str, typer.Option("--rdzv-backend", help="etcd-v3 or embedded.")] = "etcd-v3",
-    etcd_ca_cert: Annotated[Optional[str], typer.Option("--etcd-ca-cert")] = None,
-    etcd_cert: Annotated[Optional[str], typer.Option("--etcd-cert")] = None,
-    etcd_key: Annotated[Optional[str], typer.Option("--etcd-key")] = None,
-    etcd_user: Annotated[Optional[str], typer.Option("--etcd-user")] = None,
-    etcd_password: Annotated[Optional[str], typer.Option("--etcd-password", envvar="ETC_AGENT_ETCD_PASSWORD")] = None,
+    rdzv_endpoint: RdzvEndpoint,
+    rdzv_id: RdzvId,
+    rdzv_backend: RdzvBackend = "etcd-v3",
+    etcd_ca_cert: EtcdCaCert = None,
+    etcd_cert: EtcdCert = None,
+    etcd_key: EtcdKey = None,
+    etcd_user: EtcdUser = None,
+    etcd_password: EtcdPassword = None,
 ) -> None:
     """Ask a running worker-API job to switch layout on the same devices (the leader plans and publishes
     it like a membership change; it wins over etcrun's --parallel from then on)."""

@@ -17,26 +17,21 @@ Handler = Callable[[dict[str, Any]], dict[str, Any]]
 class _RequestHandler(socketserver.StreamRequestHandler):
     def handle(self) -> None:
         handler: Handler = self.server.handler  # type: ignore[attr-defined]
-        try:
-            lines = list(self._lines())
+        try:  # one request per connection
+            line = self.rfile.readline()
         except OSError:  # the client went away (a worker killed mid-request)
             return
-        for line in lines:
-            try:
-                reply = handler(json.loads(line))
-            except Exception as err:  # noqa: BLE001 - reported to the client, never kills the server
-                reply = {"error": f"{type(err).__name__}: {err}"}
-            try:
-                self.wfile.write((json.dumps(reply) + "\n").encode())
-                self.wfile.flush()
-            except OSError:
-                return
-
-
-    def _lines(self):
-        for line in self.rfile:
-            yield line
-            return  # one request per connection
+        if not line:
+            return
+        try:
+            reply = handler(json.loads(line))
+        except Exception as err:  # noqa: BLE001 - reported to the client, never kills the server
+            reply = {"error": f"{type(err).__name__}: {err}"}
+        try:
+            self.wfile.write((json.dumps(reply) + "\n").encode())
+            self.wfile.flush()
+        except OSError:
+            return
 
 
 class _Server(socketserver.ThreadingTCPServer):

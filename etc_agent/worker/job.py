@@ -34,7 +34,6 @@ runs the switch above with the surviving replicas as sources, and re-enters the 
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import os
@@ -57,7 +56,7 @@ from etc_agent.migrate.executor import migrate_state
 from etc_agent.migrate.transport import GroupTransport, MigrationError, TorchTransport
 from etc_agent.planner.core import StateLostError
 from etc_agent.utils.jsonline import JsonLineError, parse_address, request
-from etc_agent.worker.appstate import load_state, materialize_optimizer_state, split_state
+from etc_agent.worker.appstate import from_json, load_state, materialize_optimizer_state, split_state, to_json
 from etc_agent.worker.context import ParallelContext, make_context
 
 log = logging.getLogger("etc_agent.worker")
@@ -354,7 +353,7 @@ class Job:
         save_shards(describe_state(tensors), path)
         save_s = time.perf_counter() - t0
         if self.ctx.rank == 0:
-            meta = {"app": plain, "rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(), "step": self.next_step,
+            meta = {"app": plain, "rng": to_json(torch.get_rng_state(), "rng"), "step": self.next_step,
                     "stopped_at": stopped_at, "save_s": save_s, "config": self.ctx.config.short(), "generation": pending}
             (path / "etc_state.json").write_text(json.dumps(meta))
         dist.barrier()
@@ -436,7 +435,7 @@ class Job:
             tensors, plain = split_state(self.state)
             old_boxed = {s.shard.key: BoxedTensor(s.tensor, s.shard.global_shape, s.shard.offsets, s.shard.lengths, s.shard.flat_range)
                          for s in describe_state(tensors)}
-            plain = {"app": plain, "rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+            plain = {"app": plain, "rng": to_json(torch.get_rng_state(), "rng")}
             # The boxes keep the tensors; the app objects (which may hold old groups) go now.
             del tensors
             self.state = None
@@ -525,7 +524,7 @@ class Job:
             meta = self._load_checkpoint(new_tensors, generation)
             if meta is not None:
                 load_state(new_state, meta["app"], new_tensors)
-                torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(meta["rng"])), dtype=torch.uint8).clone())
+                torch.set_rng_state(from_json(meta["rng"]))
                 self.state, self.ctx, self.next_step, self.generation = new_state, ctx, meta["step"], generation
                 self._report_checkpoint(transport, assignment, meta, t_group, t_build, new_tensors)
                 return None
@@ -566,7 +565,7 @@ class Job:
         if source is not None:
             carried = statuses[source]["plain"]
             load_state(new_state, carried["app"], new_tensors)
-            torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(carried["rng"])), dtype=torch.uint8).clone())
+            torch.set_rng_state(from_json(carried["rng"]))
         self.state, self.ctx, self.next_step, self.generation = new_state, ctx, resume_step, generation
         self._report(transport, assignment, statuses, result, source, lost, stopped_at, t0, t_group, t_build, t_migrated, failure)
         del group, transport
@@ -597,6 +596,10 @@ class Job:
             "rebuild_s": round(max(e["rebuild"] for e in everyone), 4), "plan_s": 0.0,
             "transfer_s": round(meta["save_s"] + max(e["load"] for e in everyone), 4), "total_stall_s": round(now - stopped, 4),
         }
+        self._publish(record)
+
+    def _publish(self, record: dict) -> None:
+        """Keep, log and hand one migration record to the agent (which stores it for `etc-agent status`)."""
         self.migrations.append(record)
         print(json.dumps({"event": "etc_migration", **record}), file=sys.stderr, flush=True)
         if self._link is not None:
@@ -644,10 +647,7 @@ class Job:
             "detect_s": round(max(detect, 0.0), 4), "agree_s": round(worst("agree"), 4), "rebuild_s": round(worst("rebuild"), 4),
             "plan_s": round(worst("plan"), 4), "transfer_s": round(worst("transfer"), 4), "total_stall_s": round(worst("stall"), 4),
         }
-        self.migrations.append(record)
-        print(json.dumps({"event": "etc_migration", **record}), file=sys.stderr, flush=True)
-        if self._link is not None:
-            self._link.send({"op": "migration", "record": record})
+        self._publish(record)
 
 
 _CURRENT: Job | None = None

@@ -23,11 +23,9 @@ def main(argv: list[str]) -> None:
     module = argv[0] == "-m"
     target = argv[1] if module else argv[0]
     args = argv[2:] if module else argv[1:]
-    if module:
-        sys.argv = [target, *args]
-    else:
-        sys.argv = [target, *args]
-        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+    sys.argv = [target, *args]
+    if not module:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))  # as `python script.py` does
     from etc_agent.worker import job as job_module
 
     while True:
