@@ -78,6 +78,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="Repetitions of each method per transition.")
     ap.add_argument("--only", default=None, help="Comma-separated substrings: run the transitions whose name matches.")
     ap.add_argument("--plot", type=Path, default=Path("bench_migration.png"))
+    ap.add_argument("--methods", default="live,checkpoint", help="Comma-separated subset of live,checkpoint (profiling one side).")
     args = ap.parse_args()
     from rich.console import Console
     from rich.table import Table
@@ -87,6 +88,9 @@ def main() -> None:
         wanted = [w.strip() for w in args.only.split(",")]
         suite = [t for t in suite if any(w in t.name for w in wanted)]
     repeat = 1 if args.quick else args.repeat
+    methods = tuple(m.strip() for m in args.methods.split(","))
+    if not methods or not set(methods) <= {"live", "checkpoint"}:
+        ap.error(f"--methods: expected live and/or checkpoint, got {args.methods!r}")
     model_args = MODEL_QUICK if args.quick else MODEL_FULL
     steps = 0  # unused: each job is stopped two steps after its change
     console = Console(stderr=True)
@@ -95,24 +99,13 @@ def main() -> None:
     for t in suite:
         samples: dict[str, list[dict]] = {"live": [], "checkpoint": []}
         for rep in range(repeat):
-            for method in ("live", "checkpoint") if rep % 2 == 0 else ("checkpoint", "live"):
+            for method in methods if rep % 2 == 0 else methods[::-1]:
                 with tempfile.TemporaryDirectory(prefix="etc-bench-") as tmp:
                     record = run_once(t, method, model_args, steps, Path(tmp))
                 samples[method].append(record)
                 console.print(f"{t.name:38s} {method:10s} rep {rep + 1}: stall {record['total_stall_s']:.3f} s, "
                               f"moved {record['bytes_moved'] / 1e6:.1f} MB")
-        etc_s = statistics.median(r["total_stall_s"] for r in samples["live"])
-        ckpt_s = statistics.median(r["total_stall_s"] for r in samples["checkpoint"])
-        live = samples["live"][0]
-        rows.append({
-            "name": t.name, "from": live["old_config"], "to": live["new_config"], "etc_s": round(etc_s, 4), "ckpt_s": round(ckpt_s, 4),
-            "ratio": round(ckpt_s / etc_s, 3) if etc_s > 0 else None, "bytes_moved": live["bytes_moved"],
-            "checkpoint_bytes": samples["checkpoint"][0]["bytes_moved"], "state_bytes": live["state_bytes"],
-            "etc_phases_s": {k: round(statistics.median(r[k] for r in samples["live"]), 4) for k in PHASES},
-            "ckpt_phases_s": {k: round(statistics.median(r[k] for r in samples["checkpoint"]), 4) for k in PHASES},
-            "etc_samples_s": [r["total_stall_s"] for r in samples["live"]],
-            "ckpt_samples_s": [r["total_stall_s"] for r in samples["checkpoint"]],
-        })
+        rows.append(_row(t, samples))
     ratios = [r["ratio"] for r in rows if r["ratio"]]
     summary = {"suite": "quick" if args.quick else "full", "repeat": repeat, "transitions": rows,
                "median_ratio": round(statistics.median(ratios), 3) if ratios else None, "wall_s": round(time.monotonic() - started, 1)}
@@ -121,11 +114,36 @@ def main() -> None:
     for col in ("transition", "from -> to", "live s", "checkpoint s", "ratio", "moved MB", "checkpoint MB", "state MB"):
         table.add_column(col)
     for r in rows:
-        table.add_row(r["name"], f"{r['from']} -> {r['to']}", f"{r['etc_s']:.3f}", f"{r['ckpt_s']:.3f}", f"{r['ratio']:.2f}x",
-                      f"{r['bytes_moved'] / 1e6:.1f}", f"{r['checkpoint_bytes'] / 1e6:.1f}", f"{r['state_bytes'] / 1e6:.1f}")
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+        table.add_row(r["name"], f"{r['from']} -> {r['to']}", _fmt(r["etc_s"], ".3f"), _fmt(r["ckpt_s"], ".3f"), ratio,
+                      _fmt(r["bytes_moved"], ".1f", 1e6), _fmt(r["checkpoint_bytes"], ".1f", 1e6), _fmt(r["state_bytes"], ".1f", 1e6))
     Console().print(table)
     print(json.dumps(summary))
     _plot(rows, args.plot)
+
+
+def _median(records: list[dict], key: str) -> float | None:
+    return round(statistics.median(r[key] for r in records), 4) if records else None
+
+
+def _row(t: Transition, samples: dict[str, list[dict]]) -> dict:
+    live, ckpt = samples["live"], samples["checkpoint"]
+    etc_s, ckpt_s = _median(live, "total_stall_s"), _median(ckpt, "total_stall_s")
+    first = (live or ckpt)[0]
+    return {
+        "name": t.name, "from": first["old_config"], "to": first["new_config"], "etc_s": etc_s, "ckpt_s": ckpt_s,
+        "ratio": round(ckpt_s / etc_s, 3) if etc_s and ckpt_s else None,
+        "bytes_moved": live[0]["bytes_moved"] if live else None,
+        "checkpoint_bytes": ckpt[0]["bytes_moved"] if ckpt else None, "state_bytes": first["state_bytes"],
+        "etc_phases_s": {k: _median(live, k) for k in PHASES},
+        "ckpt_phases_s": {k: _median(ckpt, k) for k in PHASES},
+        "etc_samples_s": [r["total_stall_s"] for r in live],
+        "ckpt_samples_s": [r["total_stall_s"] for r in ckpt],
+    }
+
+
+def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
+    return "-" if value is None else format(value / scale, spec)
 
 
 def _plot(rows: list[dict], path: Path) -> None:
@@ -136,8 +154,8 @@ def _plot(rows: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows)), 4))
     xs = range(len(rows))
-    ax.bar([x - 0.2 for x in xs], [r["etc_s"] for r in rows], width=0.4, label="live (ETC)")
-    ax.bar([x + 0.2 for x in xs], [r["ckpt_s"] for r in rows], width=0.4, label="checkpoint (DCP save, restart, load)")
+    ax.bar([x - 0.2 for x in xs], [r["etc_s"] or 0 for r in rows], width=0.4, label="live (ETC)")
+    ax.bar([x + 0.2 for x in xs], [r["ckpt_s"] or 0 for r in rows], width=0.4, label="checkpoint (DCP save, restart, load)")
     ax.set_xticks(list(xs), [r["name"] for r in rows], rotation=30, ha="right")
     ax.set_ylabel("stall (s, median)")
     ax.legend()

@@ -117,7 +117,7 @@ class ShardedAdamW(torch.optim.Optimizer):
     """
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], lr: float, betas=(0.9, 0.95), eps=1e-8,
-                 weight_decay=0.01, ctx: etc_agent.ParallelContext | None = None):
+                 weight_decay=0.01, ctx: etc_agent.ParallelContext | None = None, zero_state: bool = True):
         params = [p for _, p in named_params]
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         # The context, not its group: holding a group object would keep its connections open after
@@ -132,11 +132,13 @@ class ShardedAdamW(torch.optim.Optimizer):
             start, length = balanced_range(local.numel(), dp, dp_rank)
             self.ranges[p] = (start, start + length)
             state = {"step": torch.zeros((), dtype=torch.float32)}
+            # Uninitialised when a migration fills every element anyway.
+            like, alloc = (torch.zeros_like, torch.zeros) if zero_state else (torch.empty_like, torch.empty)
             for name in ("exp_avg", "exp_avg_sq"):
                 if dp_group is None:
-                    state[name] = torch.zeros_like(p)
+                    state[name] = like(p)
                 else:
-                    state[name] = etc_agent_boxed(torch.zeros(length, dtype=local.dtype), p, (start, start + length))
+                    state[name] = etc_agent_boxed(alloc(length, dtype=local.dtype), p, (start, start + length))
             self.state[p] = state
 
     @torch.no_grad()
@@ -232,8 +234,14 @@ def make_build(args: argparse.Namespace):
         if args.heads % cfg.tp or args.ffn % cfg.tp or args.vocab % cfg.tp:
             raise ValueError(f"tp={cfg.tp} must divide heads ({args.heads}), ffn ({args.ffn}) and vocab ({args.vocab})")
         first, last = ctx.pp_rank == 0, ctx.pp_rank == cfg.pp - 1
-        model = Stage(args, first, last, stage_layers(args.layers, cfg.pp, ctx.pp_rank))
-        if not ctx.restoring:  # a migration overwrites the weights: do not pay for initialising them
+        layers = stage_layers(args.layers, cfg.pp, ctx.pp_rank)
+        if ctx.restoring:
+            # A migration overwrites every element: build on meta, split, then allocate only the
+            # local shards, uninitialised (no full-size weights, no init kernels).
+            with torch.device("meta"):
+                model = Stage(args, first, last, layers)
+        else:
+            model = Stage(args, first, last, layers)
             init_weights(model, args.seed)
         if cfg.tp > 1:
             plan = {}
@@ -248,6 +256,8 @@ def make_build(args: argparse.Namespace):
                 plan["head"] = ColwiseParallel(output_layouts=Replicate())
             # Every rank built the same full weights: keep the local slices, no scatter.
             parallelize_module(model, ctx.mesh["tp"], plan, src_data_rank=None)
+        if ctx.restoring:
+            model.to_empty(device=ctx.device)
         if args.optimizer == "torch":
             if cfg.zero:
                 raise ValueError("--optimizer torch has no ZeRO-1 split; use the default optimizer with zero=1")
@@ -255,7 +265,7 @@ def make_build(args: argparse.Namespace):
             optim = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, foreach=False)
         else:
             optim = ShardedAdamW(list(model.named_parameters()), lr=args.lr, weight_decay=args.weight_decay,
-                                 ctx=ctx if cfg.zero else None)
+                                 ctx=ctx if cfg.zero else None, zero_state=not ctx.restoring)
         warmup = max(1, args.steps // 10)
         sched = torch.optim.lr_scheduler.LambdaLR(
             optim, lambda s: min(1.0, (s + 1) / warmup) * (0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)) * 0.9 + 0.1)

@@ -42,11 +42,12 @@ def param_names(app: Mapping[str, Any]) -> dict[int, str]:
     return names
 
 
-def materialize_optimizer_state(optim: torch.optim.Optimizer) -> None:
+def materialize_optimizer_state(optim: torch.optim.Optimizer, zero: bool = True) -> None:
     """Create the optimizer's state for every parameter now, in the parameters' own layout.
 
     Adam/AdamW get what their first step would create (zeros, step 0) directly, without a step;
     other optimizers go through one zero-gradient, lr=0 step, then their state tensors are zeroed.
+    ``zero=False`` (a migration overwrites every element) leaves Adam's moments uninitialised.
     """
     if all(p in optim.state and optim.state[p] for g in optim.param_groups for p in g["params"]):
         return
@@ -55,13 +56,14 @@ def materialize_optimizer_state(optim: torch.optim.Optimizer) -> None:
             for p in group["params"]:
                 if optim.state.get(p):
                     continue
+                moment = torch.zeros_like if zero else torch.empty_like
                 state = {
                     "step": torch.zeros((), dtype=torch.float32),
-                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg": moment(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": moment(p, memory_format=torch.preserve_format),
                 }
                 if group.get("amsgrad"):
-                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["max_exp_avg_sq"] = moment(p, memory_format=torch.preserve_format)
                 optim.state[p] = state
         return
     from torch.distributed.checkpoint.state_dict import _init_optim_state
