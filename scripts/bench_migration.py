@@ -6,7 +6,7 @@ reconfigure`` asks for another layout), and trains on. The two methods run alter
 repetition in a fresh job; the stall is the migration record's ``total_stall_s`` (training stopped
 on the first rank until it resumed on the last), bytes are the record's bytes moved.
 
-    python scripts/bench_migration.py --quick          # tiny model, 3 transitions, 1 repetition
+    python scripts/bench_migration.py --quick          # 0.5 MB model, 3 transitions, 1 repetition
     python scripts/bench_migration.py --repeat 3       # ~1 GB of state, every transition
 
 Prints a rich table and one JSON line, and writes a bar chart (``--plot``).
@@ -74,8 +74,8 @@ def run_once(t: Transition, method: str, model_args: list[str], steps: int, work
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="Tiny model, 3 transitions, 1 repetition (a spot check).")
-    ap.add_argument("--repeat", type=int, default=3, help="Repetitions of each method per transition.")
+    ap.add_argument("--quick", action="store_true", help="Tiny model, 3 transitions, 1 repetition unless --repeat (a spot check).")
+    ap.add_argument("--repeat", type=int, default=None, help="Repetitions of each method per transition (default 3; --quick 1).")
     ap.add_argument("--only", default=None, help="Comma-separated substrings: run the transitions whose name matches.")
     ap.add_argument("--plot", type=Path, default=Path("bench_migration.png"))
     ap.add_argument("--methods", default="live,checkpoint", help="Comma-separated subset of live,checkpoint (profiling one side).")
@@ -87,7 +87,9 @@ def main() -> None:
     if args.only:
         wanted = [w.strip() for w in args.only.split(",")]
         suite = [t for t in suite if any(w in t.name for w in wanted)]
-    repeat = 1 if args.quick else args.repeat
+    repeat = args.repeat if args.repeat is not None else 1 if args.quick else 3
+    if repeat < 1:
+        ap.error("--repeat must be at least 1")
     methods = tuple(m.strip() for m in args.methods.split(","))
     if not methods or not set(methods) <= {"live", "checkpoint"}:
         ap.error(f"--methods: expected live and/or checkpoint, got {args.methods!r}")

@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 
 from etc_agent.cli._entry import run_app
+from etc_agent.cli.options import OptionsError, build_model, model_options
 from etc_agent.layout.config import ParallelConfig
 from etc_agent.layout.devices import Device, DeviceSet
 from etc_agent.layout.model import ModelSpec
@@ -57,7 +58,14 @@ def parse_failed(text: str | None, old_devices: DeviceSet) -> list[Device]:
     return list(dict.fromkeys(out))
 
 
+def _bandwidth_model():
+    from etc_agent.planner.bandwidth import BandwidthModel
+
+    return BandwidthModel
+
+
 @app.command()
+@model_options(_bandwidth_model(), "bandwidth_flags", panel="Bandwidth model for the estimates (GB/s = 1e9 bytes/s per direction)")
 def plan(
     model: Annotated[Path, typer.Option("--model", help="Model spec YAML (configs/models/*.yaml).")],
     from_: Annotated[str, typer.Option("--from", help="Current parallel config, e.g. tp=4,pp=2,dp=2,zero=1.")],
@@ -69,16 +77,11 @@ def plan(
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG heatmap of bytes between nodes/devices.")] = None,
     mem_cap_gib: Annotated[float, typer.Option("--mem-cap", help="GiB of send and of receive buffers per device and round.")] = 2.0,
     max_messages: Annotated[int, typer.Option("--max-messages-per-round", help="Messages a device sends (and receives) per round.")] = 64,
-    intra_node_gbps: Annotated[float, typer.Option(help="GB/s per device inside a node (estimate).")] = 150.0,
-    inter_node_gbps: Annotated[float, typer.Option(help="GB/s per device across nodes (estimate).")] = 25.0,
-    storage_write_gbps: Annotated[float, typer.Option(help="Checkpoint write GB/s per node (estimate).")] = 2.0,
-    storage_read_gbps: Annotated[float, typer.Option(help="Checkpoint read GB/s per node (estimate).")] = 4.0,
-    storage_aggregate_gbps: Annotated[float, typer.Option(help="File system GB/s for all nodes together (estimate).")] = 100.0,
-    restart_seconds: Annotated[float, typer.Option(help="Process restart cost of the checkpoint way (estimate).")] = 30.0,
     device_memory_gib: Annotated[float, typer.Option("--device-memory-gib", help="Device memory, for --to auto.")] = 80.0,
     seq_length: Annotated[int, typer.Option(help="Sequence length, for --to auto.")] = 2048,
     micro_batch_size: Annotated[int, typer.Option(help="Micro-batch size, for --to auto.")] = 1,
     global_batch_size: Annotated[int, typer.Option(help="Global batch size, for --to auto.")] = 512,
+    bandwidth_flags: dict | None = None,
 ) -> None:
     """Plan a migration between two parallel configurations and show what it moves."""
     from etc_agent.cli.report import plot_heatmap, policy_table, print_plan
@@ -95,17 +98,11 @@ def plan(
     failed_devices = parse_failed(failed, old_devices)
     if mem_cap_gib <= 0:
         raise UserError(f"--mem-cap must be positive, got {mem_cap_gib}")
+    bandwidth = build_model(BandwidthModel, bandwidth_flags or {})
     options = PlannerOptions(
         mem_cap_bytes=int(mem_cap_gib * GiB),
         max_messages_per_round=max_messages,
-        bandwidth=BandwidthModel(
-            intra_node_gbps=intra_node_gbps,
-            inter_node_gbps=inter_node_gbps,
-            storage_write_gbps_per_node=storage_write_gbps,
-            storage_read_gbps_per_node=storage_read_gbps,
-            storage_aggregate_gbps=storage_aggregate_gbps,
-            restart_seconds=restart_seconds,
-        ),
+        bandwidth=bandwidth,
     )
     console = Console(stderr=False)
     decision = None
@@ -115,8 +112,8 @@ def plan(
             seq_length=seq_length,
             micro_batch_size=micro_batch_size,
             global_batch_size=global_batch_size,
-            intra_node_gbps=intra_node_gbps,
-            inter_node_gbps=inter_node_gbps,
+            intra_node_gbps=bandwidth.intra_node_gbps,
+            inter_node_gbps=bandwidth.inter_node_gbps,
         )
         decision = choose_config(
             spec, new_devices, policy, old_config=old_config, old_devices=old_devices, failed=failed_devices, planner_options=options
@@ -262,6 +259,86 @@ def reconfigure(
     sys.stdout.write(f"requested {spec.short()} for run {rdzv_id}\n")
 
 
+def _simulate_costs():
+    from etc_agent.sim.costs import CostModel
+
+    return CostModel
+
+
+@app.command()
+@model_options(_simulate_costs(), "cost_flags", panel="Cost model (GB/s = 1e9 bytes/s per direction)")
+def simulate(
+    suite: Annotated[str, typer.Option("--suite", help="paper: Megatron-style jobs on 8-1024 GPUs; bench: the transitions of "
+                                       "scripts/bench_migration.py (1 GB example GPT, this machine's shape).")] = "paper",
+    models: Annotated[Optional[str], typer.Option("--models", help="paper suite: comma-separated model names (default: all four).")] = None,
+    costs_file: Annotated[Optional[Path], typer.Option("--costs", help="JSON of cost fields (scripts/calibrate_sim.py writes one); "
+                                                       "flags override it.")] = None,
+    measured: Annotated[Optional[Path], typer.Option("--measured", help="bench suite: the JSON line of scripts/bench_migration.py "
+                                                     "to compare with; exit 1 when a prediction is off by more than --tolerance.")] = None,
+    tolerance: Annotated[float, typer.Option("--tolerance", help="Relative error allowed by --measured.")] = 0.3,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON line after the tables.")] = False,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="PNG to write (default simulate-<suite>.png; '-' for none).")] = None,
+    cost_flags: dict | None = None,
+) -> None:
+    """Estimate migration stalls, live vs checkpoint, with the real planner on real model specs."""
+    from etc_agent.sim import report
+    from etc_agent.sim.costs import CostModel
+    from etc_agent.sim.simulate import simulate as run
+    from etc_agent.sim.suites import PAPER_SIZES, bench_suite, paper_suite
+
+    values = CostModel.from_file(costs_file) if costs_file else {}
+    costs = build_model(CostModel, {**values, **(cost_flags or {})}, str(costs_file or ""))
+    if suite == "paper":
+        sizes = PAPER_SIZES
+        if models:
+            wanted = [m.strip() for m in models.split(",") if m.strip()]
+            unknown = [m for m in wanted if m not in PAPER_SIZES]
+            if unknown:
+                raise UserError(f"--models: unknown {', '.join(unknown)}; the paper suite has {', '.join(PAPER_SIZES)}")
+            sizes = {m: PAPER_SIZES[m] for m in wanted}
+        scenarios = paper_suite(sizes)
+    elif suite == "bench":
+        if models:
+            raise UserError("--models applies to the paper suite only")
+        scenarios = bench_suite()
+    else:
+        raise UserError(f"--suite {suite!r}: use paper or bench")
+    if measured is not None and suite != "bench":
+        raise UserError("--measured compares with scripts/bench_migration.py: use it with --suite bench")
+    if tolerance <= 0:
+        raise UserError(f"--tolerance must be positive, got {tolerance}")
+    measured_data = None
+    if measured is not None:
+        try:
+            measured_data = json.loads(measured.read_text().strip().splitlines()[-1])
+        except (OSError, ValueError, IndexError) as err:
+            raise UserError(f"--measured {measured}: not a bench_migration.py JSON line ({err})") from None
+    console = Console()
+    results = [run(s, costs) for s in scenarios]
+    console.print(report.costs_table(costs))
+    console.print(report.results_table(results, f"simulated stall, suite {suite}"))
+    data = {"suite": suite, "costs": costs.model_dump(), "results": [r.to_json() for r in results], **report.summary(results)}
+    console.print(f"median ratio {data['median_ratio']:.2f}x (range {data['min_ratio']:.2f}x-{data['max_ratio']:.2f}x); by scenario: "
+                  + ", ".join(f"{k} {v:.2f}x" for k, v in data["median_ratio_by_scenario"].items()))
+    failed = []
+    if measured_data is not None:
+        table, rows = report.compare(results, measured_data, tolerance)
+        console.print(table)
+        data["comparison"] = rows
+        failed = [r["name"] for r in rows if not r["ok"]]
+        if not rows:
+            raise UserError(f"--measured {measured}: no transition of the bench suite has both stalls")
+    plot_path = plot if plot is not None else Path(f"simulate-{suite}.png")
+    if str(plot_path) != "-":
+        report.plot(results, plot_path, f"simulated migration stall ({suite} suite)")
+        console.print(f"plot written to {plot_path}")
+    if json_out:
+        sys.stdout.write(json.dumps(data) + "\n")
+    if failed:
+        console.print(f"[red]off by more than {tolerance:.0%}[/]: {', '.join(failed)}")
+        raise typer.Exit(1)
+
+
 def _open_store(rdzv_backend, rdzv_endpoint, rdzv_id, ca_cert, cert, key, user, password):
     from etc_agent.rendezvous.embedded import EmbeddedStore
     from etc_agent.rendezvous.etcd import EtcdOptions, EtcdStore
@@ -300,7 +377,7 @@ def _mb(n: int) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: user mistakes become one line on stderr and exit code 2."""
-    run_app(app, argv, "etc-agent", (UserError, ValueError, StoreError))
+    run_app(app, argv, "etc-agent", (UserError, ValueError, StoreError, OptionsError))
 
 
 if __name__ == "__main__":

@@ -24,11 +24,14 @@ class BandwidthModel(BaseModel):
     intra_node_gbps: float = Field(150.0, gt=0, description="GB/s one device achieves point-to-point inside a node (NVLink-class, effective).")
     inter_node_gbps: float = Field(25.0, gt=0, description="GB/s one device achieves to another node (one 200 Gb/s NIC per GPU).")
     message_latency_s: float = Field(2e-5, ge=0, description="Fixed cost of one message (launch + handshake).")
-    storage_write_gbps_per_node: float = Field(2.0, gt=0, description="GB/s one node writes a checkpoint to shared storage.")
-    storage_read_gbps_per_node: float = Field(4.0, gt=0, description="GB/s one node reads a checkpoint from shared storage.")
-    storage_aggregate_gbps: float = Field(100.0, gt=0, description="GB/s the parallel file system serves to all nodes together.")
+    storage_write_gbps_per_node: float = Field(5.0, gt=0, description="GB/s one node writes a checkpoint to shared storage.")
+    storage_read_gbps_per_node: float = Field(10.0, gt=0, description="GB/s one node reads a checkpoint from shared storage.")
+    storage_aggregate_gbps: float = Field(
+        100.0, gt=0, description="GB/s the parallel file system absorbs from all nodes together (writes)."
+    )
+    storage_aggregate_read_gbps: float = Field(200.0, gt=0, description="GB/s the parallel file system serves to all nodes together (reads).")
     restart_seconds: float = Field(
-        30.0, ge=0, description="Checkpoint way only: stop workers, start new processes, import torch, re-init NCCL and the model."
+        20.0, ge=0, description="Checkpoint way only: stop every worker, start new processes, import torch, create the CUDA context."
     )
 
     def etc_seconds(self, messages: Iterable[tuple[Device, Device, int, int]]) -> float:
@@ -48,5 +51,5 @@ class BandwidthModel(BaseModel):
     def checkpoint_seconds(self, write_bytes: int, num_old_nodes: int, read_bytes: int, num_new_nodes: int) -> float:
         """Save everything, restart, load every new shard: storage-bound phases plus the restart."""
         write_bw = min(num_old_nodes * self.storage_write_gbps_per_node, self.storage_aggregate_gbps) * GB
-        read_bw = min(num_new_nodes * self.storage_read_gbps_per_node, self.storage_aggregate_gbps) * GB
+        read_bw = min(num_new_nodes * self.storage_read_gbps_per_node, self.storage_aggregate_read_gbps) * GB
         return write_bytes / write_bw + self.restart_seconds + read_bytes / read_bw

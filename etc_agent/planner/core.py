@@ -71,9 +71,11 @@ def plan_model_migration(
     *,
     failed: Iterable[Device] = (),
     options: PlannerOptions | None = None,
+    ordered: bool = False,
 ) -> MigrationPlan:
     """Plan a Megatron-layout model moving from ``old_config`` on ``old_devices`` (old rank ``r`` on
-    the ``r``-th device) to ``new_config`` on ``new_devices``."""
+    the ``r``-th device) to ``new_config`` on ``new_devices``. ``ordered``: new rank ``r`` on the
+    ``r``-th new device (as live workers are placed today) instead of the planner's placement."""
     old_config.check_world_size(len(old_devices))
     if new_config.world_size > len(new_devices):
         raise ValueError(
@@ -93,6 +95,7 @@ def plan_model_migration(
         new_config=new_config,
         failed=failed,
         options=options,
+        assignment=list(new_devices)[: new_config.world_size] if ordered else None,
     )
     plan.plan_seconds = time.perf_counter() - started
     return plan

@@ -1,0 +1,58 @@
+"""Command-line options generated from a pydantic model's fields, so every documented figure of a
+cost model is a flag with the field's own description, and the two never drift apart."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Annotated, Any, Callable, Optional
+
+import typer
+from pydantic import BaseModel, ValidationError
+
+
+class OptionsError(ValueError):
+    """A flag generated from a model field got a value the model rejects."""
+
+
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def model_options(model_cls: type[BaseModel], dest: str, panel: str | None = None) -> Callable:
+    """Decorate a typer command: add one ``--field-name`` option per field of ``model_cls`` (help =
+    the field's description and default) and pass the command ``dest=`` the dict of the flags given
+    (field name -> value), to merge over defaults or a file and check with :func:`build_model`."""
+    fields = model_cls.model_fields
+
+    def wrap(fn: Callable) -> Callable:
+        sig = inspect.signature(fn, eval_str=True)  # typer reads __signature__ as is: no string annotations
+        params = [p for p in sig.parameters.values() if p.name != dest]
+        for name, field in fields.items():
+            option = typer.Option(flag_name(name), help=f"{field.description} (default {field.default:g})",
+                                  show_default=False, rich_help_panel=panel)
+            params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                            annotation=Annotated[Optional[field.annotation], option]))
+
+        @functools.wraps(fn)
+        def command(*args: Any, **kwargs: Any) -> Any:
+            given = {name: kwargs.pop(name) for name in fields if name in kwargs}
+            kwargs[dest] = {name: value for name, value in given.items() if value is not None}
+            return fn(*args, **kwargs)
+
+        command.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        return command
+
+    return wrap
+
+
+def build_model(model_cls: type[BaseModel], values: dict[str, Any], source: str = "") -> BaseModel:
+    """``model_cls(**values)``; a rejected value raises :class:`OptionsError` naming its flag."""
+    try:
+        return model_cls(**values)
+    except ValidationError as err:
+        problem = err.errors()[0]
+        field = str(problem["loc"][0]) if problem["loc"] else ""
+        where = f"{source}: " if source else ""
+        raise OptionsError(f"{where}{flag_name(field)}: {problem['msg']}") from None

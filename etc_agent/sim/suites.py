@@ -1,0 +1,137 @@
+"""Scenario suites for the simulator.
+
+``paper``: preemption, failure and scale-out of Megatron-style jobs (gpt-1.3b, llama-7b, llama-13b,
+llama-70b) on 8 to 1024 GPUs, 8 per node. Each job starts in the smallest model-parallel layout that
+fits the devices' memory (TP inside a node first, then PP; the distributed optimizer (zero=1) when
+dp > 1), as Megatron users size jobs; the change keeps TP and PP and changes DP:
+
+- ``preempt 1 node``: the last node is reclaimed with notice (it sends its state before it goes);
+- ``fail 1 node``: the last node crashes; the job runs without ZeRO (a ZeRO-1 optimizer shard has no
+  replica, so a crash there needs a checkpoint either way);
+- ``scale out``: nodes for one more replica join.
+
+``bench``: the transitions of ``scripts/bench_migration.py`` (the example GPT at 1.0 GB on two or
+three agents of two processes, placed in member order as live workers are), to validate the model
+against what that benchmark measures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import ceil
+from pathlib import Path
+
+from etc_agent.layout.config import ParallelConfig
+from etc_agent.layout.devices import DeviceSet
+from etc_agent.layout.model import ModelSpec
+from etc_agent.planner.policy import PolicyOptions, estimate_memory
+from etc_agent.sim.simulate import Scenario
+
+MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
+GPUS_PER_NODE = 8
+
+PAPER_SIZES: dict[str, tuple[int, ...]] = {
+    "gpt-1.3b": (8, 32, 128),
+    "llama-7b": (16, 64, 256),
+    "llama-13b": (32, 128, 512),
+    "llama-70b": (128, 512, 1024),
+}
+"""Model -> cluster sizes (GPUs) of the paper suite."""
+
+
+def load_model(name_or_path: str) -> ModelSpec:
+    """A model spec by file path or by name under ``configs/models``."""
+    path = Path(name_or_path)
+    if not path.exists():
+        path = MODELS_DIR / f"{name_or_path}.yaml"
+    if not path.exists():
+        known = ", ".join(sorted(p.stem for p in MODELS_DIR.glob("*.yaml")))
+        raise ValueError(f"model {name_or_path!r}: no such file, and no configs/models/{name_or_path}.yaml (known: {known})")
+    return ModelSpec.from_yaml(path)
+
+
+def cluster(num_devices: int, per_node: int = GPUS_PER_NODE, first_node: int = 0) -> DeviceSet:
+    if num_devices % per_node:
+        raise ValueError(f"{num_devices} devices are not whole nodes of {per_node}")
+    return DeviceSet.parse(",".join(f"n{first_node + i}:{per_node}" for i in range(num_devices // per_node)))
+
+
+def smallest_layout(spec: ModelSpec, num_devices: int, zero: bool, memory: PolicyOptions | None = None) -> ParallelConfig:
+    """The smallest TP x PP (TP up to a node first, then PP) whose ranks fit in device memory, with DP
+    using every device; ``zero`` turns on the distributed optimizer where dp > 1."""
+    memory = memory or PolicyOptions()
+    options = []
+    for pp in range(1, spec.num_layers + 1):
+        for tp in (1, 2, 4, 8):
+            if num_devices % (tp * pp):
+                continue
+            dp = num_devices // (tp * pp)
+            config = ParallelConfig(tp=tp, pp=pp, dp=dp, zero=int(zero and dp > 1))
+            try:
+                spec.check_parallel(config)
+            except ValueError:
+                continue
+            if estimate_memory(spec, config, memory) <= 0.9 * memory.device_memory_gib * (1 << 30):
+                options.append((tp * pp, pp, config))
+    if not options:
+        raise ValueError(f"{spec.name} does not fit on {num_devices} devices of {memory.device_memory_gib:g} GiB")
+    return min(options, key=lambda o: (o[0], o[1]))[2]
+
+
+def _shrunk(config: ParallelConfig, num_devices: int) -> ParallelConfig | None:
+    dp = num_devices // (config.tp * config.pp)
+    return ParallelConfig(tp=config.tp, pp=config.pp, dp=dp, zero=config.zero if dp > 1 else 0) if dp >= 1 else None
+
+
+def paper_suite(models: dict[str, tuple[int, ...]] | None = None) -> list[Scenario]:
+    out: list[Scenario] = []
+    for name, sizes in (models or PAPER_SIZES).items():
+        spec = load_model(name)
+        for n in sizes:
+            devices = cluster(n)
+            last_node = devices.node_devices(devices.nodes[-1])
+            config = smallest_layout(spec, n, zero=True)
+            smaller = cluster(n - GPUS_PER_NODE) if n > GPUS_PER_NODE else None
+            shrunk = _shrunk(config, n - GPUS_PER_NODE) if smaller else None
+            if shrunk is not None:
+                out.append(Scenario("preempt 1 node", spec, config, devices, shrunk, smaller))
+            plain = smallest_layout(spec, n, zero=False)
+            shrunk_plain = _shrunk(plain, n - GPUS_PER_NODE) if smaller else None
+            if plain.dp > 1 and shrunk_plain is not None:
+                out.append(Scenario("fail 1 node", spec, plain, devices, shrunk_plain, smaller, failed=tuple(last_node)))
+            added = ceil(config.tp * config.pp / GPUS_PER_NODE) * GPUS_PER_NODE
+            grown = ParallelConfig(tp=config.tp, pp=config.pp, dp=(n + added) // (config.tp * config.pp), zero=1)
+            out.append(Scenario("scale out", spec, config, devices, grown, cluster(n + added)))
+    return out
+
+
+@dataclass(frozen=True)
+class BenchTransition:
+    name: str
+    """The name ``scripts/bench_migration.py`` gives it."""
+    old: str
+    new: str
+    old_agents: int = 2
+    new_agents: int = 2
+
+
+BENCH_TRANSITIONS = [
+    BenchTransition("dp-up (node join)", "tp=2,pp=1,dp=2", "tp=2,pp=1,dp=3", 2, 3),
+    BenchTransition("dp-down (node leave)", "tp=2,pp=1,dp=3", "tp=2,pp=1,dp=2", 3, 2),
+    BenchTransition("tp-down", "tp=2,pp=1,dp=2", "tp=1,pp=1,dp=4"),
+    BenchTransition("tp-up", "tp=1,pp=1,dp=4", "tp=2,pp=1,dp=2"),
+    BenchTransition("pp-up", "tp=1,pp=1,dp=4", "tp=1,pp=2,dp=2"),
+    BenchTransition("pp-down", "tp=1,pp=2,dp=2", "tp=1,pp=1,dp=4"),
+    BenchTransition("zero-on", "tp=1,pp=1,dp=4", "tp=1,pp=1,dp=4,zero=1"),
+    BenchTransition("zero-off", "tp=1,pp=1,dp=4,zero=1", "tp=1,pp=1,dp=4"),
+    BenchTransition("combined (tp down, pp up, zero on)", "tp=2,pp=1,dp=2", "tp=1,pp=2,dp=2,zero=1"),
+]
+
+
+def bench_suite(model: str = "gpt-bench", per_agent: int = 2) -> list[Scenario]:
+    spec = load_model(model)
+    return [
+        Scenario(t.name, spec, ParallelConfig.parse(t.old), cluster(t.old_agents * per_agent, per_agent),
+                 ParallelConfig.parse(t.new), cluster(t.new_agents * per_agent, per_agent), ordered=True)
+        for t in BENCH_TRANSITIONS
+    ]
