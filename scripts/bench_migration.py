@@ -6,7 +6,8 @@ reconfigure`` asks for another layout), and trains on. The two methods run alter
 repetition in a fresh job; the stall is the migration record's ``total_stall_s`` (training stopped
 on the first rank until it resumed on the last), bytes are the record's bytes moved.
 
-    python scripts/bench_migration.py --quick          # 0.5 MB model, 3 transitions, 1 repetition
+    python scripts/bench_migration.py --quick          # 1.1 MB model, 3 transitions, 1 repetition
+    python scripts/bench_migration.py --small          # 1.1 MB model, every transition
     python scripts/bench_migration.py --repeat 3       # ~1 GB of state, every transition
 
 Prints a rich table and one JSON line, and writes a bar chart (``--plot``).
@@ -55,7 +56,8 @@ QUICK = [SUITE[0], SUITE[2], SUITE[6]]
 MODEL_FULL = ["--hidden", "768", "--heads", "12", "--ffn", "3072", "--layers", "10", "--vocab", "8192", "--seq", "16",
               "--global-batch", "12", "--micro-batch", "1", "--elementwise"]
 """~83.6 M parameters: fp32 weights + AdamW state = 1.0 GB."""
-MODEL_QUICK = ["--global-batch", "12", "--micro-batch", "1", "--elementwise"]
+MODEL_QUICK = ["--layers", "10", "--global-batch", "12", "--micro-batch", "1", "--elementwise"]
+"""The example's default widths with MODEL_FULL's 10 layers (same tensors, 1.1 MB): the fixed costs."""
 
 
 PHASES = ("detect_s", "agree_s", "rebuild_s", "plan_s", "transfer_s")
@@ -65,7 +67,8 @@ def run_once(t: Transition, method: str, model_args: list[str], steps: int, work
     agent_args = ["--migration", "checkpoint", "--checkpoint-dir", str(work / "checkpoints")] if method == "checkpoint" else []
     # Long enough never to end before the change; killed two steps after it (the record is what counts).
     result = run_scenario(t.parallel, 2, 10_000, 0.0, work, echo=False, events=(t.event,), extra_script_args=model_args,
-                          agent_args=agent_args, initial_agents=t.initial_agents, event_steps=[1], stop_after=2)
+                          agent_args=agent_args, initial_agents=t.initial_agents, event_steps=[1], stop_after=2,
+                          min_nodes=min(t.initial_agents, 2))
     records = [m for m in result["migrations"] if m.get("method", "live") == method]
     if len(records) != 1:
         raise RuntimeError(f"{t.name} / {method}: expected one migration record, got {len(records)}")
@@ -74,7 +77,8 @@ def run_once(t: Transition, method: str, model_args: list[str], steps: int, work
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="Tiny model, 3 transitions, 1 repetition unless --repeat (a spot check).")
+    ap.add_argument("--quick", action="store_true", help="1.1 MB model, 3 transitions, 1 repetition unless --repeat (a spot check).")
+    ap.add_argument("--small", action="store_true", help="The --quick model on every transition (fixed costs, for calibrate_sim.py).")
     ap.add_argument("--repeat", type=int, default=None, help="Repetitions of each method per transition (default 3; --quick 1).")
     ap.add_argument("--only", default=None, help="Comma-separated substrings: run the transitions whose name matches.")
     ap.add_argument("--plot", type=Path, default=Path("bench_migration.png"))
@@ -93,7 +97,7 @@ def main() -> None:
     methods = tuple(m.strip() for m in args.methods.split(","))
     if not methods or not set(methods) <= {"live", "checkpoint"}:
         ap.error(f"--methods: expected live and/or checkpoint, got {args.methods!r}")
-    model_args = MODEL_QUICK if args.quick else MODEL_FULL
+    model_args = MODEL_QUICK if args.quick or args.small else MODEL_FULL
     steps = 0  # unused: each job is stopped two steps after its change
     console = Console(stderr=True)
     rows = []
@@ -109,7 +113,7 @@ def main() -> None:
                               f"moved {record['bytes_moved'] / 1e6:.1f} MB")
         rows.append(_row(t, samples))
     ratios = [r["ratio"] for r in rows if r["ratio"]]
-    summary = {"suite": "quick" if args.quick else "full", "repeat": repeat, "transitions": rows,
+    summary = {"suite": "quick" if args.quick else "small" if args.small else "full", "repeat": repeat, "transitions": rows,
                "median_ratio": round(statistics.median(ratios), 3) if ratios else None, "wall_s": round(time.monotonic() - started, 1)}
 
     table = Table(title=f"migration stall, live vs checkpoint (medians of {repeat})")

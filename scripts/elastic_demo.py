@@ -141,20 +141,24 @@ def run_scenario(parallel: str, nproc: int, steps: int, step_delay: float, work:
                  rdzv: list[str] | None = None, events: tuple[str, ...] = ("join", "leave", "kill"),
                  extra_script_args: list[str] | None = None, wait_migrations: bool = True,
                  agent_args: list[str] | None = None, initial_agents: int = 2, event_steps: list[int] | None = None,
-                 stop_after: int | None = None) -> dict:
+                 stop_after: int | None = None, min_nodes: int | None = None) -> dict:
     """Run the elastic scenario; return losses, migration records and exit codes.
 
     ``wait_migrations=False``: do not wait for a migration after each event (a run expected to fail).
     ``stop_after``: once the last event's migration is done and this many more steps trained, kill the
-    job instead of training to the end (benchmarks; exit codes are then None)."""
+    job instead of training to the end (benchmarks; exit codes are then None).
+    ``min_nodes`` (default ``initial_agents``): ``--nnodes`` MIN; below ``initial_agents`` (so that a
+    leave does not drop the job below it), the events wait until a generation runs with all the
+    initial agents, and only the migrations after that are returned."""
     loss_log = work / "loss.jsonl"
     state_file = work / "state.pt"
     script_args = ["--steps", str(steps), "--parallel", parallel, "--step-delay", str(step_delay),
                    "--loss-log", str(loss_log), "--dump-state", str(state_file), *(extra_script_args or [])]
     rdzv = rdzv or ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", f"demo-{uuid.uuid4().hex[:6]}"]
     # The job starts once the initial agents are all in, so no extra generation precedes the events.
-    cluster = Cluster(rdzv, nproc, parallel, script_args, work, echo, extra=agent_args, min_nodes=initial_agents)
+    cluster = Cluster(rdzv, nproc, parallel, script_args, work, echo, extra=agent_args, min_nodes=min_nodes or initial_agents)
     events_done: list[dict] = []
+    skipped = 0
     started = time.monotonic()
     try:
         cluster.add_agent(host_store=True)
@@ -167,7 +171,14 @@ def run_scenario(parallel: str, nproc: int, steps: int, step_delay: float, work:
         def migrated(count: int) -> None:
             cluster.wait_for(lambda: len(migrations(cluster)) >= count, 300, f"migration {count}")
 
+        def all_initial_running() -> bool:
+            seen = [json.loads(line) for line in list(cluster.outputs[0]) if '"generation_seen"' in line and line.lstrip().startswith("{")]
+            return bool(seen) and seen[-1]["status"] == "running" and seen[-1]["members"] == initial_agents
+
         expected = 0
+        if min_nodes is not None and min_nodes < initial_agents:
+            cluster.wait_for(all_initial_running, 300, f"a generation with all {initial_agents} agents")
+            expected = skipped = len(migrations(cluster))
         step_marks = iter(event_steps or range(steps // 5, steps, max(1, steps // 5)))
         for event in events:
             at_step(next(step_marks))
@@ -207,7 +218,7 @@ def run_scenario(parallel: str, nproc: int, steps: int, step_delay: float, work:
                 a.kill()
         for i, lines in enumerate(cluster.outputs):
             (work / f"agent-{i}.log").write_text("".join(lines))
-    return {"losses": read_losses(loss_log), "migrations": migrations(cluster), "codes": codes, "events": events_done,
+    return {"losses": read_losses(loss_log), "migrations": migrations(cluster)[skipped:], "codes": codes, "events": events_done,
             "state_file": state_file, "cluster": cluster}
 
 

@@ -103,12 +103,44 @@ def test_bench_suite_mirrors_the_benchmark():
     sys.path.insert(0, str(ROOT / "scripts"))
     from bench_migration import SUITE
 
+    from etc_agent.layout.config import ParallelSpec
+
     assert [s.name for s in bench_suite()] == [t.name for t in SUITE]
+    for t, s in zip(SUITE, bench_suite()):
+        agents = t.initial_agents + {"join": 1, "leave": -1}.get(t.event, 0)
+        new_spec = t.event.split(":", 1)[1] if t.event.startswith("reconfigure:") else t.parallel
+        assert s.old_config == ParallelSpec.parse(t.parallel).resolve(2 * t.initial_agents), t.name
+        assert s.new_config == ParallelSpec.parse(new_spec).resolve(2 * agents), t.name
+        assert (len(s.old_devices), len(s.new_devices)) == (2 * t.initial_agents, 2 * agents)
+        assert s.ordered
     by_name = {s.name: s for s in bench_suite()}
     # The example GPT at bench size is 1.0 GB, as bench_migration.py's model is.
     assert 0.99e9 < by_name["tp-down"].spec.state_bytes() < 1.01e9
     up = simulate(by_name["tp-up"], CostModel())
     assert up.plan.bytes_moved == 0  # every tp=2 shard is inside the tp=1 replica already there
+
+
+def test_calibration_recovers_the_fixed_costs_it_is_given():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from calibrate_sim import fixed_costs
+    from rich.console import Console
+
+    bandwidths = dict(intra_node_gbps=1.5, inter_node_gbps=1.5, message_latency_s=1e-4, copy_gbps=2.0, alloc_gbps=100.0,
+                      storage_write_gbps_per_node=0.8, storage_aggregate_gbps=0.8, storage_read_gbps_per_node=3.0,
+                      storage_aggregate_read_gbps=3.0)
+    truth = CostModel(**bandwidths, control_s=0.4, control_per_process_s=0, group_init_s=0, group_init_per_process_s=0,
+                      restart_seconds=5.0, storage_latency_s=0.05)
+    transitions = []
+    for scenario in bench_suite("gpt-bench-small"):
+        r = simulate(scenario, truth)
+        transitions.append({"name": scenario.name, "etc_s": r.etc_s, "ckpt_s": r.ckpt_s,
+                            "ckpt_phases_s": {"transfer_s": 0.1}, "etc_phases_s": {}})
+    fixed = fixed_costs({"transitions": transitions}, bandwidths, Console(stderr=True))
+    assert fixed["storage_latency_s"] == pytest.approx(0.05)
+    assert fixed["control_s"] == pytest.approx(0.4, abs=0.05)  # planner time differs run to run
+    assert fixed["restart_seconds"] == pytest.approx(5.0, abs=0.05)
+    with pytest.raises(SystemExit, match="both methods"):
+        fixed_costs({"transitions": [{**transitions[0], "ckpt_s": None}]}, bandwidths, Console(stderr=True))
 
 
 def etc_agent(*args):
@@ -140,6 +172,8 @@ def test_simulate_bench_suite_json_and_comparison(tmp_path):
     (["--control-s", "-1"], "--control-s"),
     (["--suite", "paper", "--models", "gpt-2"], "unknown gpt-2"),
     (["--suite", "paper", "--measured", "x.json"], "--suite bench"),
+    (["--suite", "paper", "--models", ","], "(none given)"),
+    (["--costs", "missing.json"], "missing.json"),
 ])
 def test_simulate_bad_input_is_one_line_and_exit_2(args, message):
     out = etc_agent("simulate", "--plot", "-", *args)

@@ -283,22 +283,24 @@ def simulate(
     """Estimate migration stalls, live vs checkpoint, with the real planner on real model specs."""
     from etc_agent.sim import report
     from etc_agent.sim.costs import CostModel
-    from etc_agent.sim.simulate import simulate as run
+    from etc_agent.sim.estimate import simulate as run
     from etc_agent.sim.suites import PAPER_SIZES, bench_suite, paper_suite
 
     values = CostModel.from_file(costs_file) if costs_file else {}
-    costs = build_model(CostModel, {**values, **(cost_flags or {})}, str(costs_file or ""))
+    if values:
+        build_model(CostModel, values, str(costs_file))
+    costs = build_model(CostModel, {**values, **(cost_flags or {})})
     if suite == "paper":
         sizes = PAPER_SIZES
-        if models:
+        if models is not None:
             wanted = [m.strip() for m in models.split(",") if m.strip()]
             unknown = [m for m in wanted if m not in PAPER_SIZES]
-            if unknown:
-                raise UserError(f"--models: unknown {', '.join(unknown)}; the paper suite has {', '.join(PAPER_SIZES)}")
+            if unknown or not wanted:
+                raise UserError(f"--models: unknown {', '.join(unknown) or '(none given)'}; the paper suite has {', '.join(PAPER_SIZES)}")
             sizes = {m: PAPER_SIZES[m] for m in wanted}
         scenarios = paper_suite(sizes)
     elif suite == "bench":
-        if models:
+        if models is not None:
             raise UserError("--models applies to the paper suite only")
         scenarios = bench_suite()
     else:
@@ -313,11 +315,15 @@ def simulate(
             measured_data = json.loads(measured.read_text().strip().splitlines()[-1])
         except (OSError, ValueError, IndexError) as err:
             raise UserError(f"--measured {measured}: not a bench_migration.py JSON line ({err})") from None
+        if not isinstance(measured_data, dict) or not isinstance(measured_data.get("transitions"), list):
+            raise UserError(f"--measured {measured}: not a bench_migration.py JSON line (no transitions)")
     console = Console()
     results = [run(s, costs) for s in scenarios]
     console.print(report.costs_table(costs))
     console.print(report.results_table(results, f"simulated stall, suite {suite}"))
     data = {"suite": suite, "costs": costs.model_dump(), "results": [r.to_json() for r in results], **report.summary(results)}
+    if data["median_ratio"] is None:
+        raise UserError("no scenario to simulate")
     console.print(f"median ratio {data['median_ratio']:.2f}x (range {data['min_ratio']:.2f}x-{data['max_ratio']:.2f}x); by scenario: "
                   + ", ".join(f"{k} {v:.2f}x" for k, v in data["median_ratio_by_scenario"].items()))
     failed = []

@@ -352,6 +352,7 @@ def elementwise_step(job: etc_agent.Job) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--stop-at", type=int, default=None, help="Stop before this step (the LR schedule still spans --steps).")
     ap.add_argument("--global-batch", type=int, default=12, help="Sequences per step, whatever dp is.")
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=64)
@@ -380,7 +381,7 @@ def main(argv: list[str] | None = None) -> None:
         raise ValueError("--global-batch must be a multiple of --micro-batch")
     job = etc_agent.init(parallel=args.parallel)
     job.start(make_build(args))
-    for step in job.steps(args.steps):
+    for step in job.steps(args.steps if args.stop_at is None else min(args.stop_at, args.steps)):
         if micro_total % job.ctx.config.dp:
             raise ValueError(f"dp={job.ctx.config.dp} does not divide the {micro_total} micro-batches of a step")
         started = time.perf_counter()

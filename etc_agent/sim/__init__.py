@@ -1,7 +1,23 @@
-"""Migration-time simulator: the real planner on real model specs, priced under a cost model."""
+"""Migration-time simulator: the real planner on real model specs, priced under a cost model.
 
-from etc_agent.sim.costs import CostModel
-from etc_agent.sim.simulate import Scenario, SimResult, simulate
-from etc_agent.sim.suites import bench_suite, paper_suite
+Names are loaded on first use (the cost model alone backs command-line flags)."""
 
-__all__ = ["CostModel", "Scenario", "SimResult", "bench_suite", "paper_suite", "simulate"]
+from importlib import import_module
+
+_EXPORTS = {
+    "CostModel": "etc_agent.sim.costs",
+    "Scenario": "etc_agent.sim.estimate",
+    "SimResult": "etc_agent.sim.estimate",
+    "simulate": "etc_agent.sim.estimate",
+    "bench_suite": "etc_agent.sim.suites",
+    "paper_suite": "etc_agent.sim.suites",
+}
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'etc_agent.sim' has no attribute {name!r}")
+
+
+__all__ = sorted(_EXPORTS)

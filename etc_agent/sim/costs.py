@@ -45,8 +45,11 @@ class CostModel(BandwidthModel):
     def from_file(cls, path: str | Path) -> dict:
         """The fields stored in a JSON file (as ``scripts/calibrate_sim.py`` writes: ``{"costs": {...}}``
         or the fields at the top level), to merge with flags."""
-        data = json.loads(Path(path).read_text())
-        values = data.get("costs", data)
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as err:
+            raise ValueError(f"{path}: not a readable JSON file ({err})") from None
+        values = data.get("costs", data) if isinstance(data, dict) else data
         if not isinstance(values, dict):
             raise ValueError(f"{path}: expected a JSON object of cost fields")
         unknown = sorted(set(values) - set(cls.model_fields))

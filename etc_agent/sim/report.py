@@ -9,7 +9,7 @@ from typing import Any
 from rich.table import Table
 
 from etc_agent.sim.costs import CostModel
-from etc_agent.sim.simulate import SimResult
+from etc_agent.sim.estimate import SimResult
 
 
 def _gb(n: int) -> str:
@@ -61,8 +61,12 @@ def compare(results: list[SimResult], measured: dict[str, Any], tolerance: float
     rows = []
     for r in results:
         m = by_name.get(r.scenario.name)
-        if m is None or m.get("etc_s") is None or m.get("ckpt_s") is None:
+        if m is None or not m.get("etc_s") or not m.get("ckpt_s"):
             continue
+        state = m.get("state_bytes")
+        if state is not None and abs(state - r.plan.state_bytes) > 0.01 * r.plan.state_bytes:
+            raise ValueError(f"measured {r.scenario.name!r} has {state / 1e6:.1f} MB of state, the simulated model "
+                             f"{r.plan.state_bytes / 1e6:.1f} MB: not the same benchmark")
         etc_err = r.etc_s / m["etc_s"] - 1
         ckpt_err = r.ckpt_s / m["ckpt_s"] - 1
         ok = abs(etc_err) <= tolerance and abs(ckpt_err) <= tolerance

@@ -25,7 +25,7 @@ from etc_agent.layout.config import ParallelConfig
 from etc_agent.layout.devices import DeviceSet
 from etc_agent.layout.model import ModelSpec
 from etc_agent.planner.policy import PolicyOptions, estimate_memory
-from etc_agent.sim.simulate import Scenario
+from etc_agent.sim.estimate import Scenario
 
 MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
 GPUS_PER_NODE = 8

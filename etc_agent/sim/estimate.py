@@ -80,7 +80,8 @@ class SimResult:
             "state_bytes": p.state_bytes, "bytes_moved": p.bytes_moved, "bytes_moved_inter_node": p.bytes_moved_inter_node,
             "checkpoint_bytes": self.checkpoint_bytes,
             "num_rounds": p.num_rounds, "num_messages": p.num_messages,
-            "etc_s": round(self.etc_s, 4), "ckpt_s": round(self.ckpt_s, 4), "ratio": round(self.ratio, 3),
+            "etc_s": round(self.etc_s, 4), "ckpt_s": round(self.ckpt_s, 4),
+            "ratio": round(self.ratio, 3) if self.etc_s > 0 else None,
             "etc_phases_s": {k: round(v, 4) for k, v in self.etc_phases.items()},
             "ckpt_phases_s": {k: round(v, 4) for k, v in self.ckpt_phases.items()},
         }
