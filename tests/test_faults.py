@@ -1,0 +1,142 @@
+"""Faults around the agents, through real ``etcrun`` processes and a real etcd: foreign values in the
+job's prefix, the leader dying, the etcd server restarting, two jobs sharing one etcd."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import pytest
+from conftest import EtcdServer
+from test_etcrun import Job, finish
+
+from etc_agent.rendezvous.records import LeaderRecord, NodeRecord
+
+
+def events(text: str) -> list[dict]:
+    out = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    return out
+
+
+@pytest.fixture
+def job(etcd_server, tmp_path):
+    jobs = []
+
+    def make(server=None, **kw):
+        j = Job(server or etcd_server, tmp_path / f"job{len(jobs)}", **kw)
+        j.out.mkdir(parents=True, exist_ok=True)
+        jobs.append(j)
+        return j
+
+    yield make
+    for j in jobs:
+        j.close()
+
+
+def test_foreign_values_in_the_prefix_are_rejected_and_logged(job):
+    j = job(nnodes="2", extra=("--log-format", "json"))
+    j.add_agent(script_args=("6",))
+    j.add_agent(script_args=("6",))
+    first = j.wait_for(lambda g: g.status == "running" and g.world_size == 4, 60, "two agents running")
+    j.store.put("nodes/intruder", "not json at all")
+    j.store.put(f"generations/{first.number}/status/intruder", json.dumps({"schema_version": 99, "state": "running"}))
+    j.store.put("parallel", "{")
+    j.store.put(f"generations/{first.number + 5}/master", json.dumps({"addr": 1}))
+    # The generation itself overwritten by something foreign: the leader publishes a valid one after
+    # the highest number it finds, so agents never go back to an old number.
+    j.store.put("generation", json.dumps({"schema_version": 1, "number": "seven"}))
+    healed = j.wait_for(lambda g: g.number > first.number + 5 and g.status in ("running", "succeeded"), 30, "a valid generation again")
+    outputs = finish(j.agents, timeout=120)
+    texts = "\n".join(text for _, text in outputs)
+    for code, text in outputs:
+        assert code == 0, text[-3000:]
+    assert "Traceback" not in texts
+    rejected = {e["key"]: e["reason"] for e in events(texts) if e.get("event") == "rejected_record"}
+    assert "invalid NodeRecord" in rejected["nodes/intruder"]
+    assert "schema version 99" in rejected[f"generations/{first.number}/status/intruder"]
+    assert "generation" in rejected and "number" in rejected["generation"]
+    assert "parallel" in rejected
+    assert healed.world_size == 4
+
+
+def test_leader_death_hands_over_without_split_brain(job):
+    j = job(extra=("--log-format", "json"))
+    for _ in range(3):
+        j.add_agent(script_args=("30",))
+    running = j.wait_for(lambda g: g.status == "running" and g.world_size == 6, 60, "three agents running")
+    leader_id = LeaderRecord.loads(j.store.get("leader").value).node_id
+    pids = {NodeRecord.loads(kv.value).node_id: NodeRecord.loads(kv.value).pid for kv in j.store.get_prefix("nodes/")}
+    leader = next(a for a in j.agents if a.pid == pids[leader_id])
+    leader.kill()
+    killed = time.monotonic()
+    after = j.wait_for(lambda g: g.number > running.number and g.world_size == 4 and g.status == "running", 30, "a generation without the leader")
+    new_leader = LeaderRecord.loads(j.store.get("leader").value).node_id
+    assert new_leader != leader_id and leader_id not in after.members
+    assert time.monotonic() - killed < 15
+    survivors = [a for a in j.agents if a is not leader]
+    for a in survivors:
+        a.send_signal(signal.SIGTERM)
+    outputs = finish(survivors, timeout=60)
+    published = [e["generation"] for _, text in outputs for e in events(text) if e.get("event") == "generation_published"]
+    # Every generation number was published by one leader only (compare-and-set), in order.
+    assert len(published) == len(set(published))
+    for _, text in outputs:
+        seen = [e["generation"] for e in events(text) if e.get("event") == "generation_seen"]
+        assert seen == sorted(seen)
+
+
+def test_etcd_restart_keeps_training_and_membership(tmp_path, job):
+    server = EtcdServer(tmp_path / "etcd-data")
+    try:
+        j = job(server=server, nnodes="2", extra=("--log-format", "json", "--lease-ttl", "5"))
+        j.add_agent(script_args=("20",))
+        j.add_agent(script_args=("20",))
+        running = j.wait_for(lambda g: g.status == "running" and g.world_size == 4, 60, "two agents running")
+        j.wait_for_workers(running.number, 4)
+        server.stop()
+        time.sleep(3.0)
+        server.start()
+        j.store.close()
+        from etc_agent.rendezvous.etcd import EtcdOptions, EtcdStore
+
+        j.store = EtcdStore(EtcdOptions(endpoint=server.endpoint), j.run_id)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and j.num_nodes() < 2:
+            time.sleep(0.2)
+        assert j.num_nodes() == 2
+        outputs = finish(j.agents, timeout=120)
+        for code, text in outputs:
+            assert code == 0, text[-3000:]
+        texts = "\n".join(text for _, text in outputs)
+        # Training went on: the workers of the first generation ran to the end, no new generation ran.
+        started = [e for e in events(texts) if e.get("event") == "workers_started"]
+        assert {e["generation"] for e in started} == {running.number}
+        assert any(e.get("event") == "store_unreachable" for e in events(texts))
+        final = j.generation()
+        assert final.status == "succeeded" and final.number == running.number + 1
+    finally:
+        server.stop()
+        server.log.close()
+
+
+def test_two_jobs_on_one_etcd_do_not_touch_each_other(job):
+    a, b = job(), job()
+    for j in (a, b):
+        j.add_agent(script_args=("30",))
+        j.add_agent(script_args=("30",))
+    first = {id(j): j.wait_for(lambda g: g.status == "running" and g.world_size == 4, 60, "two agents running") for j in (a, b)}
+    # Both change at once: a gains an agent, b loses one.
+    a.add_agent(script_args=("30",))
+    b.agents[1].send_signal(signal.SIGTERM)
+    grown = a.wait_for(lambda g: g.number > first[id(a)].number and g.world_size == 6, 30, "job a at 6")
+    shrunk = b.wait_for(lambda g: g.number > first[id(b)].number and g.world_size == 2, 30, "job b at 2")
+    assert len(grown.members) == 3 and len(shrunk.members) == 1
+    assert set(grown.members).isdisjoint(first[id(b)].members) and set(shrunk.members) <= set(first[id(b)].members)
+    assert a.num_nodes() == 3 and b.num_nodes() == 1
