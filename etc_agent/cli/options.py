@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Annotated, Any, Callable, Optional
+import types
+from typing import Annotated, Any, Callable, Optional, Union, get_args, get_origin
 
 import typer
 from pydantic import BaseModel, ValidationError
@@ -29,10 +30,10 @@ def model_options(model_cls: type[BaseModel], dest: str, panel: str | None = Non
         sig = inspect.signature(fn, eval_str=True)  # typer reads __signature__ as is: no string annotations
         params = [p for p in sig.parameters.values() if p.name != dest]
         for name, field in fields.items():
-            option = typer.Option(flag_name(name), help=f"{field.description} (default {field.default:g})",
-                                  show_default=False, rich_help_panel=panel)
+            default = f"{field.default:g}" if isinstance(field.default, (int, float)) else "none"
+            option = typer.Option(flag_name(name), help=f"{field.description} (default {default})", show_default=False, rich_help_panel=panel)
             params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None,
-                                            annotation=Annotated[Optional[field.annotation], option]))
+                                            annotation=Annotated[Optional[_value_type(field.annotation)], option]))
 
         @functools.wraps(fn)
         def command(*args: Any, **kwargs: Any) -> Any:
@@ -45,6 +46,13 @@ def model_options(model_cls: type[BaseModel], dest: str, panel: str | None = Non
         return command
 
     return wrap
+
+
+def _value_type(annotation: Any) -> Any:
+    """``float`` for ``float``, ``float | None`` and ``Optional[float]``."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        return next(a for a in get_args(annotation) if a is not type(None))
+    return annotation
 
 
 def build_model(model_cls: type[BaseModel], values: dict[str, Any], source: str = "") -> BaseModel:

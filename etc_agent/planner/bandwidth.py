@@ -24,6 +24,10 @@ class BandwidthModel(BaseModel):
     intra_node_gbps: float = Field(150.0, gt=0, description="GB/s one device achieves point-to-point inside a node (NVLink-class, effective).")
     inter_node_gbps: float = Field(25.0, gt=0, description="GB/s one device achieves to another node (one 200 Gb/s NIC per GPU).")
     message_latency_s: float = Field(2e-5, ge=0, description="Fixed cost of one message (launch + handshake).")
+    stream_gbps: float | None = Field(
+        None, gt=0, description="GB/s one point-to-point stream reaches, when below the link's: a device then needs several "
+        "peers at once to reach intra/inter_node_gbps (e.g. TCP over loopback). None: one stream reaches the link's speed."
+    )
     storage_write_gbps_per_node: float = Field(5.0, gt=0, description="GB/s one node writes a checkpoint to shared storage.")
     storage_read_gbps_per_node: float = Field(10.0, gt=0, description="GB/s one node reads a checkpoint from shared storage.")
     storage_aggregate_gbps: float = Field(
@@ -35,17 +39,21 @@ class BandwidthModel(BaseModel):
     )
 
     def etc_seconds(self, messages: Iterable[tuple[Device, Device, int, int]]) -> float:
-        """Time of the rounds of ``(src, dst, round, bytes)`` messages: per round, the busiest device."""
-        send: dict[tuple[int, Device], float] = defaultdict(float)
-        recv: dict[tuple[int, Device], float] = defaultdict(float)
+        """Time of the rounds of ``(src, dst, round, bytes)`` messages: per round, the busiest device.
+
+        A device's time in a round, for its sends and (separately) its receives: its bytes over each link
+        summed (one NIC / copy engine), but no less than its largest message over one stream."""
+        link: dict[tuple[int, Device, str], float] = defaultdict(float)
+        stream: dict[tuple[int, Device, str], float] = defaultdict(float)
         for src, dst, rnd, nbytes in messages:
             bw = self.intra_node_gbps if src.node == dst.node else self.inter_node_gbps
-            seconds = nbytes / (bw * GB) + self.message_latency_s
-            send[(rnd, src)] += seconds
-            recv[(rnd, dst)] += seconds
+            one = min(bw, self.stream_gbps) if self.stream_gbps else bw
+            for key in ((rnd, src, "send"), (rnd, dst, "recv")):
+                link[key] += nbytes / (bw * GB) + self.message_latency_s
+                stream[key] = max(stream[key], nbytes / (one * GB) + self.message_latency_s)
         per_round: dict[int, float] = defaultdict(float)
-        for (rnd, _), seconds in list(send.items()) + list(recv.items()):
-            per_round[rnd] = max(per_round[rnd], seconds)
+        for key, seconds in link.items():
+            per_round[key[0]] = max(per_round[key[0]], seconds, stream[key])
         return sum(per_round.values())
 
     def checkpoint_seconds(self, write_bytes: int, num_old_nodes: int, read_bytes: int, num_new_nodes: int) -> float:

@@ -103,9 +103,12 @@ def simulate(scenario: Scenario, costs: CostModel, options: PlannerOptions | Non
     local_bytes: dict[Device, int] = {}
     for copy in plan.local_copies:
         local_bytes[copy.device] = local_bytes.get(copy.device, 0) + copy.num_bytes
+    joining = set(plan.assignment) - set(plan.old_assignment)
+    leaving = senders - set(plan.assignment)
     result = SimResult(s, plan)
     result.etc_phases = {
-        "control_s": costs.control_s + costs.control_per_process_s * num_processes,
+        "control_s": costs.control_s + costs.control_per_process_s * num_processes
+        + (costs.join_s if joining else 0.0) + (costs.leave_s if leaving else 0.0),
         "group_init_s": costs.group_init_seconds(new_world) + (costs.live_groups - 1) * costs.group_init_seconds(num_processes),
         "rebuild_s": rebuild_s,
         "plan_s": plan.plan_seconds,
@@ -130,7 +133,7 @@ def simulate(scenario: Scenario, costs: CostModel, options: PlannerOptions | Non
     )
     result.ckpt_phases = {
         "save_s": save_s,
-        "restart_s": costs.restart_seconds,
+        "restart_s": costs.restart_seconds + costs.restart_per_process_s * new_world,
         "group_init_s": costs.group_init_seconds(new_world),
         "rebuild_s": rebuild_s,
         "load_s": costs.storage_latency_s + read_s + largest_need / (costs.copy_gbps * GB),

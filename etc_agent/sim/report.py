@@ -34,7 +34,8 @@ def costs_table(costs: CostModel) -> Table:
     table.add_column("value", justify="right")
     table.add_column("meaning")
     for name, field in type(costs).model_fields.items():
-        table.add_row(name, f"{getattr(costs, name):g}", field.description or "")
+        value = getattr(costs, name)
+        table.add_row(name, "none" if value is None else f"{value:g}", field.description or "")
     return table
 
 
