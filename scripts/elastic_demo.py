@@ -185,21 +185,27 @@ def run_scenario(parallel: str, nproc: int, steps: int, step_delay: float, work:
             t = time.monotonic() - started
             if event == "join":
                 cluster.add_agent()
-            elif event == "leave":
+            elif event in ("leave", "leave-crash"):
                 # SIGTERM the last-started agent still running that does not host the store.
                 target = max(i for i, a in enumerate(cluster.agents) if a.poll() is None and i != 0)
                 cluster.agents[target].send_signal(signal.SIGTERM)
+                if event == "leave-crash":
+                    # A sender dies mid-migration (needs ETC_AGENT_FAULT_SENDER_PAUSE_S in the environment).
+                    cluster.wait_for(lambda: any("fault injection: pausing" in line for line in list(cluster.outputs[target])), 120,
+                                     "a sender to start its migration")
+                    os.kill(cluster.worker_pids(target)[0], signal.SIGKILL)
             elif event.startswith("reconfigure:"):
                 backend = rdzv[rdzv.index("--rdzv-backend") + 1]
                 subprocess.run([sys.executable, "-m", "etc_agent.cli.main", "reconfigure", "--parallel", event.split(":", 1)[1],
                                 "--rdzv-backend", "embedded" if backend == "c10d" else backend,
                                 "--rdzv-endpoint", rdzv[rdzv.index("--rdzv-endpoint") + 1], "--rdzv-id", rdzv[rdzv.index("--rdzv-id") + 1]],
                                cwd=ROOT, check=True, capture_output=True, timeout=60)
-            elif event == "kill":
+            elif event in ("kill", "hang"):
                 pids = cluster.worker_pids(1)
                 if not pids:
-                    raise RuntimeError("no live worker of agent 1 to kill\n" + cluster.tail())
-                os.kill(pids[-1], signal.SIGKILL)
+                    raise RuntimeError(f"no live worker of agent 1 to {event}\n" + cluster.tail())
+                # hang: SIGSTOP freezes the worker without killing it; its agent must notice the silence.
+                os.kill(pids[-1], signal.SIGKILL if event == "kill" else signal.SIGSTOP)
             expected += 1
             events_done.append({"event": event, "at_s": round(t, 1), "step": max(read_losses(loss_log), default=-1)})
             if wait_migrations:
@@ -251,7 +257,7 @@ def main() -> None:
     ap.add_argument("--quiet", action="store_true", help="Do not echo the agents' output.")
     ap.add_argument("--migration", choices=("live", "checkpoint"), default="live",
                     help="checkpoint: the baseline (DCP save, restart every worker, load with resharding).")
-    ap.add_argument("--events", default="join;leave;kill", help="Semicolon-separated events in order: join, leave, kill, reconfigure:<parallel spec>.")
+    ap.add_argument("--events", default="join;leave;kill", help="Semicolon-separated events in order: join, leave, kill, hang (SIGSTOP a worker), reconfigure:<parallel spec>.")
     ap.add_argument("--elementwise", action="store_true", help="Layout-independent update; check the final state bit for bit.")
     args = ap.parse_args()
     from rich.console import Console
@@ -263,7 +269,7 @@ def main() -> None:
         console.print(f"[bold]ETC demo[/]: {args.parallel}, agents of {args.nproc} workers; join, SIGTERM leave, SIGKILL of a worker")
         extra = ["--elementwise"] if args.elementwise else []
         events = tuple(e for e in args.events.split(";") if e)
-        unknown = {e for e in events if e not in ("join", "leave", "kill") and not e.startswith("reconfigure:")}
+        unknown = {e for e in events if e not in ("join", "leave", "leave-crash", "kill", "hang") and not e.startswith("reconfigure:")}
         if unknown:
             raise SystemExit(f"--events: unknown {sorted(unknown)}")
         agent_args = ["--migration", args.migration, "--checkpoint-dir", str(work / "checkpoints")] if args.migration == "checkpoint" else []

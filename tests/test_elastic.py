@@ -140,3 +140,51 @@ def test_reconfigure_changes_tp_pp_and_zero_on_the_same_devices(etcd_server, tmp
     assert sorted(result["losses"]) == list(range(steps))
     worst = max(abs(result["losses"][s] - reference[s]) / abs(reference[s]) for s in range(steps))
     assert worst <= 1e-4, worst
+
+
+def test_a_hung_worker_is_killed_by_its_agent_and_the_job_recovers(etcd_server, tmp_path):
+    """SIGSTOP (the process stays, says nothing): its agent kills it after --worker-heartbeat-timeout,
+    names it, and the job recovers from the replica like after a crash."""
+    run_id = f"hang-{uuid.uuid4().hex[:6]}"
+    rdzv = ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id]
+    work = tmp_path / "elastic"
+    work.mkdir()
+    steps = 40
+    result = run_scenario("tp=2,pp=1,dp=auto", 2, steps, 0.1, work, echo=False, rdzv=rdzv, events=("hang",),
+                          agent_args=["--worker-heartbeat-timeout", "3"])
+    logs = result["cluster"].tail(60)
+    assert result["codes"] == [0, 0], f"agents exited {result['codes']}\n{logs}"
+    assert sorted(result["losses"]) == list(range(steps)), logs
+    hung = [json.loads(line) for line in result["cluster"].outputs[1] if '"worker_hung"' in line]
+    assert len(hung) == 1 and hung[0]["silent_s"] >= 3 and hung[0]["local_rank"] == 1, logs
+    record, = result["migrations"]
+    assert "worker failure" in record["reason"] and record["bytes_moved"] > 0, record
+    assert "killed by the agent: no word from it" in "".join(result["cluster"].outputs[1])
+    reference, _ = reference_losses(steps, tmp_path)
+    worst = max(abs(result["losses"][s] - reference[s]) / abs(reference[s]) for s in range(steps))
+    assert worst <= 1e-4, worst
+
+
+def test_a_sender_killed_mid_migration_abandons_the_generation_and_replicas_take_over(etcd_server, tmp_path, monkeypatch):
+    """SIGTERM one agent, then SIGKILL one of its workers while it is about to send: the generation is
+    abandoned everywhere, the next one is planned from the survivors' replicas, training goes on exactly."""
+    monkeypatch.setenv("ETC_AGENT_FAULT_SENDER_PAUSE_S", "3")
+    run_id = f"sender-{uuid.uuid4().hex[:6]}"
+    rdzv = ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id]
+    work = tmp_path / "elastic"
+    work.mkdir()
+    steps = 60
+    started = time.monotonic()
+    result = run_scenario("tp=2,pp=1,dp=auto", 2, steps, 0.25, work, echo=False, rdzv=rdzv, events=("join", "leave-crash"),
+                          extra_script_args=["--elementwise"])
+    logs = result["cluster"].tail(60)
+    assert result["codes"] == [0, 0, 0], f"agents exited {result['codes']}\n{logs}"
+    assert sorted(result["losses"]) == list(range(steps)), logs
+    join, recovered = sorted(result["migrations"], key=lambda m: m["generation"])
+    assert (recovered["old_world_size"], recovered["new_world_size"]) == (6, 4), recovered
+    assert "abandoned" in recovered["reason"] and recovered["generation"] == join["generation"] + 2, recovered
+    abandoned = [json.loads(line) for out in result["cluster"].outputs for line in out if '"generation_abandoned"' in line]
+    assert abandoned and all(a["generation"] == join["generation"] + 1 for a in abandoned), abandoned
+    assert time.monotonic() - started < 240
+    reference, reference_state = reference_losses(steps, tmp_path, ["--elementwise"])
+    assert compare_states(result["state_file"], reference_state) == []

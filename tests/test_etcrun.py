@@ -242,6 +242,11 @@ def test_compat_mode_gives_up_after_max_restarts(job):
         (["--standalone", "--parallel", "auto", "x.py"], "tp/pp auto needs --model"),
         (["--standalone", "--parallel", "tp=2,dp=many", "x.py"], "neither an integer nor auto"),
         (["--standalone", "--parallel", "auto", "--model", "/nope.yaml", "x.py"], "no such file"),
+        (["--standalone", "--nproc-per-node", "2", "--parallel", "tp=4,dp=auto", "x.py"], "a TP group stays inside one node"),
+        (["--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1",
+          "--parallel", "tp=2,pp=2,dp=2", "x.py"], "allows at most 4"),
+        (["--standalone", "--parallel", "auto", "--model", str(ROOT / "tests" / "bad_model.yaml"), "x.py"], "bad_model.yaml"),
+        (["--standalone", "--worker-heartbeat-timeout", "-1", "x.py"], "--worker-heartbeat-timeout"),
     ],
 )
 def test_bad_flags_are_one_line_and_exit_2(args, message):

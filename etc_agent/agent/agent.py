@@ -27,15 +27,17 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from etc_agent.agent.workers import WorkerGroup, WorkerSpec
 from etc_agent.layout.config import ParallelSpec
-from etc_agent.rendezvous.records import GenerationRecord, LeaderRecord, MasterRecord, MigrationRecord, NodeRecord, NodeStatus
-from etc_agent.rendezvous.store import LeaseExpired, MembershipStore, StoreError, WatchEvent
+from etc_agent.rendezvous.records import AbandonRecord, GenerationRecord, LeaderRecord, MasterRecord, MigrationRecord, NodeRecord, NodeStatus, Record
+from etc_agent.rendezvous.store import KeyValue, LeaseExpired, MembershipStore, StoreError, WatchEvent
 from etc_agent.utils.jsonline import JsonLineServer
+
+R = TypeVar("R", bound=Record)
 
 log = logging.getLogger("etc_agent.agent")
 
@@ -51,6 +53,9 @@ class AgentConfig(BaseModel):
     nproc_per_node: int = Field(1, ge=1, description="Workers per agent.")
     max_restarts: int = Field(0, ge=0, description="Worker-failure restarts before the job fails (torchrun's count).")
     monitor_interval: float = Field(0.1, gt=0, description="Seconds between checks of the workers.")
+    worker_heartbeat_timeout: float = Field(
+        30.0, ge=0, description="Seconds without a word from a worker-API process (its control thread polls every 0.1 s) "
+        "before it counts as hung: killed and handled as a crash. 0: never.")
     reconfig_delay: float = Field(1.0, ge=0, description="Quiet time collecting joins/leaves into one generation.")
     lease_ttl: float = Field(5.0, gt=0, description="A node whose lease is not refreshed for this long is dead.")
     join_timeout: float = Field(600.0, gt=0, description="How long the job may wait for --nnodes MIN members.")
@@ -96,6 +101,8 @@ class Agent:
         self._latest: GenerationRecord | None = None
         self._unreported: tuple[GenerationRecord, NodeStatus] | None = None
         self._worker_seen: dict[int, float] = {}
+        self._worker_pid: dict[int, int] = {}
+        """Local rank -> pid that said hello: only a process that spoke can be judged silent."""
         self._watches = []
         self._elastic = False
         """Set when a worker says hello through the worker API: workers then live across generations."""
@@ -110,6 +117,8 @@ class Agent:
             self._model = ModelSpec.from_yaml(config.model)
         self._ready = True
         self._standby_hellos: set[int] = set()
+        self._rejected: set[tuple[str, int]] = set()
+        """(key, revision) of store values already logged as rejected."""
         self._finished_cache: tuple[float, bool] = (0.0, False)
         """(when checked, whether the store's ``finished`` marker exists), read at most every 0.5 s."""
 
@@ -120,6 +129,16 @@ class Agent:
         else:
             detail = " ".join(f"{k}={v}" for k, v in fields.items())
             log.info("[%s] %s %s", self.node_id, event, detail)
+
+    def _parse(self, cls: type[R], kv: KeyValue) -> R | None:
+        """``cls.loads(kv.value)``, or None for a foreign or malformed value, logged once per key revision."""
+        try:
+            return cls.loads(kv.value)
+        except ValueError as err:
+            if (kv.key, kv.mod_revision) not in self._rejected:
+                self._rejected.add((kv.key, kv.mod_revision))
+                self.emit("rejected_record", {"key": kv.key, "reason": str(err)})
+            return None
 
     # ---- membership ----------------------------------------------------------------
     def _node_record(self) -> NodeRecord:
@@ -152,14 +171,28 @@ class Agent:
         while not self.stop_requested.is_set():
             try:
                 current = self.store.get("leader")
-                if current is None and not self.leaving.is_set():
-                    if self.store.create("leader", LeaderRecord(node_id=self.node_id).dumps(), lease=self._lease):
+                if not self.leaving.is_set():
+                    record = LeaderRecord(node_id=self.node_id).dumps()
+                    won = False
+                    holder = self._parse(LeaderRecord, current) if current is not None else None
+                    if current is None:
+                        won = self.store.create("leader", record, lease=self._lease)
+                    elif holder is None:
+                        # Not a leader's record (it would have been written with a lease): take the key over.
+                        won = self.store.compare_and_set("leader", record, current.version, lease=self._lease)
+                    elif holder.node_id == self.node_id:
+                        won = True  # still ours (leading stopped on a store error): lead again
+                    if won:
                         self._is_leader = True
                         self.emit("leader_elected", {})
                         self._lead()
                         self._is_leader = False
             except StoreError as err:
                 self.emit("store_unreachable", {"error": str(err)})
+            except Exception as err:  # noqa: BLE001 - the election must outlive any bug in one decision
+                self._is_leader = False
+                self.emit("leader_error", {"error": f"{type(err).__name__}: {err}", "where": _where(err)})
+                log.exception("leader loop failed; standing for election again")
             self.stop_requested.wait(max(0.2, self.config.lease_ttl / 5))
 
     # ---- leader ---------------------------------------------------------------------
@@ -181,7 +214,8 @@ class Agent:
                     self._decide()  # also without events: a watch may have missed one
                     last_decision = time.monotonic()
                 leader = self.store.get("leader")
-                if leader is None or LeaderRecord.loads(leader.value).node_id != self.node_id:
+                record = self._parse(LeaderRecord, leader) if leader is not None else None
+                if record is None or record.node_id != self.node_id:
                     self.emit("leadership_lost", {})
                     return
         finally:
@@ -193,16 +227,14 @@ class Agent:
                     pass
 
     def _on_leader_event(self, event: WatchEvent) -> None:
-        if event.key.startswith("nodes/") or "/status/" in event.key:
+        if event.key.startswith("nodes/") or "/status/" in event.key or "/abandoned/" in event.key:
             self._leader_dirty.set()
 
     def _members_now(self, include_leaving: bool = False) -> list[NodeRecord]:
         nodes = []
         for kv in self.store.get_prefix("nodes/"):
-            try:
-                record = NodeRecord.loads(kv.value)
-            except ValueError as err:
-                self.emit("rejected_record", {"key": kv.key, "reason": str(err)})
+            record = self._parse(NodeRecord, kv)
+            if record is None:
                 continue
             if (include_leaving or not record.leaving) and record.ready:
                 nodes.append((record, kv.mod_revision))
@@ -212,7 +244,7 @@ class Agent:
 
     def _decide(self) -> None:
         kv = self.store.get("generation")
-        current = GenerationRecord.loads(kv.value) if kv else None
+        current = self._parse(GenerationRecord, kv) if kv else None
         version = kv.version if kv else 0
         if current and current.status in ("failed", "succeeded"):
             return
@@ -221,6 +253,12 @@ class Agent:
         number = (current.number + 1) if current else 0
         restart_count = current.restart_count if current else 0
         started = bool(current and (current.started or current.status == "running"))
+        if kv is not None and current is None:
+            # Overwritten by something foreign: continue after every number the job has used, so no
+            # agent ever sees an old number again; the state of the job is unknown, so say it started.
+            used = [int(k.key.split("/")[1]) for k in self.store.get_prefix("generations/") if k.key.split("/")[1].isdigit()]
+            number = max([*used, self._latest.number if self._latest else -1]) + 1
+            started = True
         reason: str | None = None
 
         def publish(record: GenerationRecord) -> None:
@@ -231,10 +269,11 @@ class Agent:
         if current and current.status == "running":
             statuses = {}
             for skv in self.store.get_prefix(f"generations/{current.number}/status/"):
-                try:
-                    statuses[skv.key.rsplit("/", 1)[-1]] = NodeStatus.loads(skv.value)
-                except ValueError as err:
-                    self.emit("rejected_record", {"key": skv.key, "reason": str(err)})
+                status = self._parse(NodeStatus, skv)
+                if status is not None:
+                    statuses[skv.key.rsplit("/", 1)[-1]] = status
+            abandoned = [r for r in (self._parse(AbandonRecord, akv) for akv in self.store.get_prefix(f"generations/{current.number}/abandoned/"))
+                         if r is not None]
             failed = [n for n, s in statuses.items() if s.state == "failed" and n in current.members]
             fatal = [s.message for n, s in statuses.items() if s.state == "failed" and s.fatal]
             if fatal:
@@ -247,6 +286,8 @@ class Agent:
                     return
                 restart_count += 1
                 reason = f"worker failure on {', '.join(failed)} (restart {restart_count}/{self.config.max_restarts})"
+            elif abandoned:
+                reason = f"generation {current.number} abandoned: {abandoned[0].reason}"
             elif current.members and all(statuses.get(n) and statuses[n].state == "succeeded" for n in current.members):
                 publish(current.model_copy(update={"number": number, "status": "succeeded", "reason": "all workers exited 0"}))
                 return
@@ -306,7 +347,9 @@ class Agent:
         try:
             return ParallelSpec.parse(json.loads(kv.value)["spec"])
         except (ValueError, KeyError, TypeError) as err:
-            self.emit("rejected_record", {"key": "parallel", "reason": str(err)})
+            if (kv.key, kv.mod_revision) not in self._rejected:
+                self._rejected.add((kv.key, kv.mod_revision))
+                self.emit("rejected_record", {"key": "parallel", "reason": f"{type(err).__name__}: {err}"})
             return None
 
     # ---- this node's part of a generation -------------------------------------------
@@ -325,8 +368,9 @@ class Agent:
         deadline = time.monotonic() + self.config.join_timeout
         while time.monotonic() < deadline and not self.stop_requested.is_set():
             kv = self.store.get(key)
-            if kv:
-                return MasterRecord.loads(kv.value)
+            master = self._parse(MasterRecord, kv) if kv else None
+            if master is not None:
+                return master
             newer = self._read_generation()
             if newer and newer.number != gen.number:
                 raise _Superseded()
@@ -454,13 +498,7 @@ class Agent:
 
     def _read_generation(self) -> GenerationRecord | None:
         kv = self.store.get("generation")
-        if kv is None:
-            return None
-        try:
-            return GenerationRecord.loads(kv.value)
-        except ValueError as err:
-            self.emit("rejected_record", {"key": "generation", "reason": str(err)})
-            return None
+        return self._parse(GenerationRecord, kv) if kv is not None else None
 
     # ---- main loop ------------------------------------------------------------------
     def run(self) -> int:
@@ -506,6 +544,8 @@ class Agent:
         op = req.get("op")
         if op in ("hello", "heartbeat"):
             self._worker_seen[int(req["local_rank"])] = time.monotonic()
+            if op == "hello" and "pid" in req:
+                self._worker_pid[int(req["local_rank"])] = int(req["pid"])
             if op == "hello" and req.get("elastic"):
                 if not self._elastic:
                     try:
@@ -525,6 +565,9 @@ class Agent:
                 "finished": self._job_finished(),
                 "standby": not self._assignments,
             }
+        if op == "switch_failed":
+            self._abandon(int(req["generation"]), f"{self.node_id} local_rank {int(req['local_rank'])}: {str(req.get('reason', ''))[:300]}")
+            return {"ok": True}
         if op == "fatal":
             gen = self.generation
             if gen is not None:
@@ -686,7 +729,27 @@ class Agent:
             self.emit("spare", {"generation": gen.number, "members": len(gen.members)})
         return None
 
+    def _kill_hung_workers(self, gen: GenerationRecord) -> None:
+        """A worker-API process that stopped talking (frozen, deadlocked with the GIL held) is killed so
+        that the job handles it like a crash instead of every peer waiting on it."""
+        now = time.monotonic()
+        codes = self.workers.poll()
+        for local_rank, pid in self.workers.pids().items():
+            seen = self._worker_seen.get(local_rank)
+            if seen is None or codes.get(local_rank) is not None or self._worker_pid.get(local_rank) != pid:
+                continue
+            silent = now - seen
+            if silent > self.config.worker_heartbeat_timeout:
+                why = f"no word from it for {silent:.1f} s (--worker-heartbeat-timeout {self.config.worker_heartbeat_timeout:g})"
+                self.emit("worker_hung", {"generation": gen.number, "local_rank": local_rank, "pid": pid, "silent_s": round(silent, 1),
+                                          "action": "SIGKILL, handled as a crash"})
+                log.error("worker local_rank %d (pid %d) on %s hung: %s; killing it", local_rank, pid, self.node_id, why)
+                self.workers.kill(local_rank, why)
+                self._worker_seen.pop(local_rank, None)
+
     def _check_workers(self, gen: GenerationRecord) -> None:
+        if self._elastic and self.config.worker_heartbeat_timeout > 0:
+            self._kill_hung_workers(gen)
         codes = self.workers.poll()
         failed = {r: c for r, c in codes.items() if c not in (None, 0, RESTART_EXIT)}
         if failed and self._elastic:
@@ -707,6 +770,15 @@ class Agent:
             self.workers = None
             self._report(gen, NodeStatus(state="succeeded", exit_codes=codes))
             self.emit("workers_succeeded", {"generation": gen.number})
+
+    def _abandon(self, generation: int, reason: str) -> None:
+        key = f"generations/{generation}/abandoned/{self.node_id}"
+        try:
+            if self.store.get(key) is None:
+                self.store.put(key, AbandonRecord(generation=generation, reason=reason).dumps())
+                self.emit("generation_abandoned", {"generation": generation, "reason": reason})
+        except StoreError as err:
+            self.emit("store_unreachable", {"error": str(err), "pending": f"abandon generation {generation}"})
 
     def _depart(self) -> int:
         self.emit("departing", {"shutdown_timeout": self.config.shutdown_timeout})
@@ -744,8 +816,17 @@ class Agent:
                 self.generation = gen
                 until = time.monotonic() + self.config.shutdown_timeout
                 while time.monotonic() < until and not self.hard_stop.is_set():
-                    if all(code is not None for code in self.workers.poll().values()):
-                        self.emit("state_sent", {"generation": gen.number, "exit_codes": self.workers.poll()})
+                    codes = self.workers.poll()
+                    died = {r: c for r, c in codes.items() if c not in (None, 0)}
+                    if died:
+                        # The receivers lost a source mid-migration: that generation must be planned again
+                        # (from replicas), without this node; its other senders are of no use now.
+                        self._abandon(gen.number, f"sender {self.node_id} local ranks {sorted(died)} exited {sorted(set(died.values()))} "
+                                                  "before their state was sent")
+                        self.emit("state_not_sent", {"generation": gen.number, "exit_codes": codes})
+                        return
+                    if all(code is not None for code in codes.values()):
+                        self.emit("state_sent", {"generation": gen.number, "exit_codes": codes})
                         return
                     time.sleep(0.05)
                 self.emit("departure_timeout", {"generation": gen.number, "seconds": self.config.shutdown_timeout})
@@ -757,6 +838,14 @@ class Agent:
 
 RESTART_EXIT = 75
 """A worker's exit code after it saved its state for a checkpoint-based switch (EX_TEMPFAIL)."""
+
+
+def _where(err: BaseException) -> str:
+    """file:line of the innermost frame of ``err`` (for one-line logs)."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return f"{os.path.basename(tb.tb_frame.f_code.co_filename)}:{tb.tb_lineno}" if tb else "?"
 
 
 class _Superseded(Exception):

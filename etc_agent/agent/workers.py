@@ -65,6 +65,8 @@ class _Worker:
     error_file: Path
     pumps: list[threading.Thread] = field(default_factory=list)
     files: list[IO] = field(default_factory=list)
+    killed_because: str = ""
+    """Set when the agent killed it (e.g. it stopped responding)."""
 
 
 class WorkerGroup:
@@ -140,6 +142,12 @@ class WorkerGroup:
     def pids(self) -> dict[int, int]:
         return {w.local_rank: w.proc.pid for w in self.workers}
 
+    def kill(self, local_rank: int, why: str) -> None:
+        """SIGKILL one worker's process group; ``why`` goes into its failure summary."""
+        worker = next(w for w in self.workers if w.local_rank == local_rank)
+        worker.killed_because = why
+        _signal_group(worker.proc, signal.SIGKILL)
+
     def stop(self, timeout_s: float, sig: int = signal.SIGTERM) -> None:
         """Signal every worker's process group, wait up to ``timeout_s``, then SIGKILL what is left."""
         for w in self.workers:
@@ -177,6 +185,8 @@ class WorkerGroup:
                 except (OSError, ValueError):
                     message = f"(unreadable error file {w.error_file})"
             reason = f"signal {-code} ({signal.Signals(-code).name})" if code < 0 else f"exit code {code}"
+            if w.killed_because:
+                reason += f", killed by the agent: {w.killed_because}"
             lines.append(f"  rank {w.global_rank} (local_rank {w.local_rank}) on {host}: {reason}"
                          + (f"; error_file {w.error_file}: {message.splitlines()[0] if message else ''}" if w.error_file.exists() else ""))
         return "\n".join(lines)

@@ -147,6 +147,8 @@ def etcrun(
     reconfig_delay: Annotated[float, typer.Option("--reconfig-delay", help="Seconds of quiet that close one generation's membership changes.")] = 1.0,
     lease_ttl: Annotated[float, typer.Option("--lease-ttl", help="Seconds after which a silent node counts as dead.")] = 5.0,
     log_format: Annotated[str, typer.Option("--log-format", help="text or json (one JSON line per agent event).")] = "text",
+    worker_heartbeat_timeout: Annotated[float, typer.Option("--worker-heartbeat-timeout", help="Seconds a worker-API process may stay "
+                                                            "silent before it counts as hung (killed, handled as a crash); 0: never.")] = 30.0,
 ) -> None:
     low, high = parse_nnodes(nnodes)
     nproc = parse_nproc(nproc_per_node)
@@ -157,6 +159,8 @@ def etcrun(
         raise ValueError(f"--log-format {log_format!r}: use text or json")
     if monitor_interval <= 0:
         raise ValueError("--monitor-interval must be positive")
+    if worker_heartbeat_timeout < 0:
+        raise ValueError("--worker-heartbeat-timeout must be 0 (never) or positive")
     backend = rdzv_backend.strip().lower()
     if backend not in ETCD_BACKENDS | EMBEDDED_BACKENDS:
         raise ValueError(f"--rdzv-backend {rdzv_backend!r}: use etcd-v3 or embedded (c10d, static)")
@@ -194,6 +198,12 @@ def etcrun(
         parallel_spec = ParallelSpec.parse(parallel)
         if (parallel_spec.tp is None or parallel_spec.pp is None) and model is None:
             raise ValueError(f"--parallel {parallel}: tp/pp auto needs --model (a model spec YAML for the policy)")
+        # What no membership can ever satisfy fails now rather than after --rdzv-conf join_timeout.
+        if parallel_spec.tp is not None and parallel_spec.tp > nproc:
+            raise ValueError(f"--parallel {parallel}: a TP group stays inside one node, and nodes run {nproc} workers (--nproc-per-node)")
+        if parallel_spec.fully_fixed and parallel_spec.tp * parallel_spec.pp * parallel_spec.dp > high * nproc:
+            raise ValueError(f"--parallel {parallel} needs {parallel_spec.tp * parallel_spec.pp * parallel_spec.dp} workers; "
+                             f"--nnodes {nnodes} x --nproc-per-node {nproc} allows at most {high * nproc}")
     if migration not in ("live", "checkpoint"):
         raise ValueError(f"--migration {migration!r}: use live or checkpoint")
     if migration == "checkpoint" and checkpoint_dir is None:
@@ -214,6 +224,7 @@ def etcrun(
         log_format=log_format, parallel=parallel_spec.short() if parallel_spec else None,
         model=str(model) if model is not None and parallel_spec is not None else None,
         migration=migration, checkpoint_dir=str(checkpoint_dir.resolve()) if checkpoint_dir else None,
+        worker_heartbeat_timeout=worker_heartbeat_timeout,
     )
     if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = "1"

@@ -50,7 +50,7 @@ def _connect(options: EtcdOptions):
     if options.user is not None and options.ca_cert is None:
         raise ValueError("etcd user/password need TLS (--etcd-ca-cert): gRPC sends credentials only over TLS")
     host, port = options.host_port()
-    return pyetcd.client(
+    client = pyetcd.client(
         host=host,
         port=port,
         ca_cert=options.ca_cert,
@@ -60,6 +60,11 @@ def _connect(options: EtcdOptions):
         user=options.user,
         password=options.password,
     )
+    # After one failed request the client refuses its only endpoint for 300 s; gRPC reconnects by
+    # itself, so try again after a second (an etcd restart must not cost five minutes).
+    for endpoint in client.endpoints.values():
+        endpoint.time_retry = 1.0
+    return client
 
 
 class _EtcdLease(Lease):
@@ -117,6 +122,12 @@ class EtcdStore(MembershipStore):
         except StoreError:
             raise
         except Exception as err:  # noqa: BLE001
+            if "auth token" in _short(err).lower() and self.options.user is not None:
+                # A restarted etcd forgot the simple token: authenticate again, the caller retries.
+                try:
+                    self.client = _connect(self.options)
+                except Exception:  # noqa: BLE001
+                    pass
             raise StoreError(f"etcd {what} failed ({self.options.endpoint}): {_short(err)}") from err
 
     def _kv(self, value: bytes, meta) -> KeyValue:

@@ -6,7 +6,10 @@ Keys under the run prefix:
 - ``leader``: :class:`LeaderRecord`, under the leader's lease (store-based election);
 - ``generation``: :class:`GenerationRecord`, written only by the leader with compare-and-set;
 - ``generations/<n>/master``: :class:`MasterRecord`, the rendezvous address chosen by the first member;
-- ``generations/<n>/status/<node_id>``: :class:`NodeStatus`, what each agent's workers did.
+- ``generations/<n>/status/<node_id>``: :class:`NodeStatus`, what each agent's workers did;
+- ``generations/<n>/abandoned/<node_id>``: :class:`AbandonRecord`, a node saw generation n fail
+  (a peer vanished mid-switch); the leader publishes the next one. Written without a lease, so it
+  outlives a departing agent.
 """
 
 from __future__ import annotations
@@ -109,6 +112,11 @@ class MigrationRecord(Record):
     plan_s: float
     transfer_s: float = Field(description="Data phase of the slowest rank (pack, send/receive, unpack).")
     total_stall_s: float = Field(description="Training stopped until training resumed, on the slowest rank.")
+
+
+class AbandonRecord(Record):
+    generation: int = Field(ge=0)
+    reason: str = Field("", description="What failed (first line of the error, or which sender died).")
 
 
 class NodeStatus(Record):

@@ -78,6 +78,10 @@ class JobFinished(Exception):
     """Training completed its last step before this process got into the job."""
 
 
+FAULT_SENDER_PAUSE_S = float(os.environ.get("ETC_AGENT_FAULT_SENDER_PAUSE_S", 0) or 0)
+"""Tests only: a departing sender sleeps this long between the status exchange and sending."""
+
+
 class ArrivalTimeout(JobError):
     """Not every process of a generation reached its store in time (one may have died)."""
 
@@ -462,6 +466,9 @@ class Job:
                 del err
                 self.state, self.ctx = None, None
                 self._teardown_group()
+                # The leader may not know (a departing sender has no status to fail): ask for a new generation.
+                self._link.send({"op": "switch_failed", "local_rank": self.local_rank, "generation": assignment["generation"],
+                                 "reason": first_line})
                 assignment = self._link.assignment(assignment["generation"] + 1, self.timeout_s, "retry after a failed switch")
                 failure = True
                 continue
@@ -546,6 +553,11 @@ class Job:
                 lost_ranks = {r: (Device(f"lost{r}", 0), []) for r in range(old_world) if r not in held}
                 lost = [str(d) for d, _ in lost_ranks.values()]
                 mine = transport.rank in sources
+                if new_rank is None and FAULT_SENDER_PAUSE_S > 0:
+                    # Fault injection for tests: a window in which a sender can be killed mid-migration.
+                    print(f"[etc_agent] {device}: fault injection: pausing {FAULT_SENDER_PAUSE_S:g} s before sending",
+                          file=sys.stderr, flush=True)
+                    time.sleep(FAULT_SENDER_PAUSE_S)
                 try:
                     result = migrate_state(
                         old_boxed if mine else None, new_tensors, device=device, old_rank=old_rank if mine else None,
