@@ -817,7 +817,7 @@ class Agent:
                 until = time.monotonic() + self.config.shutdown_timeout
                 while time.monotonic() < until and not self.hard_stop.is_set():
                     codes = self.workers.poll()
-                    died = {r: c for r, c in codes.items() if c not in (None, 0)}
+                    died = {r: c for r, c in codes.items() if c not in (None, 0, RESTART_EXIT)}
                     if died:
                         # The receivers lost a source mid-migration: that generation must be planned again
                         # (from replicas), without this node; its other senders are of no use now.

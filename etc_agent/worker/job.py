@@ -569,6 +569,11 @@ class Job:
                 except StateLostError as err:
                     # Every process computed the same plan and hit the same gap: try an older step.
                     last_error = err
+                except ValueError as err:
+                    # The descriptions do not fit together (every process sees the same, before anything
+                    # moved): what build() returned is wrong somewhere; a restart would repeat it.
+                    self._fatal(JobError(f"generation {generation}: the state build() returned does not fit the migrating "
+                                         f"state ({ctx.config.short() if ctx else 'sender'}): {err}"))
             else:
                 self._fatal(StateLost(f"generation {generation}: training state lost, no step has a live copy of every shard: {last_error}"))
         t_migrated = time.perf_counter()
