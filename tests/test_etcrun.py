@@ -157,10 +157,13 @@ class Job:
 
 @pytest.fixture
 def job(etcd_server, tmp_path):
+    """Makes jobs on the session's etcd (or ``server``), each with its own output folder."""
     jobs = []
 
-    def make(**kw):
-        j = Job(etcd_server, tmp_path, **kw)
+    def make(server=None, **kw):
+        out = tmp_path / f"job{len(jobs)}" if jobs else tmp_path
+        out.mkdir(parents=True, exist_ok=True)
+        j = Job(server or etcd_server, out, **kw)
         jobs.append(j)
         return j
 

@@ -1,5 +1,6 @@
 """Faults around the agents, through real ``etcrun`` processes and a real etcd: foreign values in the
-job's prefix, the leader dying, the etcd server restarting, two jobs sharing one etcd."""
+job's prefix, the leader dying, the etcd server restarting, two jobs sharing one etcd, a build() that
+does not fit the state."""
 
 from __future__ import annotations
 
@@ -7,9 +8,8 @@ import json
 import signal
 import time
 
-import pytest
 from conftest import ROOT, EtcdServer
-from test_etcrun import Job, finish, launch
+from test_etcrun import Job, finish, job, launch  # noqa: F401 - job is a fixture
 
 from etc_agent.rendezvous.records import LeaderRecord, NodeRecord
 
@@ -30,21 +30,6 @@ def _or_none(read):
         return read()
     except ValueError:
         return None
-
-
-@pytest.fixture
-def job(etcd_server, tmp_path):
-    jobs = []
-
-    def make(server=None, **kw):
-        j = Job(server or etcd_server, tmp_path / f"job{len(jobs)}", **kw)
-        j.out.mkdir(parents=True, exist_ok=True)
-        jobs.append(j)
-        return j
-
-    yield make
-    for j in jobs:
-        j.close()
 
 
 def test_foreign_values_in_the_prefix_are_rejected_and_logged(job):

@@ -4,7 +4,7 @@ Names are loaded on first use, so that importing the bandwidth model (command-li
 pull in numpy and scipy.
 """
 
-from importlib import import_module
+from etc_agent.utils.lazy import lazy_exports
 
 _EXPORTS = {
     "BandwidthModel": "etc_agent.planner.bandwidth",
@@ -21,11 +21,7 @@ _EXPORTS = {
     "validate_plan": "etc_agent.planner.validate",
 }
 
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'etc_agent.planner' has no attribute {name!r}")
+__getattr__ = lazy_exports("etc_agent.planner", _EXPORTS)
 
 
 __all__ = sorted(_EXPORTS)

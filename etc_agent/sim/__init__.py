@@ -2,7 +2,7 @@
 
 Names are loaded on first use (the cost model alone backs command-line flags)."""
 
-from importlib import import_module
+from etc_agent.utils.lazy import lazy_exports
 
 _EXPORTS = {
     "CostModel": "etc_agent.sim.costs",
@@ -13,11 +13,7 @@ _EXPORTS = {
     "paper_suite": "etc_agent.sim.suites",
 }
 
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'etc_agent.sim' has no attribute {name!r}")
+__getattr__ = lazy_exports("etc_agent.sim", _EXPORTS)
 
 
 __all__ = sorted(_EXPORTS)
