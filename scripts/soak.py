@@ -78,6 +78,7 @@ def main() -> None:
     ap.add_argument("--etcd", default=None, help="host:port of an etcd server (default: the embedded store).")
     ap.add_argument("--max-agent-growth-mb", type=float, default=40.0)
     ap.add_argument("--max-worker-growth-mb", type=float, default=150.0)
+    ap.add_argument("--keep", type=Path, default=None, help="Copy the agents' logs here at the end.")
     args = ap.parse_args()
     if args.min_agents < 2 or args.max_agents <= args.min_agents:
         ap.error("need 2 <= --min-agents < --max-agents (a kill needs a second replica)")
@@ -93,13 +94,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="etc-soak-") as tmp:
         work = Path(tmp)
         loss_log = work / "loss.jsonl"
-        script_args = ["--steps", str(steps), "--parallel", args.parallel, "--step-delay", str(args.step_delay), "--loss-log", str(loss_log)]
+        # 12 micro-batches of 1: every dp from 2 to 4 agents' replicas divides the global batch.
+        model_args = ["--global-batch", "12", "--micro-batch", "1"]
+        script_args = ["--steps", str(steps), "--parallel", args.parallel, "--step-delay", str(args.step_delay), "--loss-log", str(loss_log),
+                       *model_args]
         run_id = f"soak-{uuid.uuid4().hex[:6]}"
         if args.etcd:
             rdzv = ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", args.etcd, "--rdzv-id", run_id]
         else:
             rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", run_id]
-        cluster = Cluster(rdzv, args.nproc, args.parallel, script_args, work, echo=False, max_nodes=args.max_agents, min_nodes=1)
+        # Every kill counts as a restart (torchrun's --max-restarts): allow one per event.
+        cluster = Cluster(rdzv, args.nproc, args.parallel, script_args, work, echo=False, max_nodes=args.max_agents, min_nodes=1,
+                          extra=["--max-restarts", str(args.events + 10)])
         events: list[dict] = []
         samples: dict[int, list[float]] = {}
         agent_pid = None
@@ -167,11 +173,14 @@ def main() -> None:
                     a.kill()
             for i, lines in enumerate(cluster.outputs):
                 (work / f"agent-{i}.log").write_text("".join(lines))
+                if args.keep is not None:
+                    args.keep.mkdir(parents=True, exist_ok=True)
+                    (args.keep / f"agent-{i}.log").write_text("".join(lines))
         # The state check of every event: the loss of each step it resumed into (and up to the next
         # event) against one uninterrupted run of the same schedule.
         losses = read_losses(loss_log)
         if events:
-            reference, _ = reference_losses(steps, work, ["--stop-at", str(max(losses) + 1)])
+            reference, _ = reference_losses(steps, work, [*model_args, "--stop-at", str(max(losses) + 1)])
             bounds = [e["step"] for e in events] + [max(losses) + 1]
             for e, start, stop in zip(events, bounds, bounds[1:]):
                 window = [s for s in losses if max(start, 0) <= s < max(stop, start + 1)]
