@@ -21,34 +21,16 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from elastic_demo import run_scenario  # noqa: E402
 
-
-@dataclass(frozen=True)
-class Transition:
-    name: str
-    parallel: str
-    """Layout the job starts with (--parallel)."""
-    event: str
-    """join, leave, or reconfigure:<spec>."""
-    initial_agents: int = 2
+from etc_agent.sim.suites import BENCH_TRANSITIONS, BenchTransition  # noqa: E402
 
 
-SUITE = [
-    Transition("dp-up (node join)", "tp=2,pp=1,dp=auto", "join"),
-    Transition("dp-down (node leave)", "tp=2,pp=1,dp=auto", "leave", initial_agents=3),
-    Transition("tp-down", "tp=2,pp=1,dp=auto", "reconfigure:tp=1,pp=1,dp=auto"),
-    Transition("tp-up", "tp=1,pp=1,dp=auto", "reconfigure:tp=2,pp=1,dp=auto"),
-    Transition("pp-up", "tp=1,pp=1,dp=auto", "reconfigure:tp=1,pp=2,dp=auto"),
-    Transition("pp-down", "tp=1,pp=2,dp=auto", "reconfigure:tp=1,pp=1,dp=auto"),
-    Transition("zero-on", "tp=1,pp=1,dp=auto", "reconfigure:tp=1,pp=1,dp=auto,zero=1"),
-    Transition("zero-off", "tp=1,pp=1,dp=auto,zero=1", "reconfigure:tp=1,pp=1,dp=auto"),
-    Transition("combined (tp down, pp up, zero on)", "tp=2,pp=1,dp=auto", "reconfigure:tp=1,pp=2,dp=auto,zero=1"),
-]
+# One definition of the suite, shared with the simulator's ``bench`` suite.
+SUITE = BENCH_TRANSITIONS
 QUICK = [SUITE[0], SUITE[2], SUITE[6]]
 
 # --elementwise: the step is an elementwise update of the same state (no forward/backward), so a CPU
@@ -63,7 +45,7 @@ MODEL_QUICK = ["--layers", "10", "--global-batch", "12", "--micro-batch", "1", "
 PHASES = ("detect_s", "agree_s", "rebuild_s", "plan_s", "transfer_s")
 
 
-def run_once(t: Transition, method: str, model_args: list[str], steps: int, work: Path) -> dict:
+def run_once(t: BenchTransition, method: str, model_args: list[str], steps: int, work: Path) -> dict:
     agent_args = ["--migration", "checkpoint", "--checkpoint-dir", str(work / "checkpoints")] if method == "checkpoint" else []
     # Long enough never to end before the change; killed two steps after it (the record is what counts).
     result = run_scenario(t.parallel, 2, 10_000, 0.0, work, echo=False, events=(t.event,), extra_script_args=model_args,
@@ -132,7 +114,7 @@ def _median(records: list[dict], key: str) -> float | None:
     return round(statistics.median(r[key] for r in records), 4) if records else None
 
 
-def _row(t: Transition, samples: dict[str, list[dict]]) -> dict:
+def _row(t: BenchTransition, samples: dict[str, list[dict]]) -> dict:
     live, ckpt = samples["live"], samples["checkpoint"]
     etc_s, ckpt_s = _median(live, "total_stall_s"), _median(ckpt, "total_stall_s")
     first = (live or ckpt)[0]

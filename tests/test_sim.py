@@ -99,19 +99,25 @@ def test_smallest_layout_grows_with_the_model():
         smallest_layout(load_model("llama-70b"), 8, zero=False)
 
 
-def test_bench_suite_mirrors_the_benchmark():
+def test_bench_suite_is_the_benchmark_resolved_on_its_agents():
     sys.path.insert(0, str(ROOT / "scripts"))
     from bench_migration import SUITE
 
-    from etc_agent.layout.config import ParallelSpec
-
     assert [s.name for s in bench_suite()] == [t.name for t in SUITE]
-    for t, s in zip(SUITE, bench_suite()):
-        agents = t.initial_agents + {"join": 1, "leave": -1}.get(t.event, 0)
-        new_spec = t.event.split(":", 1)[1] if t.event.startswith("reconfigure:") else t.parallel
-        assert s.old_config == ParallelSpec.parse(t.parallel).resolve(2 * t.initial_agents), t.name
-        assert s.new_config == ParallelSpec.parse(new_spec).resolve(2 * agents), t.name
-        assert (len(s.old_devices), len(s.new_devices)) == (2 * t.initial_agents, 2 * agents)
+    # The layouts and device counts the benchmark's jobs run (2 workers per agent), written out.
+    expected = {
+        "dp-up (node join)": ("tp=2,pp=1,dp=2,zero=0", 4, "tp=2,pp=1,dp=3,zero=0", 6),
+        "dp-down (node leave)": ("tp=2,pp=1,dp=3,zero=0", 6, "tp=2,pp=1,dp=2,zero=0", 4),
+        "tp-down": ("tp=2,pp=1,dp=2,zero=0", 4, "tp=1,pp=1,dp=4,zero=0", 4),
+        "tp-up": ("tp=1,pp=1,dp=4,zero=0", 4, "tp=2,pp=1,dp=2,zero=0", 4),
+        "pp-up": ("tp=1,pp=1,dp=4,zero=0", 4, "tp=1,pp=2,dp=2,zero=0", 4),
+        "pp-down": ("tp=1,pp=2,dp=2,zero=0", 4, "tp=1,pp=1,dp=4,zero=0", 4),
+        "zero-on": ("tp=1,pp=1,dp=4,zero=0", 4, "tp=1,pp=1,dp=4,zero=1", 4),
+        "zero-off": ("tp=1,pp=1,dp=4,zero=1", 4, "tp=1,pp=1,dp=4,zero=0", 4),
+        "combined (tp down, pp up, zero on)": ("tp=2,pp=1,dp=2,zero=0", 4, "tp=1,pp=2,dp=2,zero=1", 4),
+    }
+    for s in bench_suite():
+        assert (s.old_config.short(), len(s.old_devices), s.new_config.short(), len(s.new_devices)) == expected[s.name], s.name
         assert s.ordered
     by_name = {s.name: s for s in bench_suite()}
     # The example GPT at bench size is 1.0 GB, as bench_migration.py's model is.

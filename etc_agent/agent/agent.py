@@ -135,10 +135,13 @@ class Agent:
         try:
             return cls.loads(kv.value)
         except ValueError as err:
-            if (kv.key, kv.mod_revision) not in self._rejected:
-                self._rejected.add((kv.key, kv.mod_revision))
-                self.emit("rejected_record", {"key": kv.key, "reason": str(err)})
+            self._reject(kv, str(err))
             return None
+
+    def _reject(self, kv: KeyValue, reason: str) -> None:
+        if (kv.key, kv.mod_revision) not in self._rejected:
+            self._rejected.add((kv.key, kv.mod_revision))
+            self.emit("rejected_record", {"key": kv.key, "reason": reason})
 
     # ---- membership ----------------------------------------------------------------
     def _node_record(self) -> NodeRecord:
@@ -347,9 +350,7 @@ class Agent:
         try:
             return ParallelSpec.parse(json.loads(kv.value)["spec"])
         except (ValueError, KeyError, TypeError) as err:
-            if (kv.key, kv.mod_revision) not in self._rejected:
-                self._rejected.add((kv.key, kv.mod_revision))
-                self.emit("rejected_record", {"key": "parallel", "reason": f"{type(err).__name__}: {err}"})
+            self._reject(kv, f"{type(err).__name__}: {err}")
             return None
 
     # ---- this node's part of a generation -------------------------------------------

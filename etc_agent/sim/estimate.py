@@ -94,8 +94,8 @@ def simulate(scenario: Scenario, costs: CostModel, options: PlannerOptions | Non
     plan = plan_model_migration(s.spec, s.old_config, s.old_devices, s.new_config, s.new_devices,
                                 failed=s.failed, options=options, ordered=s.ordered)
     failed = set(s.failed)
-    senders = {d for d in plan.old_assignment if d not in failed}
-    num_processes = len(senders | set(plan.assignment))
+    alive_old = {d for d in plan.old_assignment if d not in failed}
+    num_processes = len(alive_old | set(plan.assignment))
     new_world = s.new_config.world_size
     largest_need = max(plan.need_bytes.values(), default=0)
     rebuild_s = largest_need / (costs.alloc_gbps * GB)
@@ -104,7 +104,7 @@ def simulate(scenario: Scenario, costs: CostModel, options: PlannerOptions | Non
     for copy in plan.local_copies:
         local_bytes[copy.device] = local_bytes.get(copy.device, 0) + copy.num_bytes
     joining = set(plan.assignment) - set(plan.old_assignment)
-    leaving = senders - set(plan.assignment)
+    leaving = alive_old - set(plan.assignment)
     result = SimResult(s, plan)
     result.etc_phases = {
         "control_s": costs.control_s + costs.control_per_process_s * num_processes
@@ -119,7 +119,7 @@ def simulate(scenario: Scenario, costs: CostModel, options: PlannerOptions | Non
     save_s, written = 0.0, 0
     if s.kind == "planned":
         written = plan.state_bytes
-        writer_nodes = {d.node for d in senders}
+        writer_nodes = {d.node for d in alive_old}
         write_gbps = min(len(writer_nodes) * costs.storage_write_gbps_per_node, costs.storage_aggregate_gbps)
         save_s = costs.storage_latency_s + plan.state_bytes / (write_gbps * GB)
     read_by_node: dict[str, int] = {}

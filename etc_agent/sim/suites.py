@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from math import ceil
 from pathlib import Path
 
-from etc_agent.layout.config import ParallelConfig
+from etc_agent.layout.config import ParallelConfig, ParallelSpec
 from etc_agent.layout.devices import DeviceSet
 from etc_agent.layout.model import ModelSpec
 from etc_agent.planner.policy import PolicyOptions, estimate_memory
@@ -107,31 +107,44 @@ def paper_suite(models: dict[str, tuple[int, ...]] | None = None) -> list[Scenar
 
 @dataclass(frozen=True)
 class BenchTransition:
+    """One transition of ``scripts/bench_migration.py`` (which runs this list) as a job sees it."""
+
     name: str
-    """The name ``scripts/bench_migration.py`` gives it."""
-    old: str
-    new: str
-    old_agents: int = 2
-    new_agents: int = 2
+    parallel: str
+    """Layout the job starts with (``--parallel``, dp may be auto)."""
+    event: str
+    """join, leave, or reconfigure:<spec>."""
+    initial_agents: int = 2
+
+    @property
+    def final_agents(self) -> int:
+        return self.initial_agents + {"join": 1, "leave": -1}.get(self.event, 0)
+
+    @property
+    def final_parallel(self) -> str:
+        return self.event.split(":", 1)[1] if self.event.startswith("reconfigure:") else self.parallel
 
 
 BENCH_TRANSITIONS = [
-    BenchTransition("dp-up (node join)", "tp=2,pp=1,dp=2", "tp=2,pp=1,dp=3", 2, 3),
-    BenchTransition("dp-down (node leave)", "tp=2,pp=1,dp=3", "tp=2,pp=1,dp=2", 3, 2),
-    BenchTransition("tp-down", "tp=2,pp=1,dp=2", "tp=1,pp=1,dp=4"),
-    BenchTransition("tp-up", "tp=1,pp=1,dp=4", "tp=2,pp=1,dp=2"),
-    BenchTransition("pp-up", "tp=1,pp=1,dp=4", "tp=1,pp=2,dp=2"),
-    BenchTransition("pp-down", "tp=1,pp=2,dp=2", "tp=1,pp=1,dp=4"),
-    BenchTransition("zero-on", "tp=1,pp=1,dp=4", "tp=1,pp=1,dp=4,zero=1"),
-    BenchTransition("zero-off", "tp=1,pp=1,dp=4,zero=1", "tp=1,pp=1,dp=4"),
-    BenchTransition("combined (tp down, pp up, zero on)", "tp=2,pp=1,dp=2", "tp=1,pp=2,dp=2,zero=1"),
+    BenchTransition("dp-up (node join)", "tp=2,pp=1,dp=auto", "join"),
+    BenchTransition("dp-down (node leave)", "tp=2,pp=1,dp=auto", "leave", initial_agents=3),
+    BenchTransition("tp-down", "tp=2,pp=1,dp=auto", "reconfigure:tp=1,pp=1,dp=auto"),
+    BenchTransition("tp-up", "tp=1,pp=1,dp=auto", "reconfigure:tp=2,pp=1,dp=auto"),
+    BenchTransition("pp-up", "tp=1,pp=1,dp=auto", "reconfigure:tp=1,pp=2,dp=auto"),
+    BenchTransition("pp-down", "tp=1,pp=2,dp=auto", "reconfigure:tp=1,pp=1,dp=auto"),
+    BenchTransition("zero-on", "tp=1,pp=1,dp=auto", "reconfigure:tp=1,pp=1,dp=auto,zero=1"),
+    BenchTransition("zero-off", "tp=1,pp=1,dp=auto,zero=1", "reconfigure:tp=1,pp=1,dp=auto"),
+    BenchTransition("combined (tp down, pp up, zero on)", "tp=2,pp=1,dp=auto", "reconfigure:tp=1,pp=2,dp=auto,zero=1"),
 ]
 
 
 def bench_suite(model: str = "gpt-bench", per_agent: int = 2) -> list[Scenario]:
     spec = load_model(model)
-    return [
-        Scenario(t.name, spec, ParallelConfig.parse(t.old), cluster(t.old_agents * per_agent, per_agent),
-                 ParallelConfig.parse(t.new), cluster(t.new_agents * per_agent, per_agent), ordered=True)
-        for t in BENCH_TRANSITIONS
-    ]
+    out = []
+    for t in BENCH_TRANSITIONS:
+        old_world, new_world = t.initial_agents * per_agent, t.final_agents * per_agent
+        old, new = ParallelSpec.parse(t.parallel).resolve(old_world), ParallelSpec.parse(t.final_parallel).resolve(new_world)
+        if old is None or new is None:
+            raise ValueError(f"bench transition {t.name!r} does not fit {old_world} -> {new_world} devices")
+        out.append(Scenario(t.name, spec, old, cluster(old_world, per_agent), new, cluster(new_world, per_agent), ordered=True))
+    return out
