@@ -96,6 +96,28 @@ def test_lost_state_is_reported_before_anything_moves():
     assert not any(k.startswith("decoder.layers.0.") for k in err.value.lost)
 
 
+def test_lost_state_is_planned_as_checkpoint_reads_when_allowed():
+    """With a checkpoint to read from, exactly what no live device holds is restored, the rest moves."""
+    from etc_agent.layout.model import DTYPE_BYTES
+
+    with pytest.raises(StateLostError) as err:
+        run("tp=2,pp=2", "n0:2,n1:2", "tp=2", "n0:2", failed=D("n1:2").devices)
+    lost = err.value.lost
+    plan, old, new = run("tp=2,pp=2", "n0:2,n1:2", "tp=2", "n0:2", failed=D("n1:2").devices,
+                         options=PlannerOptions(restore_lost=True))
+    assert set(plan.restored_keys) == set(lost)
+    assert plan.bytes_restored == sum(n * DTYPE_BYTES[new.key_dtype[k]] for k, n in lost.items())
+    assert all(t.src.node == "n0" for t in plan.transfers)  # nothing from the failed node
+    for d in plan.devices_new:
+        restored = sum(r.num_bytes for r in plan.restores if r.device == d)
+        received = sum(t.num_bytes for t in plan.transfers if t.dst == d)
+        assert plan.resident_bytes[d] + received + restored == plan.need_bytes[d], d
+    assert plan.to_json()["bytes_restored"] == plan.bytes_restored
+    # Without failures nothing is restored, with the option or without.
+    same, _, _ = run("tp=2,pp=2", "n0:2,n1:2", "tp=2", "n0:2", options=PlannerOptions(restore_lost=True))
+    assert same.restores == [] and same.bytes_restored == 0
+
+
 def test_mem_cap_splits_into_rounds():
     cap = 64 * 1024
     plan, old, new = run("tp=2,pp=2", "n0:4", "tp=1,dp=2,pp=2", "n0:4,n1:4", options=PlannerOptions(mem_cap_bytes=cap))

@@ -13,7 +13,9 @@ transport whose process group was created fresh for this generation):
    (large pieces go straight from and into the tensors when contiguous), posts all sends and
    receives with ``batch_isend_irecv``, waits (bounded), and unpacks into the new shards;
 5. local: regions of new shards already resident are copied from the old shards; a new shard that
-   is exactly an old one and arrives on ``meta`` takes the old tensor itself (no copy, no allocation).
+   is exactly an old one and arrives on ``meta`` takes the old tensor itself (no copy, no allocation);
+6. restore (only with ``read_checkpoint``): regions that no live process holds are read from the
+   checkpoint by the process that needs them, alone; nothing else is read from storage.
 
 Devices leaving after the migration only send, joining devices only receive. Every wait is
 bounded by ``timeout_s`` and failures raise :class:`MigrationError` naming the peer and round.
@@ -26,7 +28,7 @@ import logging
 import time
 from dataclasses import asdict, dataclass, field
 from math import prod
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -71,6 +73,8 @@ class MigrationMetrics:
     bytes_received: int
     bytes_copied_locally: int
     bytes_reused: int
+    bytes_restored: int
+    """Read by this process from the checkpoint (regions no live process held)."""
     num_messages_total: int
     num_rounds: int
     peak_buffer_bytes: int
@@ -82,6 +86,7 @@ class MigrationMetrics:
     transfer_s: float
     """From posting each round's messages to their completion."""
     unpack_s: float
+    restore_s: float
     total_s: float
     transfer_phase_s: float = 0.0
     """Slowest process's pack + transfer + unpack time (the migration's data phase)."""
@@ -126,6 +131,8 @@ def migrate_state(
     timeout_s: float = 300.0,
     buffer_device: torch.device | None = None,
     direct_min_bytes: int = DIRECT_MIN_BYTES,
+    read_checkpoint: Callable[[list[tuple[str, tuple[int, ...], torch.Tensor]]], None] | None = None,
+    on_plan: Callable[[MigrationPlan], None] | None = None,
 ) -> MigrationResult:
     """Move ``old_state`` (this process's shards of the old layout, if any) into ``new_state``.
 
@@ -133,6 +140,9 @@ def migrate_state(
     the old and new layouts (None when it has none). ``lost_old_ranks`` describes old ranks whose
     process is gone (their devices must be in ``failed``). ``tp`` is the new layout's TP size.
     ``direct_min_bytes``: pieces at least this big go on the wire on their own, without packing.
+    ``read_checkpoint``: given on every process or on none; with it, what no live process holds is
+    planned as reads (``(key, global offsets, contiguous out)`` boxes) instead of raising
+    :class:`~etc_agent.planner.core.StateLostError`. ``on_plan`` sees the checked plan before anything moves.
     """
     started = time.perf_counter()
     transport = transport or TorchTransport()
@@ -144,6 +154,8 @@ def migrate_state(
     descriptions = transport.all_gather_object(payload)
     t_exchange = time.perf_counter()
 
+    if read_checkpoint is not None:
+        options = (options or PlannerOptions()).model_copy(update={"restore_lost": True})
     plan, peer_of, names = _plan(descriptions, tp, options, failed, lost_old_ranks or {})
     t_plan = time.perf_counter()
     hashes = transport.all_gather_object(plan.plan_hash)
@@ -151,10 +163,14 @@ def migrate_state(
         differing = [names[r] for r, h in enumerate(hashes) if h != plan.plan_hash]
         raise MigrationError(f"plan hash mismatch: {plan.plan_hash} here on {device}, different on {', '.join(differing)}")
 
+    if on_plan is not None:
+        on_plan(plan)
     runner = _Runner(plan, device, old_local, new_local, buffer_device, direct_min_bytes)
     with torch.no_grad():
         runner.run(transport, peer_of, names, timeout_s)
-    t_end = time.perf_counter()
+        if plan.restores:
+            assert read_checkpoint is not None, "restores are planned only with a checkpoint to read"
+            runner.restore(read_checkpoint)
 
     inter = plan.bytes_moved_inter_node
     metrics = MigrationMetrics(
@@ -169,6 +185,7 @@ def migrate_state(
         bytes_received=runner.bytes_received,
         bytes_copied_locally=runner.bytes_copied,
         bytes_reused=runner.bytes_reused,
+        bytes_restored=runner.bytes_restored,
         num_messages_total=plan.num_messages,
         num_rounds=plan.num_rounds,
         peak_buffer_bytes=runner.peak_buffer_bytes,
@@ -179,7 +196,8 @@ def migrate_state(
         pack_s=runner.pack_s,
         transfer_s=runner.transfer_s,
         unpack_s=runner.unpack_s,
-        total_s=t_end - started,
+        restore_s=runner.restore_s,
+        total_s=time.perf_counter() - started,
     )
     phases = transport.all_gather_object(runner.pack_s + runner.transfer_s + runner.unpack_s)
     metrics.transfer_phase_s = max(phases)
@@ -304,9 +322,9 @@ class _Runner:
             self.new_by_key.setdefault(ls.shard.key, []).append(ls)
         example = next((ls.tensor for ls in old_local + new_local if not ls.tensor.is_meta), None)
         self.buffer_device = buffer_device or (example.device if example is not None else torch.device("cpu"))
-        self.bytes_sent = self.bytes_received = self.bytes_copied = self.bytes_reused = 0
+        self.bytes_sent = self.bytes_received = self.bytes_copied = self.bytes_reused = self.bytes_restored = 0
         self.peak_buffer_bytes = 0
-        self.pack_s = self.transfer_s = self.unpack_s = self.local_s = 0.0
+        self.pack_s = self.transfer_s = self.unpack_s = self.local_s = self.restore_s = 0.0
         self.tensors: dict[str, torch.Tensor] = {}
         self._materialize()
 
@@ -345,6 +363,26 @@ class _Runner:
                         continue  # already there (reused old tensor)
                     dst.copy_(src)
                     self.bytes_copied += src.numel() * src.element_size()
+
+    def restore(self, read_checkpoint) -> None:
+        """Read this device's planned restores, straight into the new shards where they are contiguous."""
+        started = time.perf_counter()
+        requests, scatter = [], []
+        for restore in self.plan.restores:
+            if restore.device != self.device:
+                continue
+            for region in restore.regions:
+                for key in self.plan.groups[region.group].keys:
+                    dst = self._find(self.new_by_key.get(key), key, region, f"restore on {self.device}")
+                    out = dst if dst.is_contiguous() else torch.empty(dst.shape, dtype=dst.dtype, device=dst.device)
+                    requests.append((key, region.offsets, out.view(region.lengths)))
+                    if out is not dst:
+                        scatter.append((out, dst))
+                    self.bytes_restored += dst.numel() * dst.element_size()
+        read_checkpoint(requests)
+        for out, dst in scatter:
+            dst.copy_(out)
+        self.restore_s = time.perf_counter() - started
 
     def run(self, transport: Transport, peer_of: dict[Device, int], names: dict[int, str], timeout_s: float) -> None:
         """The rounds first (every process reaches them at about the same time, right after planning,

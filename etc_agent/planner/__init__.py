@@ -10,6 +10,7 @@ _EXPORTS = {
     "BandwidthModel": "etc_agent.planner.bandwidth",
     "KeyGroup": "etc_agent.planner.plan",
     "LocalCopy": "etc_agent.planner.plan",
+    "Restore": "etc_agent.planner.plan",
     "MigrationPlan": "etc_agent.planner.plan",
     "PlanValidationError": "etc_agent.planner.validate",
     "PlannerOptions": "etc_agent.planner.core",

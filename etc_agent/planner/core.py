@@ -33,7 +33,7 @@ from etc_agent.layout.model import ModelSpec
 from etc_agent.layout.shards import Geometry, StateLayout
 from etc_agent.planner.assign import assign_ranks, lsa
 from etc_agent.planner.bandwidth import BandwidthModel
-from etc_agent.planner.plan import KeyGroup, LocalCopy, MigrationPlan, Region, Transfer
+from etc_agent.planner.plan import KeyGroup, LocalCopy, MigrationPlan, Region, Restore, Transfer
 
 GiB = 1 << 30
 
@@ -51,6 +51,11 @@ class PlannerOptions(BaseModel):
     )
     max_messages_per_round: int = Field(64, ge=1, description="Per device and round, the most messages it sends (and receives).")
     bandwidth: BandwidthModel = Field(default_factory=BandwidthModel, description="Link and storage speeds for the estimates.")
+    restore_lost: bool = Field(
+        False,
+        description="Regions that no live device holds are planned as reads from a checkpoint "
+        "(MigrationPlan.restores) instead of raising StateLostError. Only set it when such a checkpoint exists.",
+    )
 
 
 class StateLostError(ValueError):
@@ -174,16 +179,19 @@ class _Planner:
 
     # ---- step 1: groups ------------------------------------------------------------
     def _groups(self) -> tuple[list[KeyGroup], list[str]]:
-        missing = [k for k in self.new.key_placement if k not in self.old.key_placement]
+        missing = sorted(k for k in self.new.key_placement if k not in self.old.key_placement)
         if missing:
-            message = f"the new layout needs {len(missing)} tensors no old rank holds, e.g. {sorted(missing)[:3]}"
-            if not self.old_rank_alive.all():
+            message = f"the new layout needs {len(missing)} tensors no old rank holds, e.g. {missing[:3]}"
+            if self.old_rank_alive.all():
+                raise ValueError(message)
+            if not self.options.restore_lost:
                 # Failed ranks may have been their only holders.
                 lost = {k: prod(self.new.placements[self.new.key_placement[k]].geometry.global_shape) for k in missing}
                 raise StateLostError(f"state lost: {message}", lost)
-            raise ValueError(message)
         by_pair: dict[tuple[int, int], list[str]] = defaultdict(list)
-        for key in sorted(self.new.key_placement):
+        for key in missing:
+            by_pair[(-1, self.new.key_placement[key])].append(key)  # every element comes from the checkpoint
+        for key in sorted(k for k in self.new.key_placement if k in self.old.key_placement):
             op, np_ = self.old.key_placement[key], self.new.key_placement[key]
             old_shape = self.old.placements[op].geometry.global_shape
             new_shape = self.new.placements[np_].geometry.global_shape
@@ -200,7 +208,7 @@ class _Planner:
                 old_placement=op,
                 new_placement=np_,
             )
-            for (op, np_), keys in sorted(by_pair.items(), key=lambda item: item[1][0])
+            for (op, np_), keys in sorted(by_pair.items(), key=lambda item: (item[0][0] < 0, item[1][0]))
         ]
         dropped = sorted(set(self.old.key_placement) - set(self.new.key_placement))
         return groups, dropped
@@ -226,11 +234,14 @@ class _Planner:
         res_dev = np.zeros((n_dev, n_rank), dtype=np.int64)
         res_node = np.zeros((self.num_new_nodes, n_rank), dtype=np.int64)
         for g in groups:
-            po, pn = self.old.placements[g.old_placement], self.new.placements[g.new_placement]
+            pn = self.new.placements[g.new_placement]
             w = g.bytes_per_element
-            overlap = self._overlap(po.geometry, pn.geometry)
             new_rank, new_shard = pn.entry_rank, pn.entry_shard
             np.add.at(need, new_rank, pn.geometry.shard_numel[new_shard] * w)
+            if g.old_placement < 0:
+                continue  # held nowhere: the same cost on every device
+            po = self.old.placements[g.old_placement]
+            overlap = self._overlap(po.geometry, pn.geometry)
             dev = self.old_rank_dev[po.entry_rank]
             here = dev < n_dev
             if here.any():
@@ -267,9 +278,15 @@ class _Planner:
         local: dict[int, list[Region]] = defaultdict(list)
         local_bytes = np.zeros(self.num_dev, dtype=np.int64)
         lost: dict[str, int] = {}
+        restores: dict[int, list[Region]] = defaultdict(list)
         partitions: dict[tuple, tuple[list[Box], list[tuple[int, Box]], list[Box]]] = {}
         for gi, g in enumerate(groups):
-            po, pn = self.old.placements[g.old_placement], self.new.placements[g.new_placement]
+            pn = self.new.placements[g.new_placement]
+            if g.old_placement < 0:
+                for j, b in zip(pn.entry_rank.tolist(), pn.entry_shard.tolist()):
+                    restores[int(assignment[j])] += [Region(gi, off, ln) for off, ln in pn.geometry.pieces_of(b)]
+                continue
+            po = self.old.placements[g.old_placement]
             geo_old, geo_new = po.geometry, pn.geometry
             w = g.bytes_per_element
             overlap = self._overlap(geo_old, geo_new)
@@ -301,10 +318,13 @@ class _Planner:
                     src = min(holders[a], key=lambda h: (self._distance(h, d), load[h], h))
                     load[src] += nbytes
                     pair_regions[(src, d)].append((Region(gi, off, ln), nbytes))
-                for _, ln in missing:
+                for off, ln in missing:
+                    if self.options.restore_lost:
+                        restores[d].append(Region(gi, off, ln))
+                        continue
                     for key_name in g.keys:
                         lost[key_name] = lost.get(key_name, 0) + prod(ln)
-        return pair_regions, local, local_bytes, lost
+        return pair_regions, local, local_bytes, lost, restores
 
     def _distance(self, src: int, dst: int) -> int:
         if src == dst:
@@ -419,7 +439,7 @@ class _Planner:
         naive_moved = int(not_on_device[ranks, ranks].sum())
         lower_bound = int(round(lsa(not_on_device.T.astype(np.float64))[1]))
 
-        pair_regions, local, local_bytes, lost = self._route(groups, assignment)
+        pair_regions, local, local_bytes, lost, restore_regions = self._route(groups, assignment)
         if lost:
             total = sum(lost.values())
             names = sorted(lost)
@@ -433,9 +453,14 @@ class _Planner:
         local_copies = [
             LocalCopy(universe[d], tuple(local[d]), int(local_bytes[d])) for d in sorted(local) if local[d]
         ]
+        restores = [
+            Restore(universe[d], tuple(regions), sum(r.numel * groups[r.group].bytes_per_element for r in regions))
+            for d, regions in sorted(restore_regions.items()) if regions
+        ]
+        bytes_restored = sum(r.num_bytes for r in restores)
         bytes_moved = sum(t.num_bytes for t in transfers)
         inter = sum(t.num_bytes for t in transfers if t.src.node != t.dst.node)
-        assert bytes_moved == predicted_moved, (bytes_moved, predicted_moved)
+        assert bytes_moved + bytes_restored == predicted_moved, (bytes_moved, bytes_restored, predicted_moved)
 
         need_by_dev = {d: 0 for d in self.new_devices}
         resident_by_dev = {d: 0 for d in self.new_devices}
@@ -456,6 +481,8 @@ class _Planner:
             groups=groups,
             transfers=transfers,
             local_copies=local_copies,
+            restores=restores,
+            bytes_restored=bytes_restored,
             failed=sorted(self.failed),
             dropped_keys=dropped,
             state_bytes=self.new.state_bytes(),
@@ -463,8 +490,9 @@ class _Planner:
             resident_bytes=resident_by_dev,
             bytes_moved=bytes_moved,
             bytes_moved_inter_node=inter,
-            lower_bound_bytes=lower_bound,
-            naive_bytes_moved=naive_moved,
+            # What no live device holds is read from the checkpoint under every placement alike.
+            lower_bound_bytes=lower_bound - bytes_restored,
+            naive_bytes_moved=naive_moved - bytes_restored,
             checkpoint_bytes=write_bytes + read_bytes,
             num_rounds=1 + max((t.round for t in transfers), default=-1),
             mem_cap_bytes=self.options.mem_cap_bytes,

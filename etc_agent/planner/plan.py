@@ -5,7 +5,7 @@ plan and checks :attr:`MigrationPlan.plan_hash` across ranks. Then, round by rou
 the regions of its outgoing :class:`Transfer` into one contiguous buffer per peer (regions in list
 order, within a region the keys of its :class:`KeyGroup` in order, each key's elements row-major), and
 receives and unpacks likewise. :class:`LocalCopy` regions are copied from the device's old shards
-without communication.
+without communication; :class:`Restore` regions (held by no live device) are read from a checkpoint.
 """
 
 from __future__ import annotations
@@ -69,6 +69,15 @@ class LocalCopy:
     num_bytes: int
 
 
+@dataclass(frozen=True)
+class Restore:
+    """Regions of the new shards that no live device holds: ``device`` reads them from a checkpoint."""
+
+    device: Device
+    regions: tuple[Region, ...]
+    num_bytes: int
+
+
 @dataclass
 class MigrationPlan:
     """Everything a migration does, and what it costs."""
@@ -84,6 +93,10 @@ class MigrationPlan:
     groups: list[KeyGroup]
     transfers: list[Transfer]
     local_copies: list[LocalCopy]
+    restores: list[Restore]
+    """Empty unless the planner ran with ``restore_lost``: what comes from the checkpoint, by device."""
+    bytes_restored: int
+    """Bytes of ``restores`` (read from storage, not moved between devices)."""
     failed: list[Device]
     """Old devices whose state is gone (unplanned loss); never used as sources."""
     dropped_keys: list[str]
@@ -108,6 +121,11 @@ class MigrationPlan:
     def num_messages(self) -> int:
         return len(self.transfers)
 
+    @property
+    def restored_keys(self) -> list[str]:
+        """Keys with at least one element read from the checkpoint."""
+        return sorted({k for r in self.restores for region in r.regions for k in self.groups[region.group].keys})
+
     def compute_hash(self) -> str:
         """A stable hash of what the plan does (placement, groups, every message and local copy)."""
         h = hashlib.sha256()
@@ -121,6 +139,8 @@ class MigrationPlan:
             h.update(repr([(r.group, r.offsets, r.lengths) for r in t.regions]).encode())
         for c in self.local_copies:
             h.update(repr((str(c.device), [(r.group, r.offsets, r.lengths) for r in c.regions])).encode())
+        for c in self.restores:
+            h.update(repr(("restore", str(c.device), [(r.group, r.offsets, r.lengths) for r in c.regions])).encode())
         return h.hexdigest()[:16]
 
     def to_json(self) -> dict[str, Any]:
@@ -159,6 +179,9 @@ class MigrationPlan:
                 }
                 for t in self.transfers
             ],
+            "bytes_restored": self.bytes_restored,
+            "restored_keys": self.restored_keys,
+            "restores": [{"device": str(r.device), "bytes": r.num_bytes, "num_regions": len(r.regions)} for r in self.restores],
             "dropped_keys": self.dropped_keys,
             "plan_seconds": self.plan_seconds,
             "estimated_seconds": self.estimated_seconds,

@@ -4,7 +4,8 @@ It does not trust the router: it recomputes, from the layouts alone, what each d
 holding and what each source holds, and checks that
 
 - every element of every new shard is covered exactly once (regions inside the shard's pieces,
-  pairwise disjoint, volumes summing to the shard's size), by a local copy or one transfer;
+  pairwise disjoint, volumes summing to the shard's size), by a local copy, one transfer or a
+  restore from the checkpoint;
 - every region is sent by a live device that holds it (or copied by the device that holds it);
 - dtypes agree across the layouts, boxes lie inside the tensor, byte counts match the regions;
 - per round, no device sends or receives more than the memory cap or the message limit, and each
@@ -48,15 +49,21 @@ def validate_plan(plan: MigrationPlan, old: StateLayout, new: StateLayout) -> No
 
     for g in plan.groups:
         for key, dtype in zip(g.keys, g.dtypes):
-            if old.key_dtype[key] != dtype or new.key_dtype[key] != dtype:
+            if (g.old_placement >= 0 and old.key_dtype[key] != dtype) or new.key_dtype[key] != dtype:
                 raise PlanValidationError(f"{key}: dtype differs between layouts ({old.key_dtype[key]} -> {new.key_dtype[key]})")
 
     incoming: dict[tuple[int, Device], list[Box]] = defaultdict(list)
 
-    def check_source(region: Region, device: Device, what: str) -> None:
+    def check_bounds(region: Region) -> None:
         g = plan.groups[region.group]
         if any(o < 0 or o + n > s for o, n, s in zip(region.offsets, region.lengths, g.global_shape)):
             raise PlanValidationError(f"{name(region)}: outside the tensor's shape {g.global_shape}")
+
+    def check_source(region: Region, device: Device, what: str) -> None:
+        g = plan.groups[region.group]
+        check_bounds(region)
+        if g.old_placement < 0:
+            raise PlanValidationError(f"{name(region)}: {what} {device} cannot hold it (no old rank has the key)")
         rank = old_rank_of.get(device)
         box = (region.offsets, region.lengths)
         if rank is None or not any(box_contains(p, box) for p in pieces(old, "old", g.old_placement, rank)):
@@ -68,6 +75,13 @@ def validate_plan(plan: MigrationPlan, old: StateLayout, new: StateLayout) -> No
         for region in copy.regions:
             check_source(region, copy.device, "local copy: device")
             incoming[(region.group, copy.device)].append((region.offsets, region.lengths))
+
+    for restore in plan.restores:
+        if restore.num_bytes != sum(r.numel * plan.groups[r.group].bytes_per_element for r in restore.regions):
+            raise PlanValidationError(f"restore on {restore.device}: byte count does not match its regions")
+        for region in restore.regions:
+            check_bounds(region)
+            incoming[(region.group, restore.device)].append((region.offsets, region.lengths))
 
     cap = plan.mem_cap_bytes
     per_round: dict[tuple[int, Device, str], list[int]] = defaultdict(lambda: [0, 0])
