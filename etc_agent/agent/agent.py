@@ -67,7 +67,10 @@ class AgentConfig(BaseModel):
     model: str | None = Field(None, description="--model spec YAML: the policy picks auto tp/pp from it.")
     migration: str = Field("live", pattern="^(live|checkpoint)$", description="live: workers stay and state moves device to device; "
                            "checkpoint: workers save with DCP, exit, and new workers load with resharding (the baseline).")
-    checkpoint_dir: str | None = Field(None, description="Directory shared by all nodes for --migration checkpoint.")
+    checkpoint_dir: str | None = Field(None, description="Directory shared by all nodes for --migration checkpoint and periodic checkpoints.")
+    checkpoint_interval: int = Field(0, ge=0, description="Steps between periodic asynchronous checkpoints (0: none); "
+                                     "what a failure leaves without a live copy is restored from the last one.")
+    checkpoint_keep: int = Field(2, ge=1, description="Complete periodic checkpoints kept.")
 
 
 @dataclass
@@ -393,6 +396,9 @@ class Agent:
         }
         if self.config.checkpoint_dir:
             env["ETC_AGENT_CHECKPOINT_DIR"] = self.config.checkpoint_dir
+        if self.config.checkpoint_interval:
+            env["ETC_AGENT_CHECKPOINT_INTERVAL"] = str(self.config.checkpoint_interval)
+            env["ETC_AGENT_CHECKPOINT_KEEP"] = str(self.config.checkpoint_keep)
         if "OMP_NUM_THREADS" in os.environ:
             env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
         return env

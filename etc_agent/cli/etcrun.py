@@ -136,7 +136,9 @@ def etcrun(
     local_addr: Annotated[Optional[str], typer.Option("--local-addr", "--local_addr", help="Address other nodes use to reach this node.")] = None,
     shutdown_timeout: Annotated[Optional[int], typer.Option("--shutdown-timeout", "--shutdown_timeout", help="Seconds between SIGTERM and SIGKILL for workers (default 30).")] = None,
     migration: Annotated[str, typer.Option("--migration", help="live (device to device) or checkpoint (DCP save, restart, load: the baseline).")] = "live",
-    checkpoint_dir: Annotated[Optional[Path], typer.Option("--checkpoint-dir", help="Shared directory for --migration checkpoint.")] = None,
+    checkpoint_dir: Annotated[Optional[Path], typer.Option("--checkpoint-dir", help="Directory every node can reach: --migration checkpoint saves there; with --checkpoint-interval, periodic checkpoints.")] = None,
+    checkpoint_interval: Annotated[int, typer.Option("--checkpoint-interval", help="Every N steps, an asynchronous DCP checkpoint in --checkpoint-dir; state that a failure leaves without any live copy is restored from it (only that state), and the steps since are trained again. 0: none.")] = 0,
+    checkpoint_keep: Annotated[int, typer.Option("--checkpoint-keep", help="Complete periodic checkpoints kept (older ones are deleted).")] = 2,
     parallel: Annotated[Optional[str], typer.Option("--parallel", help="Initial parallel config (tp=..,pp=..,dp=..) or auto, for worker-API scripts.")] = None,
     model: Annotated[Optional[Path], typer.Option("--model", help="Model spec YAML for the --parallel auto policy.")] = None,
     etcd_ca_cert: Annotated[Optional[str], typer.Option("--etcd-ca-cert", help="CA bundle for etcd TLS.")] = None,
@@ -208,6 +210,12 @@ def etcrun(
         raise ValueError(f"--migration {migration!r}: use live or checkpoint")
     if migration == "checkpoint" and checkpoint_dir is None:
         raise ValueError("--migration checkpoint needs --checkpoint-dir (a directory every node can reach)")
+    if checkpoint_interval < 0 or checkpoint_keep < 1:
+        raise ValueError(f"--checkpoint-interval must be >= 0 and --checkpoint-keep >= 1 (got {checkpoint_interval}, {checkpoint_keep})")
+    if checkpoint_interval and checkpoint_dir is None:
+        raise ValueError("--checkpoint-interval needs --checkpoint-dir (a directory every node can reach)")
+    if checkpoint_interval and migration != "live":
+        raise ValueError("--checkpoint-interval is for --migration live (the checkpoint baseline saves at every change)")
     if model is not None:
         from etc_agent.layout.model import ModelSpec
 
@@ -224,6 +232,7 @@ def etcrun(
         log_format=log_format, parallel=parallel_spec.short() if parallel_spec else None,
         model=str(model) if model is not None and parallel_spec is not None else None,
         migration=migration, checkpoint_dir=str(checkpoint_dir.resolve()) if checkpoint_dir else None,
+        checkpoint_interval=checkpoint_interval, checkpoint_keep=checkpoint_keep,
         worker_heartbeat_timeout=worker_heartbeat_timeout,
     )
     if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:

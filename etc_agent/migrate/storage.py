@@ -18,6 +18,7 @@ Call sequences:
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -159,4 +160,6 @@ def read_regions(path: str | Path, regions: Sequence[tuple[str, tuple[int, ...],
     if not regions:
         return
     pieces = _Pieces((key, tuple(offsets), out, ()) for key, offsets, out in regions)
-    dcp.load({}, storage_reader=dcp.FileSystemReader(str(path)), planner=_BoxLoadPlanner(pieces), no_dist=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process reading alone is the point
+        dcp.load({}, storage_reader=dcp.FileSystemReader(str(path)), planner=_BoxLoadPlanner(pieces), no_dist=True)

@@ -41,6 +41,7 @@ import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 import gc
 from datetime import timedelta
 from math import prod
@@ -56,6 +57,7 @@ from etc_agent.migrate.executor import migrate_state
 from etc_agent.migrate.transport import GroupTransport, MigrationError, TorchTransport
 from etc_agent.planner.core import StateLostError
 from etc_agent.utils.jsonline import JsonLineError, parse_address, request
+from etc_agent.worker.checkpoint import STATE_FILE, PeriodicCheckpointer
 from etc_agent.worker.appstate import from_json, load_state, materialize_optimizer_state, split_state, to_json
 from etc_agent.worker.context import ParallelContext, make_context
 
@@ -211,6 +213,13 @@ class Job:
         self._started_wall = time.time()
         address = os.environ.get("ETC_AGENT_ADDR")
         self.elastic = address is not None and os.environ.get("ETC_AGENT_ELASTIC", "1") != "0"
+        interval = int(_env_float("ETC_AGENT_CHECKPOINT_INTERVAL", 0))
+        self.checkpointer: PeriodicCheckpointer | None = None
+        """Periodic asynchronous checkpoints (``etcrun --checkpoint-interval``): restore what a failure
+        leaves without any live copy; see :mod:`etc_agent.worker.checkpoint`."""
+        if interval > 0 and self.checkpoint_dir and self.migration == "live" and self.elastic:
+            keep = int(_env_float("ETC_AGENT_CHECKPOINT_KEEP", 2))
+            self.checkpointer = PeriodicCheckpointer(self.checkpoint_dir, interval, keep, self.timeout_s)
         self._link = _AgentLink(address, self.local_rank) if self.elastic else None
 
     # ---- public API ------------------------------------------------------------------------
@@ -245,6 +254,8 @@ class Job:
                 self._maybe_switch()
             if self.next_step >= num_steps:
                 return
+            if self.checkpointer is not None and self.checkpointer.due(self.next_step):
+                self._checkpoint()
             self._stepped = False
             self._in_step = True
             yield self.next_step
@@ -256,6 +267,8 @@ class Job:
         if self._finished:
             return
         self._finished = True
+        if self.checkpointer is not None:
+            self.checkpointer.settle(failure=False)
         if self._link is not None and self.ctx is not None and self.ctx.rank == 0:
             self._link.send({"op": "finished", "step": self.next_step, "generation": self.generation})
         if dist.is_initialized():
@@ -322,6 +335,12 @@ class Job:
                 obj.register_step_post_hook(self._on_optimizer_step)
         return state
 
+    def _checkpoint(self) -> None:
+        """Snapshot this rank's state and write it in the background (every rank at this boundary)."""
+        tensors, plain = split_state(self.state)
+        self.checkpointer.save(tensors, {"app": plain, "rng": to_json(torch.get_rng_state(), "rng")}, self.next_step,
+                               self.generation, self.ctx.config.short(), self.ctx.rank, self.ctx.world_size, self._store)
+
     def _before_optimizer_step(self, *args: Any) -> None:
         dist.all_reduce(torch.zeros(1))
 
@@ -350,8 +369,6 @@ class Job:
     def _save_and_exit(self, pending: int, stopped_at: float) -> None:
         """The checkpoint baseline: save every shard with DCP (files synced), then exit so the agent
         starts fresh workers for generation ``pending`` that load with resharding."""
-        from pathlib import Path
-
         from etc_agent.agent.agent import RESTART_EXIT
         from etc_agent.baselines.checkpoint import save_shards
 
@@ -372,8 +389,6 @@ class Job:
 
     def _load_checkpoint(self, new_tensors: dict, generation: int) -> dict | None:
         """Load the newest checkpoint-baseline save into the new state (collective over the new world)."""
-        from pathlib import Path
-
         from etc_agent.baselines.checkpoint import load_shards
 
         saves = sorted(Path(self.checkpoint_dir).glob("gen*/etc_state.json"), key=lambda p: int(p.parent.name[3:]))
@@ -435,6 +450,8 @@ class Job:
     def _switch_to(self, at_least: int, why: str, stopped_at: tuple[float, float] | None, failure: bool) -> None:
         """Move from the current generation (if any) into the first one >= ``at_least`` that the agent
         serves; see the module docstring."""
+        if self.checkpointer is not None:
+            self.checkpointer.settle(failure)
         old_rank = self.ctx.rank if self.ctx is not None else None
         old_config = self.ctx.config.short() if self.ctx is not None else None
         old_boxed = None
@@ -525,11 +542,16 @@ class Job:
                                       assignment["pg_world_size"], timeout)
         transport = GroupTransport(group, "gloo")
         holds = old_boxed is not None
-        statuses = transport.all_gather_object({
-            "device": str(device), "old_rank": old_rank if holds else None, "step": self.next_step if holds else None,
-            "config": old_config if holds else None, "plain": plain if holds else None, "new_rank": new_rank,
-        })
-        holders = [i for i, s in enumerate(statuses) if s["step"] is not None]
+        versions = []
+        if holds:
+            versions.append({"kind": "live", "step": self.next_step, "old_rank": old_rank, "config": old_config, "plain": plain})
+        snapshot = self.checkpointer.snapshot if self.checkpointer is not None and assignment["started"] else None
+        if snapshot is not None:
+            versions.append({"kind": "snapshot", "step": snapshot.step, "old_rank": snapshot.rank, "config": snapshot.config,
+                             "plain": snapshot.plain})
+        storage = self.checkpointer.storage_steps() if self.checkpointer is not None and assignment["started"] else {}
+        statuses = transport.all_gather_object({"device": str(device), "new_rank": new_rank, "versions": versions, "storage": storage})
+        holders = [i for i, s in enumerate(statuses) if any(v["kind"] == "live" for v in s["versions"])]
         result, source, lost = None, None, []
         if not holders and self.migration == "checkpoint" and assignment["started"] and new_rank is not None:
             meta = self._load_checkpoint(new_tensors, generation)
@@ -539,56 +561,83 @@ class Job:
                 self.state, self.ctx, self.next_step, self.generation = new_state, ctx, meta["step"], generation
                 self._report_checkpoint(transport, assignment, meta, t_group, t_build, new_tensors)
                 return None
-        if not holders:
+        candidates, stored = _candidates(statuses)
+        live_step = max((statuses[i]["versions"][0]["step"] for i in holders), default=None)
+        carried, source_config, restored_from = None, None, None
+        if not candidates:
             if assignment["started"]:
                 self._fatal(StateLost(f"generation {generation}: no process holds any training state (all holders are gone) "
                                       "and there is no checkpoint to restore from"))
             resume_step = self.next_step
         else:
-            for step in sorted({statuses[i]["step"] for i in holders}, reverse=True):
-                sources = [i for i in holders if statuses[i]["step"] == step]
-                source = sources[0]
-                old_world = ParallelConfig.parse(statuses[source]["config"]).world_size
-                held = {statuses[i]["old_rank"] for i in sources}
-                lost_ranks = {r: (Device(f"lost{r}", 0), []) for r in range(old_world) if r not in held}
+            last_error: Exception | None = None
+            for (step, config), sources in candidates:
+                restore_path = stored.get(step)
+                if config is None:  # only the checkpoint has this step
+                    state_file = json.loads((Path(restore_path) / STATE_FILE).read_text())
+                    config = state_file["config"]
+                held = {v["old_rank"] for v in sources.values()}
+                lost_ranks = {r: (Device(f"lost{r}", 0), []) for r in range(ParallelConfig.parse(config).world_size) if r not in held}
                 lost = [str(d) for d, _ in lost_ranks.values()]
-                mine = transport.rank in sources
+                mine = sources.get(transport.rank)
+                old_state = None if mine is None else (old_boxed if mine["kind"] == "live" else snapshot.boxed)
                 if new_rank is None and FAULT_SENDER_PAUSE_S > 0:
                     # Fault injection for tests: a window in which a sender can be killed mid-migration.
                     print(f"[etc_agent] {device}: fault injection: pausing {FAULT_SENDER_PAUSE_S:g} s before sending",
                           file=sys.stderr, flush=True)
                     time.sleep(FAULT_SENDER_PAUSE_S)
+                announce = self._announcer(assignment, step, live_step, restore_path)
                 try:
                     result = migrate_state(
-                        old_boxed if mine else None, new_tensors, device=device, old_rank=old_rank if mine else None,
+                        old_state, new_tensors, device=device, old_rank=mine["old_rank"] if mine else None,
                         new_rank=new_rank, transport=transport, tp=ctx.config.tp if ctx else 1,
                         failed=[d for d, _ in lost_ranks.values()], lost_old_ranks=lost_ranks, timeout_s=self.timeout_s,
+                        read_checkpoint=self.checkpointer.reader(restore_path) if restore_path else None, on_plan=announce,
                     )
-                    resume_step = step
-                    break
                 except StateLostError as err:
                     # Every process computed the same plan and hit the same gap: try an older step.
                     last_error = err
+                    continue
                 except ValueError as err:
                     # The descriptions do not fit together (every process sees the same, before anything
                     # moved): what build() returned is wrong somewhere; a restart would repeat it.
                     self._fatal(JobError(f"generation {generation}: the state build() returned does not fit the migrating "
                                          f"state ({ctx.config.short() if ctx else 'sender'}): {err}"))
+                resume_step, source_config = step, config
+                if sources:
+                    source = min(sources)
+                    carried = sources[source]["plain"]
+                else:
+                    carried = {"app": state_file["app"], "rng": state_file["rng"]}
+                if result.plan.bytes_restored:
+                    restored_from = restore_path
+                if mine is not None and mine["kind"] == "snapshot":
+                    self.checkpointer.snapshot = None  # the new state may hold its buffers now
+                break
             else:
-                self._fatal(StateLost(f"generation {generation}: training state lost, no step has a live copy of every shard: {last_error}"))
+                hint = "" if self.checkpointer is not None else " (etcrun --checkpoint-dir and --checkpoint-interval keep periodic checkpoints to restore from)"
+                self._fatal(StateLost(f"generation {generation}: training state lost, no step has a live copy or a checkpoint of "
+                                      f"every shard: {last_error}{hint}"))
+        if self.checkpointer is not None:
+            if self.checkpointer.snapshot is not None and self.checkpointer.snapshot.step > resume_step:
+                self.checkpointer.snapshot = None  # taken on steps that are trained again
+            if new_rank == 0 and live_step is not None and resume_step < live_step:
+                self.checkpointer.discard_after(resume_step)
         t_migrated = time.perf_counter()
         if new_rank is None:
-            self._report(transport, assignment, statuses, result, source, lost, stopped_at, t0, t_group, t_build, t_migrated, failure)
+            self._report(transport, assignment, source_config, result, lost, stopped_at, t0, t_group, t_build, t_migrated, failure,
+                         restored_from, 0)
             print(f"[etc_agent] {device}: state sent for generation {generation}; leaving the job", file=sys.stderr, flush=True)
             if self._link is not None:
                 self._link.close()
             raise SystemExit(0)
-        if source is not None:
-            carried = statuses[source]["plain"]
+        if carried is not None:
             load_state(new_state, carried["app"], new_tensors)
             torch.set_rng_state(from_json(carried["rng"]))
+        redone = (live_step - resume_step) if live_step is not None else 0
         self.state, self.ctx, self.next_step, self.generation = new_state, ctx, resume_step, generation
-        self._report(transport, assignment, statuses, result, source, lost, stopped_at, t0, t_group, t_build, t_migrated, failure)
+        self._report(transport, assignment, source_config, result, lost, stopped_at, t0, t_group, t_build, t_migrated, failure,
+                     restored_from, redone)
         del group, transport
         return None
 
@@ -632,7 +681,25 @@ class Job:
             self._link.send({"op": "fatal", "reason": str(err)})
         raise err
 
-    def _report(self, transport, assignment, statuses, result, source, lost, stopped_at, t0, t_group, t_build, t_migrated, failure) -> None:
+    def _announcer(self, assignment: dict, step: int, live_step: int | None, restore_path: str | None):
+        """What new rank 0 says once the plan is known and before anything moves, when state is lost."""
+        if assignment["rank"] != 0:
+            return None
+
+        def announce(plan) -> None:
+            if not plan.restores and (live_step is None or step >= live_step):
+                return
+            keys = plan.restored_keys
+            shown = ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+            what = (f"{plan.bytes_restored} bytes of {len(keys)} tensors have no live copy ({shown}); reading only those from "
+                    f"{restore_path}") if plan.restores else "the survivors' snapshots hold every shard"
+            redo = f", training {live_step - step} steps again" if live_step is not None and step < live_step else ""
+            print(f"[etc_agent] generation {assignment['generation']}: {what}; resuming at step {step}{redo}", file=sys.stderr, flush=True)
+
+        return announce
+
+    def _report(self, transport, assignment, source_config, result, lost, stopped_at, t0, t_group, t_build, t_migrated, failure,
+                restored_from, redone) -> None:
         """Gather each process's phase times; new rank 0 sends one record to its agent and logs it."""
         now_wall, now = time.time(), time.perf_counter()
         mine = {
@@ -658,17 +725,44 @@ class Job:
             return max(values) if values else 0.0
 
         record = {
-            "generation": assignment["generation"], "old_config": statuses[source]["config"], "new_config": self.ctx.config.short(),
-            "old_world_size": ParallelConfig.parse(statuses[source]["config"]).world_size, "new_world_size": new_world,
+            "generation": assignment["generation"], "old_config": source_config, "new_config": self.ctx.config.short(),
+            "old_world_size": ParallelConfig.parse(source_config).world_size, "new_world_size": new_world,
             "devices": assignment["devices"][:new_world], "senders": assignment["devices"][new_world:], "lost": lost,
             "reason": assignment["reason"], "step": self.next_step,
             "bytes_moved": plan.bytes_moved, "bytes_moved_intra_node": plan.bytes_moved - plan.bytes_moved_inter_node,
             "bytes_moved_inter_node": plan.bytes_moved_inter_node, "bytes_reused": sum(e["kept"] for e in everyone),
             "state_bytes": plan.state_bytes, "checkpoint_bytes": plan.checkpoint_bytes,
+            "bytes_restored": plan.bytes_restored, "restored_from": restored_from, "redone_steps": redone,
             "detect_s": round(max(detect, 0.0), 4), "agree_s": round(worst("agree"), 4), "rebuild_s": round(worst("rebuild"), 4),
             "plan_s": round(worst("plan"), 4), "transfer_s": round(worst("transfer"), 4), "total_stall_s": round(worst("stall"), 4),
         }
         self._publish(record)
+
+
+def _candidates(statuses: list[dict]) -> tuple[list[tuple[tuple[int, str | None], dict[int, dict]]], dict[int, str]]:
+    """The states a migration may start from, newest step first, and the checkpoints every new member sees.
+
+    A candidate is ``(step, old layout) -> {transport rank: version}``, one version per process (its
+    live state before its snapshot of the same step). A step that only a complete checkpoint has is a
+    candidate with no sources (layout None: read from the checkpoint). Every process computes the
+    same list from the same statuses.
+    """
+    readers = [s for s in statuses if s["new_rank"] is not None]
+    # JSON object keys are strings: the steps come back as "12".
+    stored = {int(k): v for k, v in readers[0]["storage"].items()} if readers else {}
+    for s in readers[1:]:
+        stored = {step: path for step, path in stored.items() if str(step) in s["storage"]}
+    by_id: dict[tuple[int, str | None], dict[int, dict]] = {}
+    for i, s in enumerate(statuses):
+        for v in s["versions"]:
+            sources = by_id.setdefault((v["step"], v["config"]), {})
+            if i not in sources:
+                sources[i] = v
+    for step in stored:
+        if not any(k[0] == step for k in by_id):
+            by_id[(step, None)] = {}
+    order = sorted(by_id, key=lambda k: (-k[0], k[1] or ""))
+    return [(k, by_id[k]) for k in order], stored
 
 
 _CURRENT: Job | None = None

@@ -1,0 +1,210 @@
+"""Periodic asynchronous checkpoints: the source of last resort for state no live process holds.
+
+Every ``interval`` steps, at a step boundary (every rank of the generation at the same step), each
+rank copies its shards into host memory (a *snapshot*, kept until the next one) and a background
+thread writes the snapshot with DCP into ``<dir>/step<S>-g<generation>/``, coordinated over a gloo
+group of its own (never the training group), then rank 0 writes ``etc_state.json`` (step, layout,
+carried plain state): a checkpoint without that file is incomplete and never read.
+
+When a failure takes state that no live process holds, the job migrates from the snapshots of the
+newest checkpointed step instead of the live state: the survivors' snapshots move device to device
+like live state, only the regions that nobody holds are read from storage, and the steps since are
+trained again. Without a complete checkpoint at that step the job stops naming the lost tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from etc_agent.migrate.describe import BoxedTensor, describe_state
+from etc_agent.migrate.storage import read_regions, save_shards_on
+from etc_agent.migrate.transport import GroupTransport
+
+log = logging.getLogger("etc_agent.worker")
+
+STATE_FILE = "etc_state.json"
+"""Written by rank 0 once every rank's data and DCP's metadata are on storage: marks a checkpoint complete."""
+
+
+@dataclass
+class Snapshot:
+    """This rank's state at a checkpointed step, in host memory."""
+
+    step: int
+    generation: int
+    config: str
+    rank: int
+    boxed: dict[str, BoxedTensor]
+    plain: dict[str, Any]
+    """``{"app": carried plain values, "rng": RNG state}`` at that step."""
+
+
+@dataclass(frozen=True)
+class StoredCheckpoint:
+    step: int
+    generation: int
+    path: Path
+
+    def state(self) -> dict[str, Any]:
+        return json.loads((self.path / STATE_FILE).read_text())
+
+
+def complete_checkpoints(directory: Path) -> list[StoredCheckpoint]:
+    """Complete checkpoints under ``directory``, oldest first (by step, then generation)."""
+    found = []
+    for marker in directory.glob(f"step*-g*/{STATE_FILE}"):
+        step, _, generation = marker.parent.name[4:].partition("-g")
+        try:
+            found.append(StoredCheckpoint(int(step), int(generation), marker.parent))
+        except ValueError:
+            continue  # not ours
+    return sorted(found, key=lambda c: (c.step, c.generation))
+
+
+@dataclass
+class _Write:
+    thread: threading.Thread
+    step: int
+    started: float
+    error: str | None = None
+    done: bool = False
+    abandoned: bool = False
+    """Set when the job stopped waiting for it: it must not mark the checkpoint complete any more
+    (its snapshot buffers may be reused)."""
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+class PeriodicCheckpointer:
+    """One rank's periodic checkpoints (see the module docstring for the call sequence)."""
+
+    def __init__(self, directory: str | Path, interval: int, keep: int, timeout_s: float):
+        if interval <= 0:
+            raise ValueError(f"checkpoint interval must be a positive number of steps, got {interval}")
+        self.directory = Path(directory)
+        self.interval = interval
+        self.keep = max(keep, 1)
+        self.timeout_s = timeout_s
+        self.snapshot: Snapshot | None = None
+        self._write: _Write | None = None
+        self._group: tuple[int, Any] | None = None  # (generation, group of that generation's ranks)
+
+    def due(self, step: int) -> bool:
+        """Whether a checkpoint is taken at this step boundary (the same answer on every rank)."""
+        return step > 0 and step % self.interval == 0 and (self.snapshot is None or self.snapshot.step != step)
+
+    def save(self, state_tensors: dict[str, Any], plain: dict[str, Any], step: int, generation: int, config: str, rank: int,
+             world_size: int, store) -> None:
+        """Snapshot this rank's shards now and write them in the background. Every rank calls it."""
+        if not self.settle(failure=False):
+            print(f"[etc_agent] rank {rank}: the checkpoint of step {self._write.step} is still being written; "
+                  f"skipping the one of step {step}", file=sys.stderr, flush=True)
+            return
+        started = time.perf_counter()
+        previous = self.snapshot.boxed if self.snapshot is not None and self._write is not None else {}
+        boxed = {}
+        for local in describe_state(state_tensors):
+            s = local.shard
+            old = previous.get(s.key)
+            if old is not None and (old.tensor.shape, old.tensor.dtype, old.offsets, old.lengths, old.flat_range) == (
+                    local.tensor.shape, local.tensor.dtype, s.offsets, s.lengths, s.flat_range):
+                copy = old.tensor  # same box as last time: reuse the memory
+            else:
+                copy = torch.empty(local.tensor.shape, dtype=local.tensor.dtype, device="cpu",
+                                   pin_memory=local.tensor.is_cuda)
+            copy.copy_(local.tensor.detach(), non_blocking=local.tensor.is_cuda)
+            boxed[s.key] = BoxedTensor(copy, s.global_shape, s.offsets, s.lengths, s.flat_range)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.snapshot = Snapshot(step, generation, config, rank, boxed, plain)
+        staged_s = time.perf_counter() - started
+        if self._group is None or self._group[0] != generation:
+            group = dist.ProcessGroupGloo(dist.PrefixStore(f"gen{generation}/ckpt/", store), rank, world_size,
+                                          timedelta(seconds=self.timeout_s))
+            self._group = (generation, group)
+        path = self.directory / f"step{step:08d}-g{generation}"
+        write = _Write(thread=None, step=step, started=time.time())  # type: ignore[arg-type]
+        write.stats["staged_s"] = staged_s
+        snapshot = self.snapshot
+        transport = GroupTransport(self._group[1], "gloo")
+        write.thread = threading.Thread(target=self._run, args=(write, snapshot, path, transport), name="etc-agent-checkpoint", daemon=True)
+        self._write = write
+        write.thread.start()
+
+    def _run(self, write: _Write, snapshot: Snapshot, path: Path, transport: GroupTransport) -> None:
+        try:
+            t0 = time.perf_counter()
+            written = save_shards_on(describe_state(snapshot.boxed), path, transport)
+            sizes = transport.all_gather_object(written)
+            write.stats["write_s"] = time.perf_counter() - t0
+            if transport.rank == 0 and not write.abandoned:
+                state = {"step": snapshot.step, "generation": snapshot.generation, "config": snapshot.config,
+                         "world_size": transport.world_size, "bytes": sum(sizes), **snapshot.plain}
+                tmp = path / f"{STATE_FILE}.tmp"
+                tmp.write_text(json.dumps(state))
+                os.replace(tmp, path / STATE_FILE)
+                self._prune()
+                print(json.dumps({"event": "etc_checkpoint", "step": snapshot.step, "generation": snapshot.generation,
+                                  "path": str(path), "bytes": sum(sizes), "staged_s": round(write.stats["staged_s"], 4),
+                                  "write_s": round(write.stats["write_s"], 4)}), file=sys.stderr, flush=True)
+            write.done = True
+        except Exception as err:  # a peer failed or storage did: this checkpoint stays incomplete
+            write.error = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+            print(f"[etc_agent] checkpoint of step {snapshot.step} not completed: {write.error}", file=sys.stderr, flush=True)
+
+    def _prune(self) -> None:
+        complete = complete_checkpoints(self.directory)
+        kept = complete[-self.keep:]
+        for old in complete[: -self.keep]:
+            shutil.rmtree(old.path, ignore_errors=True)
+        oldest_kept = kept[0].step if kept else 0
+        for path in self.directory.glob("step*-g*"):
+            if not (path / STATE_FILE).exists() and path.name[4:12].isdigit() and int(path.name[4:12]) < oldest_kept:
+                shutil.rmtree(path, ignore_errors=True)  # an older write that never completed
+
+    def settle(self, failure: bool) -> bool:
+        """Wait for the background write (bounded). True when none is running any more.
+
+        At a planned switch every rank waits (they all write); after a failure the write's group is
+        broken and the wait is short: the write is abandoned, its directory stays incomplete.
+        """
+        write = self._write
+        if write is None or not write.thread.is_alive():
+            return True
+        write.thread.join(timeout=5.0 if failure else self.timeout_s)
+        if write.thread.is_alive():
+            print(f"[etc_agent] checkpoint of step {write.step} abandoned (still writing after "
+                  f"{5.0 if failure else self.timeout_s:.0f} s)", file=sys.stderr, flush=True)
+            write.abandoned = True
+            self._write = None  # and the next snapshot gets fresh buffers: the thread may still read these
+            return False
+        return True
+
+    def storage_steps(self) -> dict[int, str]:
+        """Step -> directory of the newest complete checkpoint of each step visible here."""
+        if not self.directory.exists():
+            return {}
+        return {c.step: str(c.path) for c in complete_checkpoints(self.directory)}
+
+    def discard_after(self, step: int) -> None:
+        """Training went back to ``step``: checkpoints of later steps belong to steps that will be
+        trained again; they must never be mixed with the new ones (rank 0 calls it)."""
+        for c in complete_checkpoints(self.directory):
+            if c.step > step:
+                (c.path / STATE_FILE).unlink(missing_ok=True)
+                shutil.rmtree(c.path, ignore_errors=True)
+
+    def reader(self, path: str):
+        return lambda boxes: read_regions(path, boxes)
