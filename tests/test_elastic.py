@@ -100,17 +100,19 @@ def test_a_crash_that_takes_the_only_copy_fails_the_job_naming_the_lost_state(et
     assert "job_failed" in text and max(result["losses"]) < 199  # stopped, not trained on from scratch
 
 
-def test_a_crash_that_takes_the_only_copy_restores_just_that_from_the_periodic_checkpoint(etcd_server, tmp_path):
-    """The same crash with --checkpoint-interval: the killed rank's optimizer range comes from the
-    last checkpoint (and only that range: the rest from the survivors' snapshots of the same step),
-    the steps since are trained again, and the result is bitwise the uninterrupted run's."""
+@pytest.mark.parametrize("parallel,nproc", [("tp=1,pp=1,dp=auto,zero=1", 2), ("tp=1,pp=2,dp=auto", 1)], ids=["zero1-range", "pp-stage"])
+def test_a_crash_that_takes_the_only_copy_restores_just_that_from_the_periodic_checkpoint(etcd_server, tmp_path, parallel, nproc):
+    """The same crash with --checkpoint-interval: what only the killed rank held (its ZeRO range, or
+    a whole pipeline stage) comes from the last checkpoint, and only that: the rest comes from the
+    survivors' snapshots of the same step. The steps since are trained again, and the result is
+    bitwise the uninterrupted run's."""
     run_id = f"restore-{uuid.uuid4().hex[:6]}"
     rdzv = ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id]
     checkpoints, work = tmp_path / "checkpoints", tmp_path / "run"
     work.mkdir()
     extra = ["--micro-batch", "1", "--elementwise"]
     steps = 40
-    result = run_scenario("tp=1,pp=1,dp=auto,zero=1", 2, steps, 0.15, work, echo=False, rdzv=rdzv, events=("kill",),
+    result = run_scenario(parallel, nproc, steps, 0.15, work, echo=False, rdzv=rdzv, events=("kill",),
                           agent_args=["--checkpoint-dir", str(checkpoints), "--checkpoint-interval", "5"],
                           extra_script_args=extra, event_steps=[17])
     logs = result["cluster"].tail(60)
@@ -120,7 +122,8 @@ def test_a_crash_that_takes_the_only_copy_restores_just_that_from_the_periodic_c
     assert "worker failure" in record["reason"], record
     # Only the lost optimizer range was read: some bytes, far less than the state (params, the other
     # ranks' ranges and the replicated state came from the survivors' snapshots).
-    assert 0 < record["bytes_restored"] < record["state_bytes"] / 2, record
+    assert 0 < record["bytes_restored"] < record["state_bytes"] * (0.5 if "zero=1" in parallel else 0.8), record
+    assert record["bytes_moved"] + record["bytes_reused"] > 0, record
     assert record["restored_from"] and "step000000" in record["restored_from"], record
     assert record["redone_steps"] >= 1 and record["step"] % 5 == 0, record
     text = "".join("".join(lines) for lines in result["cluster"].outputs)

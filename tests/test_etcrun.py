@@ -250,6 +250,10 @@ def test_compat_mode_gives_up_after_max_restarts(job):
           "--parallel", "tp=2,pp=2,dp=2", "x.py"], "allows at most 4"),
         (["--standalone", "--parallel", "auto", "--model", str(ROOT / "tests" / "bad_model.yaml"), "x.py"], "bad_model.yaml"),
         (["--standalone", "--worker-heartbeat-timeout", "-1", "x.py"], "--worker-heartbeat-timeout"),
+        (["--standalone", "--checkpoint-interval", "5", "x.py"], "--checkpoint-interval needs --checkpoint-dir"),
+        (["--standalone", "--checkpoint-interval", "-2", "--checkpoint-dir", "/tmp", "x.py"], "--checkpoint-interval must be >= 0"),
+        (["--standalone", "--migration", "checkpoint", "--checkpoint-dir", "/tmp", "--checkpoint-interval", "5", "x.py"],
+         "--checkpoint-interval is for --migration live"),
     ],
 )
 def test_bad_flags_are_one_line_and_exit_2(args, message):
