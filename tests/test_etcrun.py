@@ -379,6 +379,11 @@ def test_workers_reach_their_agent_over_the_control_channel(tmp_path):
     for a in answers.values():
         assert a["running"] == int(a["env_generation"]) == a["hello"]["generation"] and a["world_size"] == 2
         assert a["node_id"] == a["hello"]["node_id"]
+        # Malformed requests are refused by the pydantic models, each naming what is wrong.
+        local_rank, steps, record, unknown, extra = a["errors"][0], a["errors"][2], a["errors"][3], a["errors"][4], a["errors"][5]
+        assert "invalid request" in local_rank and "local_rank" in local_rank, a["errors"]
+        assert "not a worker of this node" in a["errors"][1], a["errors"]
+        assert "step" in steps and "record" in record and "reboot" in unknown and "invalid request" in extra, a["errors"]
 
 
 def test_waiting_for_min_nodes_times_out_with_a_clear_reason(job):

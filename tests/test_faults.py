@@ -8,6 +8,7 @@ import json
 import signal
 import time
 
+import pytest
 from conftest import ROOT, EtcdServer
 from test_etcrun import Job, finish, job, launch  # noqa: F401 - job is a fixture
 
@@ -137,18 +138,22 @@ def test_two_jobs_on_one_etcd_do_not_touch_each_other(job):
     assert a.num_nodes() == 3 and b.num_nodes() == 1
 
 
-def test_a_build_that_does_not_fit_the_state_fails_the_job_naming_key_and_rank(etcd_server, tmp_path):
+@pytest.mark.parametrize("mode,expected", [
+    ("shape", "w: rank 1 says global shape (9,)"),
+    ("missing-key", "b: new rank 0, 2, 3 hold it but rank 1 of the same pipeline stage 0 does not"),
+])
+def test_a_build_that_does_not_fit_the_state_fails_the_job_naming_key_and_rank(etcd_server, tmp_path, mode, expected):
     j = Job(etcd_server, tmp_path, nnodes="1:2", extra=("--log-format", "json", "--max-restarts", "3"))
     try:
         steps_file = tmp_path / "steps.txt"
-        first = launch(*j.args, str(ROOT / "tests" / "scripts" / "bad_build.py"), "600", str(steps_file))
+        first = launch(*j.args, str(ROOT / "tests" / "scripts" / "bad_build.py"), "600", str(steps_file), mode)
         j.agents.append(first)
         j.wait_for(lambda g: g.status == "running" and g.world_size == 2, 60, "one agent running")
         deadline = time.monotonic() + 60
         # The first generation has trained (a join before any step would find no state to migrate).
         while time.monotonic() < deadline and (not steps_file.exists() or len(steps_file.read_text().split()) < 3):
             time.sleep(0.1)
-        second = launch(*j.args, str(ROOT / "tests" / "scripts" / "bad_build.py"), "600", str(steps_file))
+        second = launch(*j.args, str(ROOT / "tests" / "scripts" / "bad_build.py"), "600", str(steps_file), mode)
         j.agents.append(second)
         outputs = finish(j.agents, timeout=120)
         texts = "\n".join(text for _, text in outputs)
@@ -156,7 +161,7 @@ def test_a_build_that_does_not_fit_the_state_fails_the_job_naming_key_and_rank(e
         failed = j.generation()
         assert failed.status == "failed"
         # One clear reason, naming the key and the rank, and no restarts spent on it.
-        assert "does not fit the migrating state" in failed.reason and "w: rank 1 says global shape (9,)" in failed.reason, failed.reason
+        assert "does not fit the migrating state" in failed.reason and expected in failed.reason, failed.reason
         assert failed.restart_count == 0
     finally:
         j.close()

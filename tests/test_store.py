@@ -156,3 +156,31 @@ def test_bad_run_id_and_endpoint():
         EtcdOptions(endpoint="nohost").host_port()
     with pytest.raises(ValueError, match="not found"):
         EtcdStore(EtcdOptions(endpoint="127.0.0.1:2379", ca_cert="/nope/ca.pem"), "x")
+
+
+def test_embedded_store_rejects_malformed_requests_and_keeps_serving(embedded_server):
+    """The store listens on the network: every request is validated (pydantic) before it is handled."""
+    import socket
+
+    from etc_agent.utils.jsonline import JsonLineError, parse_address, request
+
+    address = parse_address(embedded_server.endpoint)
+    for bad, reason in [
+        ({"op": "put", "key": "k"}, "value"),                               # missing field
+        ({"op": "put", "key": "k", "value": 3}, "value"),                   # wrong type
+        ({"op": "cas", "key": "k", "value": "v", "expected": -1}, "expected"),
+        ({"op": "lease_grant", "ttl": -5}, "ttl"),
+        ({"op": "wait", "prefix": "", "after": 0, "timeout": 1e9}, "timeout"),
+        ({"op": "drop_everything"}, "op"),
+        ({"op": "get", "key": "k", "extra": 1}, "extra"),
+        ({"no_op": 1}, "op"),
+    ]:
+        with pytest.raises(JsonLineError, match="invalid request") as err:
+            request(address, bad, timeout=5)
+        assert reason in str(err.value), (bad, str(err.value))
+    with socket.create_connection(address, timeout=5) as sock:  # not JSON at all
+        sock.sendall(b"\x80not json\n")
+        assert b"error" in sock.recv(4096)
+    store = EmbeddedStore(embedded_server.endpoint, "after-bad")
+    store.put("k", "v")
+    assert store.get("k").value == "v"

@@ -31,6 +31,7 @@ from typing import Callable, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from etc_agent.agent.control import CONTROL_REQUEST, AssignmentQuery, ControlRequest, Fatal, Finished, GenerationQuery, Heartbeat, Hello, Migration, SwitchFailed
 from etc_agent.agent.workers import WorkerGroup, WorkerSpec
 from etc_agent.layout.config import ParallelSpec
 from etc_agent.rendezvous.records import AbandonRecord, GenerationRecord, LeaderRecord, MasterRecord, MigrationRecord, NodeRecord, NodeStatus, Record
@@ -514,7 +515,7 @@ class Agent:
         # TCPStore. Not in a background thread: TCPStores made while torch was still importing in
         # another thread made workers abort ("terminate called without an active exception").
         import torch.distributed  # noqa: F401
-        self._control = JsonLineServer(self._on_control, "127.0.0.1", 0, name="etc-control")
+        self._control = JsonLineServer(self._on_control, "127.0.0.1", 0, name="etc-control", schema=CONTROL_REQUEST)
         self._join_warm()
         self._register()
         for target in (self._keepalive, self._elect):
@@ -538,61 +539,55 @@ class Agent:
             except StoreError:
                 pass
 
-    def _on_control(self, req: dict) -> dict:
-        """The control channel of this node's workers (``ETC_AGENT_ADDR``): JSON requests, JSON replies.
-
-        ``{"op": "hello", "local_rank": r, "pid": p, "elastic": bool}`` registers a worker (elastic: it uses
-        the worker API and lives across generations); ``{"op": "generation"}`` returns the generation its
-        workers run and the newest one in the store (they differ while a new generation is pending);
-        ``{"op": "assignment", "local_rank": r}`` returns the newest generation number and what this
-        worker is in the generation this node serves; ``{"op": "migration", "record": {...}}`` stores a
-        :class:`MigrationRecord`; ``{"op": "heartbeat", "local_rank": r}`` marks a worker alive.
-        """
-        op = req.get("op")
-        if op in ("hello", "heartbeat"):
-            self._worker_seen[int(req["local_rank"])] = time.monotonic()
-            if op == "hello" and "pid" in req:
-                self._worker_pid[int(req["local_rank"])] = int(req["pid"])
-            if op == "hello" and req.get("elastic"):
+    def _on_control(self, req: ControlRequest) -> dict:
+        """The control channel of this node's workers (``ETC_AGENT_ADDR``): requests validated against
+        :mod:`etc_agent.agent.control` (one model per ``op``), JSON replies."""
+        if getattr(req, "local_rank", 0) >= self.config.nproc_per_node:
+            raise ValueError(f"local_rank {req.local_rank} is not a worker of this node (--nproc-per-node {self.config.nproc_per_node})")
+        if isinstance(req, (Hello, Heartbeat)):
+            self._worker_seen[req.local_rank] = time.monotonic()
+            if isinstance(req, Hello) and req.pid is not None:
+                self._worker_pid[req.local_rank] = req.pid
+            if isinstance(req, Hello) and req.elastic:
                 if not self._elastic:
                     try:
                         self.store.put("elastic", json.dumps({"node": self.node_id}))
                     except StoreError:
                         pass
                 self._elastic = True
-                self._standby_hellos.add(int(req["local_rank"]))
+                self._standby_hellos.add(req.local_rank)
             return {"node_id": self.node_id, "generation": self.generation.number if self.generation else None}
-        if op == "assignment":
-            self._worker_seen[int(req["local_rank"])] = time.monotonic()
+        if isinstance(req, AssignmentQuery):
+            self._worker_seen[req.local_rank] = time.monotonic()
             latest = self._latest
             return {
                 "latest": latest.number if latest else None,
                 "latest_status": latest.status if latest else None,
-                "assignment": self._assignments.get(int(req["local_rank"])),
+                "assignment": self._assignments.get(req.local_rank),
                 "finished": self._job_finished(),
                 "standby": not self._assignments,
             }
-        if op == "switch_failed":
-            self._abandon(int(req["generation"]), f"{self.node_id} local_rank {int(req['local_rank'])}: {str(req.get('reason', ''))[:300]}")
+        if isinstance(req, SwitchFailed):
+            self._abandon(req.generation, f"{self.node_id} local_rank {req.local_rank}: {req.reason[:300]}")
             return {"ok": True}
-        if op == "fatal":
+        if isinstance(req, Fatal):
             gen = self.generation
             if gen is not None:
-                self._report(gen, NodeStatus(state="failed", message=str(req.get("reason", ""))[:2000], fatal=True))
-            self.emit("fatal", {"reason": str(req.get("reason", ""))[:500]})
+                self._report(gen, NodeStatus(state="failed", message=req.reason, fatal=True))
+            self.emit("fatal", {"reason": req.reason[:500]})
             return {"ok": True}
-        if op == "finished":
+        if isinstance(req, Finished):
             # The training ranks completed the last step: processes still on their way into a
             # generation (a late joiner) exit instead of waiting for peers that are gone.
             try:
-                self.store.put("finished", json.dumps({"step": int(req["step"]), "generation": int(req["generation"])}))
+                self.store.put("finished", json.dumps({"step": req.step, "generation": req.generation}))
             except StoreError as err:
                 self.emit("store_unreachable", {"error": str(err), "pending": "finished marker"})
             self._finished_cache = (time.monotonic(), True)
-            self.emit("training_finished", {"step": int(req["step"]), "generation": int(req["generation"])})
+            self.emit("training_finished", {"step": req.step, "generation": req.generation})
             return {"ok": True}
-        if op == "migration":
-            record = MigrationRecord.model_validate(req["record"])
+        if isinstance(req, Migration):
+            record = req.record
             try:
                 self.store.put(f"generations/{record.generation}/migration", record.dumps())
                 self.store.put("last_migration", record.dumps())
@@ -600,15 +595,14 @@ class Agent:
                 self.emit("store_unreachable", {"error": str(err), "pending": "migration record"})
             self.emit("migration", record.model_dump(exclude={"schema_version"}))
             return {"ok": True}
-        if op == "generation":
-            latest = self._latest
-            return {
-                "node_id": self.node_id,
-                "running": self.generation.model_dump() if self.generation else None,
-                "latest": latest.model_dump() if latest else None,
-                "leaving": self.leaving.is_set(),
-            }
-        raise ValueError(f"unknown control op {op!r}")
+        assert isinstance(req, GenerationQuery), req
+        latest = self._latest
+        return {
+            "node_id": self.node_id,
+            "running": self.generation.model_dump() if self.generation else None,
+            "latest": latest.model_dump() if latest else None,
+            "leaving": self.leaving.is_set(),
+        }
 
     def _join_warm(self) -> None:
         """Joining a running elastic job: start the workers first (interpreter, torch, the script's

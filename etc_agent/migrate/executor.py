@@ -133,6 +133,7 @@ def migrate_state(
     direct_min_bytes: int = DIRECT_MIN_BYTES,
     read_checkpoint: Callable[[list[tuple[str, tuple[int, ...], torch.Tensor]]], None] | None = None,
     on_plan: Callable[[MigrationPlan], None] | None = None,
+    same_keys: Mapping[str, Sequence[int]] | None = None,
 ) -> MigrationResult:
     """Move ``old_state`` (this process's shards of the old layout, if any) into ``new_state``.
 
@@ -143,6 +144,9 @@ def migrate_state(
     ``read_checkpoint``: given on every process or on none; with it, what no live process holds is
     planned as reads (``(key, global offsets, contiguous out)`` boxes) instead of raising
     :class:`~etc_agent.planner.core.StateLostError`. ``on_plan`` sees the checked plan before anything moves.
+    ``same_keys``: named groups of new ranks that must all hold the same tensors (a pipeline stage),
+    except ZeRO flat ranges, which may leave a rank without a key; a ``ValueError`` names the key and
+    the ranks without it, on every process, before anything moves.
     """
     started = time.perf_counter()
     transport = transport or TorchTransport()
@@ -156,7 +160,7 @@ def migrate_state(
 
     if read_checkpoint is not None:
         options = (options or PlannerOptions()).model_copy(update={"restore_lost": True})
-    plan, peer_of, names = _plan(descriptions, tp, options, failed, lost_old_ranks or {})
+    plan, peer_of, names = _plan(descriptions, tp, options, failed, lost_old_ranks or {}, same_keys or {})
     t_plan = time.perf_counter()
     hashes = transport.all_gather_object(plan.plan_hash)
     if len(set(hashes)) != 1:
@@ -206,7 +210,19 @@ def migrate_state(
     return MigrationResult(plan, metrics, runner.tensors)
 
 
-def _plan(descriptions, tp, options, failed, lost_old_ranks) -> tuple[MigrationPlan, dict[Device, int], dict[int, str]]:
+def _check_same_keys(new_by_rank: dict[int, tuple[Device, list[Shard]]], same_keys: Mapping[str, Sequence[int]]) -> None:
+    for label, ranks in same_keys.items():
+        boxes = {r: {s.key for s in new_by_rank[r][1] if s.flat_range is None} for r in ranks if r in new_by_rank}
+        ranged = {s.key for r in ranks if r in new_by_rank for s in new_by_rank[r][1] if s.flat_range is not None}
+        for key in sorted(set().union(*boxes.values()) - ranged):
+            without = [r for r in boxes if key not in boxes[r]]
+            if without:
+                having = [r for r in boxes if key in boxes[r]]
+                raise ValueError(f"{key}: new rank {', '.join(map(str, having))} {'holds' if len(having) == 1 else 'hold'} it but rank "
+                                 f"{', '.join(map(str, without))} of the same {label} {'does' if len(without) == 1 else 'do'} not")
+
+
+def _plan(descriptions, tp, options, failed, lost_old_ranks, same_keys) -> tuple[MigrationPlan, dict[Device, int], dict[int, str]]:
     names = {r: d["device"] for r, d in enumerate(descriptions)}
     peer_of: dict[Device, int] = {}
     old_by_rank: dict[int, tuple[Device, list[Shard]]] = {}
@@ -232,6 +248,7 @@ def _plan(descriptions, tp, options, failed, lost_old_ranks) -> tuple[MigrationP
         missing = sorted(set(range(max(by_rank, default=-1) + 1)) - set(by_rank))
         if missing:
             raise MigrationError(f"{what} ranks {missing} are not held by any process of this migration")
+    _check_same_keys(new_by_rank, same_keys)
     old_ranks = sorted(old_by_rank)
     new_ranks = sorted(new_by_rank)
     old_layout = StateLayout.from_shards([old_by_rank[r][1] for r in old_ranks])

@@ -14,7 +14,9 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Annotated, Any, Callable, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from etc_agent.utils.jsonline import JsonLineError, JsonLineServer, parse_address, request
 from etc_agent.rendezvous.store import KeyValue, Lease, LeaseExpired, MembershipStore, StoreError, WatchEvent, WatchHandle
@@ -22,6 +24,71 @@ from etc_agent.rendezvous.store import KeyValue, Lease, LeaseExpired, Membership
 log = logging.getLogger("etc_agent.rendezvous.embedded")
 EVENT_LOG_SIZE = 10_000
 REAP_INTERVAL_S = 0.1
+
+
+class _Op(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _Get(_Op):
+    op: Literal["get"]
+    key: str
+
+
+class _GetPrefix(_Op):
+    op: Literal["get_prefix"]
+    prefix: str
+
+
+class _Put(_Op):
+    op: Literal["put"]
+    key: str
+    value: str
+    lease: int | None = None
+
+
+class _Cas(_Op):
+    op: Literal["cas"]
+    key: str
+    value: str
+    expected: int = Field(ge=0, description="The key's version the caller saw (0: absent).")
+    lease: int | None = None
+
+
+class _Delete(_Op):
+    op: Literal["delete"]
+    key: str
+
+
+class _LeaseGrant(_Op):
+    op: Literal["lease_grant"]
+    ttl: float = Field(gt=0, le=3600)
+
+
+class _LeaseRefresh(_Op):
+    op: Literal["lease_refresh"]
+    lease: int
+
+
+class _LeaseRevoke(_Op):
+    op: Literal["lease_revoke"]
+    lease: int
+
+
+class _Wait(_Op):
+    op: Literal["wait"]
+    prefix: str
+    after: int = Field(ge=0)
+    timeout: float = Field(ge=0, le=60)
+
+
+class _Ping(_Op):
+    op: Literal["ping"]
+
+
+STORE_REQUEST: TypeAdapter = TypeAdapter(Annotated[
+    Union[_Get, _GetPrefix, _Put, _Cas, _Delete, _LeaseGrant, _LeaseRefresh, _LeaseRevoke, _Wait, _Ping], Field(discriminator="op")])
+"""Every request the store server accepts (validated before it is handled)."""
 
 
 class _State:
@@ -61,45 +128,43 @@ class _State:
         self._record("delete", key, None)
         return True
 
-    def handle(self, req: dict[str, Any]) -> dict[str, Any]:
-        op = req.get("op")
+    def handle(self, req: _Op) -> dict[str, Any]:
         with self.cond:
-            if op == "get":
-                item = self.data.get(req["key"])
-                return {"kv": None if item is None else [req["key"], item["value"], item["version"], item["mod"]]}
-            if op == "get_prefix":
-                return {"kvs": [[k, v["value"], v["version"], v["mod"]] for k, v in sorted(self.data.items()) if k.startswith(req["prefix"])]}
-            if op == "put":
-                self._put(req["key"], req["value"], req.get("lease"))
+            if isinstance(req, _Get):
+                item = self.data.get(req.key)
+                return {"kv": None if item is None else [req.key, item["value"], item["version"], item["mod"]]}
+            if isinstance(req, _GetPrefix):
+                return {"kvs": [[k, v["value"], v["version"], v["mod"]] for k, v in sorted(self.data.items()) if k.startswith(req.prefix)]}
+            if isinstance(req, _Put):
+                self._put(req.key, req.value, req.lease)
                 return {}
-            if op == "cas":
-                item = self.data.get(req["key"])
-                if (item["version"] if item else 0) != req["expected"]:
+            if isinstance(req, _Cas):
+                item = self.data.get(req.key)
+                if (item["version"] if item else 0) != req.expected:
                     return {"ok": False}
-                self._put(req["key"], req["value"], req.get("lease"))
+                self._put(req.key, req.value, req.lease)
                 return {"ok": True}
-            if op == "delete":
-                return {"ok": self._delete(req["key"])}
-            if op == "lease_grant":
+            if isinstance(req, _Delete):
+                return {"ok": self._delete(req.key)}
+            if isinstance(req, _LeaseGrant):
                 lease = next(self.lease_ids)
-                self.leases[lease] = {"ttl": float(req["ttl"]), "deadline": time.monotonic() + float(req["ttl"]), "keys": set()}
+                self.leases[lease] = {"ttl": req.ttl, "deadline": time.monotonic() + req.ttl, "keys": set()}
                 return {"lease": lease}
-            if op == "lease_refresh":
-                item = self.leases.get(req["lease"])
+            if isinstance(req, _LeaseRefresh):
+                item = self.leases.get(req.lease)
                 if item is None:
                     return {"expired": True}
                 item["deadline"] = time.monotonic() + item["ttl"]
                 return {"expired": False}
-            if op == "lease_revoke":
-                item = self.leases.pop(req["lease"], None)
+            if isinstance(req, _LeaseRevoke):
+                item = self.leases.pop(req.lease, None)
                 for key in sorted(item["keys"]) if item else []:
                     self._delete(key)
                 return {}
-            if op == "wait":
-                return self._wait(req["prefix"], int(req["after"]), float(req["timeout"]))
-            if op == "ping":
-                return {"revision": self.revision}
-        raise ValueError(f"unknown op {op!r}")
+            if isinstance(req, _Wait):
+                return self._wait(req.prefix, req.after, req.timeout)
+            assert isinstance(req, _Ping), req
+            return {"revision": self.revision}
 
     def _wait(self, prefix: str, after: int, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
@@ -127,7 +192,7 @@ class EmbeddedStoreServer:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0):
         self.state = _State()
-        self.server = JsonLineServer(self.state.handle, host, port, name="etc-store")
+        self.server = JsonLineServer(self.state.handle, host, port, name="etc-store", schema=STORE_REQUEST)
         self.host, self.port = self.server.host, self.server.port
         self._stop = threading.Event()
         self._reaper_thread = threading.Thread(target=self._reaper, name="etc-store-reaper", daemon=True)

@@ -11,20 +11,36 @@ import socketserver
 import threading
 from typing import Any, Callable
 
-Handler = Callable[[dict[str, Any]], dict[str, Any]]
+from pydantic import TypeAdapter, ValidationError
+
+Handler = Callable[[Any], dict[str, Any]]
+MAX_REQUEST_BYTES = 16 << 20
+"""A request line longer than this is refused (a confused or hostile client cannot exhaust memory)."""
+
+
+def describe_validation_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first.get("loc", ()))
+    return f"{where + ': ' if where else ''}{first.get('msg')}"
 
 
 class _RequestHandler(socketserver.StreamRequestHandler):
     def handle(self) -> None:
         handler: Handler = self.server.handler  # type: ignore[attr-defined]
+        schema: TypeAdapter | None = self.server.schema  # type: ignore[attr-defined]
         try:  # one request per connection
-            line = self.rfile.readline()
+            line = self.rfile.readline(MAX_REQUEST_BYTES + 1)
         except OSError:  # the client went away (a worker killed mid-request)
             return
         if not line:
             return
         try:
-            reply = handler(json.loads(line))
+            if len(line) > MAX_REQUEST_BYTES:
+                raise ValueError(f"request longer than {MAX_REQUEST_BYTES} bytes")
+            req = json.loads(line)
+            reply = handler(schema.validate_python(req) if schema is not None else req)
+        except ValidationError as err:
+            reply = {"error": f"invalid request: {describe_validation_error(err)}"}
         except Exception as err:  # noqa: BLE001 - reported to the client, never kills the server
             reply = {"error": f"{type(err).__name__}: {err}"}
         try:
@@ -40,11 +56,17 @@ class _Server(socketserver.ThreadingTCPServer):
 
 
 class JsonLineServer:
-    """Serve ``handler`` on ``host:port`` (port 0: a free one) in a background thread until :meth:`stop`."""
+    """Serve ``handler`` on ``host:port`` (port 0: a free one) in a background thread until :meth:`stop`.
 
-    def __init__(self, handler: Handler, host: str = "127.0.0.1", port: int = 0, name: str = "jsonline"):
+    With ``schema`` (a pydantic ``TypeAdapter``, typically of a union discriminated by ``op``) every
+    request is validated first and the handler gets the model; invalid ones get an error reply.
+    """
+
+    def __init__(self, handler: Handler, host: str = "127.0.0.1", port: int = 0, name: str = "jsonline",
+                 schema: TypeAdapter | None = None):
         self.server = _Server((host, port), _RequestHandler)
         self.server.handler = handler  # type: ignore[attr-defined]
+        self.server.schema = schema  # type: ignore[attr-defined]
         self.host, self.port = self.server.server_address[:2]
         self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1}, name=name, daemon=True)
         self.thread.start()

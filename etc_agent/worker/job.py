@@ -593,6 +593,7 @@ class Job:
                         new_rank=new_rank, transport=transport, tp=ctx.config.tp if ctx else 1,
                         failed=[d for d, _ in lost_ranks.values()], lost_old_ranks=lost_ranks, timeout_s=self.timeout_s,
                         read_checkpoint=self.checkpointer.reader(restore_path) if restore_path else None, on_plan=announce,
+                        same_keys=_stages(self._config_for(assignment["parallel"], assignment["world_size"])),
                     )
                 except StateLostError as err:
                     # Every process computed the same plan and hit the same gap: try an older step.
@@ -737,6 +738,12 @@ class Job:
             "plan_s": round(worst("plan"), 4), "transfer_s": round(worst("transfer"), 4), "total_stall_s": round(worst("stall"), 4),
         }
         self._publish(record)
+
+
+def _stages(config: ParallelConfig) -> dict[str, list[int]]:
+    """The new ranks of each pipeline stage: they hold the same tensors (boxes of them), by construction."""
+    return {f"pipeline stage {pp}": [config.rank(pp, dp, tp) for dp in range(config.dp) for tp in range(config.tp)]
+            for pp in range(config.pp)}
 
 
 def _candidates(statuses: list[dict]) -> tuple[list[tuple[tuple[int, str | None], dict[int, dict]]], dict[int, str]]:

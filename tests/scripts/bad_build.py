@@ -1,5 +1,6 @@
 """A worker-API script whose build() is wrong on purpose: after the first generation, rank 1 returns
-a tensor of a different shape than everyone else (a layout mistake the job must name, not hide)."""
+a tensor of a different shape than everyone else, or (``missing-key``) leaves out a tensor every
+other rank of its stage holds: layout mistakes the job must name, not hide."""
 
 import sys
 import time
@@ -11,9 +12,17 @@ import etc_agent
 job = etc_agent.init(parallel="tp=1,pp=1,dp=auto")
 
 
+MISSING_KEY = len(sys.argv) > 3 and sys.argv[3] == "missing-key"
+
+
 def build(ctx: etc_agent.ParallelContext) -> dict:
-    size = 9 if ctx.generation > 0 and ctx.rank == 1 else 8
-    return {"w": torch.arange(size, dtype=torch.float32)}
+    wrong = ctx.generation > 0 and ctx.rank == 1
+    if MISSING_KEY:
+        state = {"w": torch.arange(8, dtype=torch.float32)}
+        if not wrong:
+            state["b"] = torch.arange(4, dtype=torch.float32)
+        return state
+    return {"w": torch.arange(9 if wrong else 8, dtype=torch.float32)}
 
 
 job.start(build)
