@@ -165,3 +165,24 @@ def test_a_build_that_does_not_fit_the_state_fails_the_job_naming_key_and_rank(e
         assert failed.restart_count == 0
     finally:
         j.close()
+
+
+def test_a_join_before_the_first_step_starts_fresh_instead_of_failing(etcd_server, tmp_path):
+    """The first generation's workers are still on their way into ``job.start()`` when a second node
+    joins: nothing has been trained, so the new generation builds fresh state (it used to fail the
+    job with "no process holds any training state")."""
+    j = Job(etcd_server, tmp_path, nnodes="1:2", extra=("--log-format", "json"))
+    try:
+        script = str(ROOT / "tests" / "scripts" / "slow_start.py")
+        j.agents.append(launch(*j.args, script, "30", "4"))
+        j.wait_for(lambda g: g.status == "running" and g.world_size == 2, 60, "one agent running")
+        j.agents.append(launch(*j.args, script, "30", "4"))
+        outputs = finish(j.agents, timeout=180)
+        texts = "\n".join(text for _, text in outputs)
+        assert [code for code, _ in outputs] == [0, 0], texts[-3000:]
+        assert "no process holds any training state" not in texts
+        steps = [line for line in texts.splitlines() if line.startswith("step ")]
+        assert any("world 4" in line for line in steps), steps[-5:]
+        assert j.generation().status == "succeeded"
+    finally:
+        j.close()

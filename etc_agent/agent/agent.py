@@ -31,7 +31,8 @@ from typing import Callable, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from etc_agent.agent.control import CONTROL_REQUEST, AssignmentQuery, ControlRequest, Fatal, Finished, GenerationQuery, Heartbeat, Hello, Migration, SwitchFailed
+from etc_agent.agent.control import (CONTROL_REQUEST, AssignmentQuery, ControlRequest, Fatal, Finished, GenerationQuery, Heartbeat, Hello,
+                                     Migration, SwitchFailed, Trained)
 from etc_agent.agent.workers import WorkerGroup, WorkerSpec
 from etc_agent.layout.config import ParallelSpec
 from etc_agent.rendezvous.records import AbandonRecord, GenerationRecord, LeaderRecord, MasterRecord, MigrationRecord, NodeRecord, NodeStatus, Record
@@ -431,6 +432,12 @@ class Agent:
         Transport ranks: members' devices in member order (their training ranks), then the senders'.
         """
         devices = [f"{n}:{d}" for n, k in zip(gen.members, gen.num_devices) for d in range(k)]
+        trained = False
+        if gen.started:
+            try:
+                trained = self.store.get("trained") is not None
+            except StoreError:
+                trained = True  # unknown: never start fresh over state that may exist
         if self.config.migration == "live":  # checkpoint mode: departing workers saved and exited already
             devices += [f"{n}:{d}" for n, k in zip(gen.senders, gen.sender_devices) for d in range(k)]
         if self.node_id in gen.members:
@@ -442,7 +449,7 @@ class Agent:
                 "generation": gen.number, "pg_rank": offset + local, "pg_world_size": len(devices),
                 "rank": None if leaving else offset + local, "world_size": gen.world_size, "parallel": gen.parallel,
                 "store_addr": master.addr, "store_port": master.port, "devices": devices, "leaving": leaving,
-                "started": gen.started, "reason": gen.reason, "published_at": gen.published_at, "node_id": self.node_id,
+                "started": gen.started, "trained": trained, "reason": gen.reason, "published_at": gen.published_at, "node_id": self.node_id,
             }
             for local in range(self.config.nproc_per_node)
         }
@@ -585,6 +592,12 @@ class Agent:
                 self.emit("store_unreachable", {"error": str(err), "pending": "finished marker"})
             self._finished_cache = (time.monotonic(), True)
             self.emit("training_finished", {"step": req.step, "generation": req.generation})
+            return {"ok": True}
+        if isinstance(req, Trained):
+            try:
+                self.store.put("trained", json.dumps({"step": req.step, "node": self.node_id}))
+            except StoreError as err:
+                self.emit("store_unreachable", {"error": str(err), "pending": "trained marker"})
             return {"ok": True}
         if isinstance(req, Migration):
             record = req.record

@@ -79,6 +79,13 @@ class Finished(_Request):
     generation: int = Field(ge=0)
 
 
+class Trained(_Request):
+    """Training rank 0 committed its first optimizer step: from now on the job has state to lose."""
+
+    op: Literal["trained"]
+    step: int = Field(ge=0)
+
+
 class Migration(_Request):
     """New rank 0's record of the migration it completed."""
 
@@ -87,7 +94,7 @@ class Migration(_Request):
 
 
 ControlRequest = Annotated[
-    Union[Hello, Heartbeat, AssignmentQuery, GenerationQuery, SwitchFailed, Fatal, Finished, Migration],
+    Union[Hello, Heartbeat, AssignmentQuery, GenerationQuery, SwitchFailed, Fatal, Finished, Trained, Migration],
     Field(discriminator="op"),
 ]
 CONTROL_REQUEST: TypeAdapter[ControlRequest] = TypeAdapter(ControlRequest)

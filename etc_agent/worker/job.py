@@ -207,6 +207,7 @@ class Job:
         self._stepped = False
         self._in_step = False
         self._finished = False
+        self._trained_sent = False
         self.migration = os.environ.get("ETC_AGENT_MIGRATION", "live")
         """live, or checkpoint: at a switch save with DCP and exit; new workers load (the baseline)."""
         self.checkpoint_dir = os.environ.get("ETC_AGENT_CHECKPOINT_DIR")
@@ -346,6 +347,9 @@ class Job:
 
     def _on_optimizer_step(self, *args: Any) -> None:
         self._stepped = True
+        if not self._trained_sent and self._link is not None and self.ctx is not None and self.ctx.rank == 0:
+            self._trained_sent = True
+            self._link.send({"op": "trained", "step": self.next_step})
 
     # ---- switching generations -----------------------------------------------------------
     def _maybe_switch(self) -> None:
@@ -533,7 +537,8 @@ class Job:
             dist.init_process_group(self.backend, store=dist.PrefixStore(f"gen{generation}/train/", self._store),
                                     rank=new_rank, world_size=assignment["world_size"], timeout=timeout)
             config = self._config_for(assignment["parallel"], assignment["world_size"])
-            ctx = make_context(config, new_rank, generation, self.device, restoring=bool(assignment["started"]))
+            # Before the first optimizer step nothing is lost if nobody holds state: build it fresh.
+            ctx = make_context(config, new_rank, generation, self.device, restoring=bool(assignment.get("trained", assignment["started"])))
             t_group = time.perf_counter()
             new_state = self._build_state(ctx)
             new_tensors, _ = split_state(new_state)
@@ -565,7 +570,7 @@ class Job:
         live_step = max((statuses[i]["versions"][0]["step"] for i in holders), default=None)
         carried, source_config, restored_from = None, None, None
         if not candidates:
-            if assignment["started"]:
+            if assignment.get("trained", assignment["started"]):
                 self._fatal(StateLost(f"generation {generation}: no process holds any training state (all holders are gone) "
                                       "and there is no checkpoint to restore from"))
             resume_step = self.next_step
