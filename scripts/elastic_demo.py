@@ -141,7 +141,7 @@ def run_scenario(parallel: str, nproc: int, steps: int, step_delay: float, work:
                  rdzv: list[str] | None = None, events: tuple[str, ...] = ("join", "leave", "kill"),
                  extra_script_args: list[str] | None = None, wait_migrations: bool = True,
                  agent_args: list[str] | None = None, initial_agents: int = 2, event_steps: list[int] | None = None,
-                 stop_after: int | None = None, min_nodes: int | None = None) -> dict:
+                 stop_after: int | None = None, min_nodes: int | None = None, event_after_text: str | None = None) -> dict:
     """Run the elastic scenario; return losses, migration records and exit codes.
 
     ``wait_migrations=False``: do not wait for a migration after each event (a run expected to fail).
@@ -149,7 +149,8 @@ def run_scenario(parallel: str, nproc: int, steps: int, step_delay: float, work:
     job instead of training to the end (benchmarks; exit codes are then None).
     ``min_nodes`` (default ``initial_agents``): ``--nnodes`` MIN; below ``initial_agents`` (so that a
     leave does not drop the job below it), the events wait until a generation runs with all the
-    initial agents, and only the migrations after that are returned."""
+    initial agents, and only the migrations after that are returned. ``event_after_text``: before each
+    event, also wait until an agent's output has a line containing it (e.g. a checkpoint written)."""
     loss_log = work / "loss.jsonl"
     state_file = work / "state.pt"
     script_args = ["--steps", str(steps), "--parallel", parallel, "--step-delay", str(step_delay),
@@ -182,7 +183,11 @@ def run_scenario(parallel: str, nproc: int, steps: int, step_delay: float, work:
         step_marks = iter(event_steps or range(steps // 5, steps, max(1, steps // 5)))
         for event in events:
             at_step(next(step_marks))
+            if event_after_text is not None:
+                cluster.wait_for(lambda: any(event_after_text in line for lines in cluster.outputs for line in list(lines)), 300,
+                                 f"a line with {event_after_text!r}")
             t = time.monotonic() - started
+            wall = time.time()
             if event == "join":
                 cluster.add_agent()
             elif event in ("leave", "leave-crash"):
@@ -207,7 +212,7 @@ def run_scenario(parallel: str, nproc: int, steps: int, step_delay: float, work:
                 # hang: SIGSTOP freezes the worker without killing it; its agent must notice the silence.
                 os.kill(pids[-1], signal.SIGKILL if event == "kill" else signal.SIGSTOP)
             expected += 1
-            events_done.append({"event": event, "at_s": round(t, 1), "step": max(read_losses(loss_log), default=-1)})
+            events_done.append({"event": event, "at_s": round(t, 1), "wall": wall, "step": max(read_losses(loss_log), default=-1)})
             if wait_migrations:
                 migrated(expected)
         if stop_after is not None:

@@ -252,8 +252,6 @@ def test_compat_mode_gives_up_after_max_restarts(job):
         (["--standalone", "--worker-heartbeat-timeout", "-1", "x.py"], "--worker-heartbeat-timeout"),
         (["--standalone", "--checkpoint-interval", "5", "x.py"], "--checkpoint-interval needs --checkpoint-dir"),
         (["--standalone", "--checkpoint-interval", "-2", "--checkpoint-dir", "/tmp", "x.py"], "--checkpoint-interval must be >= 0"),
-        (["--standalone", "--migration", "checkpoint", "--checkpoint-dir", "/tmp", "--checkpoint-interval", "5", "x.py"],
-         "--checkpoint-interval is for --migration live"),
     ],
 )
 def test_bad_flags_are_one_line_and_exit_2(args, message):

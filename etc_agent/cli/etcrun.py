@@ -214,8 +214,6 @@ def etcrun(
         raise ValueError(f"--checkpoint-interval must be >= 0 and --checkpoint-keep >= 1 (got {checkpoint_interval}, {checkpoint_keep})")
     if checkpoint_interval and checkpoint_dir is None:
         raise ValueError("--checkpoint-interval needs --checkpoint-dir (a directory every node can reach)")
-    if checkpoint_interval and migration != "live":
-        raise ValueError("--checkpoint-interval is for --migration live (the checkpoint baseline saves at every change)")
     if model is not None:
         from etc_agent.layout.model import ModelSpec
 

@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> None:
             loss = train_step(job, args, step)
         if loss is not None:
             record = {"step": step, "loss": loss, "config": job.ctx.config.short(), "generation": job.ctx.generation,
-                      "step_s": round(time.perf_counter() - started, 4)}
+                      "step_s": round(time.perf_counter() - started, 4), "wall": round(time.time(), 4)}
             print(json.dumps(record), flush=True)
             if args.loss_log:
                 with open(args.loss_log, "a") as f:

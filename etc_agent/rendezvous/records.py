@@ -106,7 +106,8 @@ class MigrationRecord(Record):
     state_bytes: int = Field(description="Total bytes of model and optimizer state.")
     checkpoint_bytes: int = Field(description="Bytes a checkpoint-based migration moves: every element written once, "
                                   "every new rank reading its shards.")
-    bytes_restored: int = Field(0, description="Bytes no live process held, read from the periodic checkpoint.")
+    bytes_restored: int = Field(0, description="Bytes read from a checkpoint: live, only what no live process held; "
+                                "checkpoint method, everything every new rank loaded.")
     restored_from: str | None = Field(None, description="The checkpoint directory they were read from.")
     redone_steps: int = Field(0, description="Steps trained again: the live state was newer than the step resumed from.")
     detect_s: float = Field(description="Generation published (or failure seen) until every rank stopped.")

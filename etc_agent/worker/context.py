@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -71,10 +72,19 @@ class ParallelContext:
         return self.config.rank(pp_rank, self.dp_rank, self.tp_rank)
 
 
-def make_context(config: ParallelConfig, rank: int, generation: int, device: torch.device, restoring: bool = False) -> ParallelContext:
-    """Build the mesh and groups of ``config`` on the default process group (which must span the world)."""
+def make_context(config: ParallelConfig, rank: int, generation: int, device: torch.device, restoring: bool = False,
+                 timeout: timedelta | None = None) -> ParallelContext:
+    """Build the mesh and groups of ``config`` on the default process group (which must span the world).
+
+    ``timeout`` bounds every collective of the mesh's groups (as the default group's is bounded):
+    subgroups otherwise get torch's default of 30 minutes, and a rank blocked in one of them on a
+    peer that went into recovery would wait that long.
+    """
     config.check_world_size(dist.get_world_size())
     mesh = init_device_mesh(device.type, (config.pp, config.dp, config.tp), mesh_dim_names=MESH_DIMS)
+    if timeout is not None:
+        for name in MESH_DIMS:
+            mesh.get_group(name).set_timeout(timeout)
     coord = config.coord(rank)
     return ParallelContext(
         config=config, rank=rank, world_size=config.world_size, tp_rank=coord.tp, pp_rank=coord.pp, dp_rank=coord.dp,

@@ -57,7 +57,7 @@ from etc_agent.migrate.executor import migrate_state
 from etc_agent.migrate.transport import GroupTransport, MigrationError, TorchTransport
 from etc_agent.planner.core import StateLostError
 from etc_agent.utils.jsonline import JsonLineError, parse_address, request
-from etc_agent.worker.checkpoint import STATE_FILE, PeriodicCheckpointer
+from etc_agent.worker.checkpoint import STATE_FILE, PeriodicCheckpointer, complete_checkpoints
 from etc_agent.worker.appstate import from_json, load_state, materialize_optimizer_state, split_state, to_json
 from etc_agent.worker.context import ParallelContext, make_context
 
@@ -218,7 +218,7 @@ class Job:
         self.checkpointer: PeriodicCheckpointer | None = None
         """Periodic asynchronous checkpoints (``etcrun --checkpoint-interval``): restore what a failure
         leaves without any live copy; see :mod:`etc_agent.worker.checkpoint`."""
-        if interval > 0 and self.checkpoint_dir and self.migration == "live" and self.elastic:
+        if interval > 0 and self.checkpoint_dir and self.elastic:
             keep = int(_env_float("ETC_AGENT_CHECKPOINT_KEEP", 2))
             self.checkpointer = PeriodicCheckpointer(self.checkpoint_dir, interval, keep, self.timeout_s)
         self._link = _AgentLink(address, self.local_rank) if self.elastic else None
@@ -311,7 +311,7 @@ class Job:
             else:
                 dist.init_process_group(self.backend, init_method="env://", rank=rank, world_size=world, timeout=timeout)
         config = self._config_for(os.environ.get("ETC_AGENT_PARALLEL"), world)
-        self.ctx = make_context(config, rank, 0, self.device)
+        self.ctx = make_context(config, rank, 0, self.device, timeout=timeout)
         self.state = self._build_state(self.ctx)
 
     def _config_for(self, parallel: str | None, world: int) -> ParallelConfig:
@@ -391,19 +391,26 @@ class Job:
         sys.stdout.flush()
         os._exit(RESTART_EXIT)  # no interpreter teardown: the saved state is all that matters now
 
-    def _load_checkpoint(self, new_tensors: dict, generation: int) -> dict | None:
-        """Load the newest checkpoint-baseline save into the new state (collective over the new world)."""
+    def _load_checkpoint(self, new_tensors: dict, generation: int, published_at: float) -> dict | None:
+        """Load the newest save into the new state (collective over the new world): the baseline's save
+        at the last switch, or, after a failure, the newest complete periodic checkpoint (what a
+        restarted ``torchrun`` job loads; its write ran in the background, off the stall)."""
         from etc_agent.baselines.checkpoint import load_shards
 
         saves = sorted(Path(self.checkpoint_dir).glob("gen*/etc_state.json"), key=lambda p: int(p.parent.name[3:]))
-        saves = [p for p in saves if int(p.parent.name[3:]) <= generation]
+        saves = [(json.loads(p.read_text()), p.parent) for p in saves if int(p.parent.name[3:]) <= generation]
+        if self.checkpointer is not None:
+            for stored in complete_checkpoints(Path(self.checkpoint_dir)):
+                state = stored.state()
+                saves.append(({**state, "stopped_at": published_at, "save_s": 0.0}, stored.path))
         if not saves:
             return None
-        meta = json.loads(saves[-1].read_text())
+        meta, path = max(saves, key=lambda item: item[0]["step"])  # the baseline's save wins a tie (sorted first)
         t0 = time.perf_counter()
-        load_shards(describe_state(new_tensors), saves[-1].parent)
+        load_shards(describe_state(new_tensors), path)
         meta["load_s"] = time.perf_counter() - t0
-        meta["written_bytes"] = sum(f.stat().st_size for f in saves[-1].parent.iterdir() if f.suffix == ".distcp")
+        meta["path"] = str(path)
+        meta["written_bytes"] = sum(f.stat().st_size for f in path.iterdir() if f.suffix == ".distcp")
         return meta
 
     def recover(self, err: BaseException) -> bool:
@@ -538,7 +545,8 @@ class Job:
                                     rank=new_rank, world_size=assignment["world_size"], timeout=timeout)
             config = self._config_for(assignment["parallel"], assignment["world_size"])
             # Before the first optimizer step nothing is lost if nobody holds state: build it fresh.
-            ctx = make_context(config, new_rank, generation, self.device, restoring=bool(assignment.get("trained", assignment["started"])))
+            ctx = make_context(config, new_rank, generation, self.device, restoring=bool(assignment.get("trained", assignment["started"])),
+                               timeout=timeout)
             t_group = time.perf_counter()
             new_state = self._build_state(ctx)
             new_tensors, _ = split_state(new_state)
@@ -559,7 +567,7 @@ class Job:
         holders = [i for i, s in enumerate(statuses) if any(v["kind"] == "live" for v in s["versions"])]
         result, source, lost = None, None, []
         if not holders and self.migration == "checkpoint" and assignment["started"] and new_rank is not None:
-            meta = self._load_checkpoint(new_tensors, generation)
+            meta = self._load_checkpoint(new_tensors, generation, assignment["published_at"])
             if meta is not None:
                 load_state(new_state, meta["app"], new_tensors)
                 torch.set_rng_state(from_json(meta["rng"]))
@@ -667,6 +675,7 @@ class Job:
             "new_world_size": assignment["world_size"], "devices": assignment["devices"][: assignment["world_size"]],
             "reason": assignment["reason"], "step": self.next_step, "bytes_moved": moved, "bytes_moved_intra_node": 0,
             "bytes_moved_inter_node": moved, "state_bytes": unique, "checkpoint_bytes": moved,
+            "bytes_restored": sum(e["read"] for e in everyone), "restored_from": str(meta.get("path")) if meta.get("path") else None,
             "detect_s": round(max(stopped - assignment["published_at"], 0.0), 4),
             "agree_s": round(max(e["group_wall"] for e in everyone) - stopped - meta["save_s"], 4),
             "rebuild_s": round(max(e["rebuild"] for e in everyone), 4), "plan_s": 0.0,
