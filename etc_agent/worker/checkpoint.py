@@ -1,10 +1,14 @@
 """Periodic asynchronous checkpoints: the source of last resort for state no live process holds.
 
 Every ``interval`` steps, at a step boundary (every rank of the generation at the same step), each
-rank copies its shards into host memory (a *snapshot*, kept until the next one) and a background
-thread writes the snapshot with DCP into ``<dir>/step<S>-g<generation>/``, coordinated over a gloo
+rank copies its shards into host memory (a *snapshot*) and a background thread writes the snapshot
+with DCP into ``<dir>/step<S>-g<generation>/``, coordinated over a gloo
 group of its own (never the training group), then rank 0 writes ``etc_state.json`` (step, layout,
 carried plain state): a checkpoint without that file is incomplete and never read.
+
+A rank keeps two snapshots: the newest whose write completed and the one being written (a failure
+during a write leaves that checkpoint incomplete, and the one before must still be whole on every
+survivor), so periodic checkpoints cost twice the rank's state in host memory.
 
 When a failure takes state that no live process holds, the job migrates from the snapshots of the
 newest checkpointed step instead of the live state: the survivors' snapshots move device to device
@@ -50,6 +54,10 @@ class Snapshot:
     boxed: dict[str, BoxedTensor]
     plain: dict[str, Any]
     """``{"app": carried plain values, "rng": RNG state}`` at that step."""
+    written: bool = False
+    """This rank's write of it completed (every rank wrote its part; rank 0 then marks it complete)."""
+    reusable: bool = True
+    """False once a write of it was abandoned: that thread may still read the buffers."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +89,7 @@ class _Write:
     started: float
     error: str | None = None
     done: bool = False
+    snapshot: Snapshot | None = None
     abandoned: bool = False
     """Set when the job stopped waiting for it: it must not mark the checkpoint complete any more
     (its snapshot buffers may be reused)."""
@@ -97,13 +106,19 @@ class PeriodicCheckpointer:
         self.interval = interval
         self.keep = max(keep, 1)
         self.timeout_s = timeout_s
-        self.snapshot: Snapshot | None = None
+        self.snapshots: list[Snapshot] = []
+        """At most two, oldest first: the newest written one and the one being written."""
         self._write: _Write | None = None
         self._group: tuple[int, Any] | None = None  # (generation, group of that generation's ranks)
 
     def due(self, step: int) -> bool:
         """Whether a checkpoint is taken at this step boundary (the same answer on every rank)."""
-        return step > 0 and step % self.interval == 0 and (self.snapshot is None or self.snapshot.step != step)
+        return step > 0 and step % self.interval == 0 and all(s.step != step for s in self.snapshots)
+
+    def drop(self, which) -> None:
+        """Forget the snapshots ``which(snapshot)`` selects (used as a migration's source, or of steps
+        that are trained again)."""
+        self.snapshots = [s for s in self.snapshots if not which(s)]
 
     def save(self, state_tensors: dict[str, Any], plain: dict[str, Any], step: int, generation: int, config: str, rank: int,
              world_size: int, store) -> None:
@@ -113,14 +128,19 @@ class PeriodicCheckpointer:
                   f"skipping the one of step {step}", file=sys.stderr, flush=True)
             return
         started = time.perf_counter()
-        previous = self.snapshot.boxed if self.snapshot is not None and self._write is not None else {}
+        # Keep the newest written snapshot as the fallback while this one is written; the buffers of
+        # an older one (same boxes: the same layout) are reused.
+        written = [s for s in self.snapshots if s.written]
+        fallback = written[-1] if written else None
+        spare = [s for s in self.snapshots if s is not fallback and s.reusable]
+        previous = spare[-1].boxed if spare else {}
         boxed = {}
         for local in describe_state(state_tensors):
             s = local.shard
             old = previous.get(s.key)
             if old is not None and (old.tensor.shape, old.tensor.dtype, old.offsets, old.lengths, old.flat_range) == (
                     local.tensor.shape, local.tensor.dtype, s.offsets, s.lengths, s.flat_range):
-                copy = old.tensor  # same box as last time: reuse the memory
+                copy = old.tensor
             else:
                 copy = torch.empty(local.tensor.shape, dtype=local.tensor.dtype, device="cpu",
                                    pin_memory=local.tensor.is_cuda)
@@ -128,16 +148,16 @@ class PeriodicCheckpointer:
             boxed[s.key] = BoxedTensor(copy, s.global_shape, s.offsets, s.lengths, s.flat_range)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        self.snapshot = Snapshot(step, generation, config, rank, boxed, plain)
+        snapshot = Snapshot(step, generation, config, rank, boxed, plain)
+        self.snapshots = ([fallback] if fallback is not None else []) + [snapshot]
         staged_s = time.perf_counter() - started
         if self._group is None or self._group[0] != generation:
             group = dist.ProcessGroupGloo(dist.PrefixStore(f"gen{generation}/ckpt/", store), rank, world_size,
                                           timedelta(seconds=self.timeout_s))
             self._group = (generation, group)
         path = self.directory / f"step{step:08d}-g{generation}"
-        write = _Write(thread=None, step=step, started=time.time())  # type: ignore[arg-type]
+        write = _Write(thread=None, step=step, started=time.time(), snapshot=snapshot)  # type: ignore[arg-type]
         write.stats["staged_s"] = staged_s
-        snapshot = self.snapshot
         transport = GroupTransport(self._group[1], "gloo")
         write.thread = threading.Thread(target=self._run, args=(write, snapshot, path, transport), name="etc-agent-checkpoint", daemon=True)
         self._write = write
@@ -149,6 +169,7 @@ class PeriodicCheckpointer:
             written = save_shards_on(describe_state(snapshot.boxed), path, transport)
             sizes = transport.all_gather_object(written)
             write.stats["write_s"] = time.perf_counter() - t0
+            snapshot.written = not write.abandoned
             if transport.rank == 0 and not write.abandoned:
                 state = {"step": snapshot.step, "generation": snapshot.generation, "config": snapshot.config,
                          "world_size": transport.world_size, "bytes": sum(sizes), **snapshot.plain}
@@ -188,7 +209,8 @@ class PeriodicCheckpointer:
             print(f"[etc_agent] checkpoint of step {write.step} abandoned (still writing after "
                   f"{5.0 if failure else self.timeout_s:.0f} s)", file=sys.stderr, flush=True)
             write.abandoned = True
-            self._write = None  # and the next snapshot gets fresh buffers: the thread may still read these
+            write.snapshot.reusable = False  # the next snapshot gets fresh buffers: the thread may still read these
+            self._write = None
             return False
         return True
 

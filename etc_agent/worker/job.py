@@ -558,8 +558,8 @@ class Job:
         versions = []
         if holds:
             versions.append({"kind": "live", "step": self.next_step, "old_rank": old_rank, "config": old_config, "plain": plain})
-        snapshot = self.checkpointer.snapshot if self.checkpointer is not None and assignment["started"] else None
-        if snapshot is not None:
+        snapshots = {s.step: s for s in self.checkpointer.snapshots} if self.checkpointer is not None and assignment["started"] else {}
+        for snapshot in sorted(snapshots.values(), key=lambda s: -s.step):
             versions.append({"kind": "snapshot", "step": snapshot.step, "old_rank": snapshot.rank, "config": snapshot.config,
                              "plain": snapshot.plain})
         storage = self.checkpointer.storage_steps() if self.checkpointer is not None and assignment["started"] else {}
@@ -593,7 +593,7 @@ class Job:
                 lost_ranks = {r: (Device(f"lost{r}", 0), []) for r in range(ParallelConfig.parse(config).world_size) if r not in held}
                 lost = [str(d) for d, _ in lost_ranks.values()]
                 mine = sources.get(transport.rank)
-                old_state = None if mine is None else (old_boxed if mine["kind"] == "live" else snapshot.boxed)
+                old_state = None if mine is None else (old_boxed if mine["kind"] == "live" else snapshots[mine["step"]].boxed)
                 if new_rank is None and FAULT_SENDER_PAUSE_S > 0:
                     # Fault injection for tests: a window in which a sender can be killed mid-migration.
                     print(f"[etc_agent] {device}: fault injection: pausing {FAULT_SENDER_PAUSE_S:g} s before sending",
@@ -626,15 +626,14 @@ class Job:
                 if result.plan.bytes_restored:
                     restored_from = restore_path
                 if mine is not None and mine["kind"] == "snapshot":
-                    self.checkpointer.snapshot = None  # the new state may hold its buffers now
+                    self.checkpointer.drop(lambda s: s.step == mine["step"])  # the new state may hold its buffers now
                 break
             else:
                 hint = "" if self.checkpointer is not None else " (etcrun --checkpoint-dir and --checkpoint-interval keep periodic checkpoints to restore from)"
                 self._fatal(StateLost(f"generation {generation}: training state lost, no step has a live copy or a checkpoint of "
                                       f"every shard: {last_error}{hint}"))
         if self.checkpointer is not None:
-            if self.checkpointer.snapshot is not None and self.checkpointer.snapshot.step > resume_step:
-                self.checkpointer.snapshot = None  # taken on steps that are trained again
+            self.checkpointer.drop(lambda s: s.step > resume_step)  # taken on steps that are trained again
             if new_rank == 0 and live_step is not None and resume_step < live_step:
                 self.checkpointer.discard_after(resume_step)
         t_migrated = time.perf_counter()
