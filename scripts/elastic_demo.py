@@ -38,38 +38,56 @@ def free_port() -> int:
 
 
 class Cluster:
-    """Agents started as separate ``etcrun`` processes of one job."""
+    """Agents started as separate ``etcrun`` processes of one job; with ``sidecar``, each node is an
+    ``etc-agent sidecar`` plus an ``etc-agent workers`` process that starts (and restarts) the workers."""
 
     def __init__(self, rdzv: list[str], nproc: int, parallel: str, script_args: list[str], log_dir: Path, echo: bool,
-                 max_nodes: int = 4, extra: list[str] | None = None, min_nodes: int = 1):
+                 max_nodes: int = 4, extra: list[str] | None = None, min_nodes: int = 1, sidecar: bool = False):
         self.rdzv, self.nproc, self.parallel = rdzv, nproc, parallel
         self.script_args, self.log_dir, self.echo = script_args, log_dir, echo
         self.max_nodes, self.min_nodes = max_nodes, min_nodes
         self.extra = extra or []
         self.agents: list[subprocess.Popen] = []
+        self.launchers: list[subprocess.Popen | None] = []
+        """Sidecar mode: each node's ``etc-agent workers`` process (the workers' parent)."""
+        self.sidecar = sidecar
         self.outputs: list[list[str]] = []
         self.env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "ETC_AGENT_TIMEOUT": os.environ.get("ETC_AGENT_TIMEOUT", "60")}
 
     def add_agent(self, host_store: bool = False) -> subprocess.Popen:
         index = len(self.agents)
-        args = [sys.executable, "-m", "etc_agent.cli.etcrun", "--nnodes", f"{self.min_nodes}:{self.max_nodes}", "--nproc-per-node", str(self.nproc),
+        command = ["etc_agent.cli.main", "sidecar"] if self.sidecar else ["etc_agent.cli.etcrun"]
+        args = [sys.executable, "-m", *command, "--nnodes", f"{self.min_nodes}:{self.max_nodes}", "--nproc-per-node", str(self.nproc),
                 *self.rdzv, "--local-addr", "127.0.0.1", "--reconfig-delay", "0.5", "--lease-ttl", "3", "--max-restarts", "3",
                 "--parallel", self.parallel, "--log-format", "json", *self.extra]
         if "--rdzv-backend" in self.rdzv and self.rdzv[self.rdzv.index("--rdzv-backend") + 1] == "c10d":
             args += ["--rdzv-conf", f"is_host={'1' if host_store else '0'}"]
-        args += ["-m", "etc_agent.examples.gpt", *self.script_args]
-        proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env)
         lines: list[str] = []
+        if self.sidecar:
+            control = f"127.0.0.1:{free_port()}"
+            args += ["--control-addr", control]
+            launcher_args = [sys.executable, "-m", "etc_agent.cli.main", "workers", "--nproc-per-node", str(self.nproc), "--agent", control,
+                             "-m", "etc_agent.examples.gpt", *self.script_args]
+        else:
+            args += ["-m", "etc_agent.examples.gpt", *self.script_args]
+        proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env)
         self.agents.append(proc)
         self.outputs.append(lines)
+        self._pump(proc, lines, f"agent {index}")
+        launcher = None
+        if self.sidecar:
+            launcher = subprocess.Popen(launcher_args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env)
+            self._pump(launcher, lines, f"workers {index}")
+        self.launchers.append(launcher)
+        return proc
 
+    def _pump(self, proc: subprocess.Popen, lines: list[str], label: str) -> None:
         def pump() -> None:
             for line in proc.stdout:
                 lines.append(line)
                 if self.echo:
-                    sys.stdout.write(f"[agent {index}] {line}")
+                    sys.stdout.write(f"[{label}] {line}")
         threading.Thread(target=pump, daemon=True).start()
-        return proc
 
     def worker_pids(self, agent: int) -> list[int]:
         """Live worker pids of one agent (its children running the example), from /proc."""
@@ -83,7 +101,8 @@ class Cluster:
             except OSError:
                 continue
             ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            if ppid == self.agents[agent].pid and "etc_agent.examples.gpt" in cmdline:
+            parent = self.launchers[agent] if self.sidecar else self.agents[agent]
+            if ppid == parent.pid and "etc_agent.examples.gpt" in cmdline:
                 pids.append(int(entry.name))
         return sorted(pids)
 
@@ -108,10 +127,19 @@ class Cluster:
                 codes.append(a.wait(timeout=max(1.0, deadline - time.monotonic())))
             except subprocess.TimeoutExpired:
                 codes.append(None)
-        for a in self.agents:
+        for launcher in self.launchers:
+            if launcher is not None:
+                try:
+                    launcher.wait(timeout=max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+        for a in [*self.agents, *(p for p in self.launchers if p is not None)]:
             if a.poll() is None:
                 a.kill()
         return codes
+
+    def launcher_codes(self) -> list[int | None]:
+        return [p.poll() for p in self.launchers if p is not None]
 
 
 def read_losses(path: Path) -> dict[int, float]:
@@ -141,7 +169,8 @@ def run_scenario(parallel: str, nproc: int, steps: int, step_delay: float, work:
                  rdzv: list[str] | None = None, events: tuple[str, ...] = ("join", "leave", "kill"),
                  extra_script_args: list[str] | None = None, wait_migrations: bool = True,
                  agent_args: list[str] | None = None, initial_agents: int = 2, event_steps: list[int] | None = None,
-                 stop_after: int | None = None, min_nodes: int | None = None, event_after_text: str | None = None) -> dict:
+                 stop_after: int | None = None, min_nodes: int | None = None, event_after_text: str | None = None,
+                 sidecar: bool = False) -> dict:
     """Run the elastic scenario; return losses, migration records and exit codes.
 
     ``wait_migrations=False``: do not wait for a migration after each event (a run expected to fail).
@@ -157,7 +186,8 @@ def run_scenario(parallel: str, nproc: int, steps: int, step_delay: float, work:
                    "--loss-log", str(loss_log), "--dump-state", str(state_file), *(extra_script_args or [])]
     rdzv = rdzv or ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", f"demo-{uuid.uuid4().hex[:6]}"]
     # The job starts once the initial agents are all in, so no extra generation precedes the events.
-    cluster = Cluster(rdzv, nproc, parallel, script_args, work, echo, extra=agent_args, min_nodes=min_nodes or initial_agents)
+    cluster = Cluster(rdzv, nproc, parallel, script_args, work, echo, extra=agent_args, min_nodes=min_nodes or initial_agents,
+                      sidecar=sidecar)
     events_done: list[dict] = []
     skipped = 0
     started = time.monotonic()
@@ -218,13 +248,13 @@ def run_scenario(parallel: str, nproc: int, steps: int, step_delay: float, work:
         if stop_after is not None:
             resumed = max(read_losses(loss_log), default=-1)
             at_step(resumed + stop_after)
-            for a in cluster.agents:
+            for a in [*cluster.agents, *(p for p in cluster.launchers if p is not None)]:
                 a.kill()
             codes = [None] * len(cluster.agents)
         else:
             codes = cluster.finish(timeout=600 if wait_migrations else 180)
     finally:
-        for a in cluster.agents:
+        for a in [*cluster.agents, *(p for p in cluster.launchers if p is not None)]:
             if a.poll() is None:
                 a.kill()
         for i, lines in enumerate(cluster.outputs):

@@ -31,13 +31,13 @@ from typing import Callable, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from etc_agent.agent.control import (CONTROL_REQUEST, AssignmentQuery, ControlRequest, Fatal, Finished, GenerationQuery, Heartbeat, Hello,
-                                     Migration, SwitchFailed, Trained)
-from etc_agent.agent.workers import WorkerGroup, WorkerSpec
+from etc_agent.agent.control import (CONTROL_REQUEST, AssignmentQuery, Attach, ControlRequest, Exiting, Fatal, Finished, GenerationQuery,
+                                     Heartbeat, Hello, Migration, SwitchFailed, Trained)
+from etc_agent.agent.workers import AttachedWorkers, Attachments, WorkerGroup, WorkerSpec
 from etc_agent.layout.config import ParallelSpec
 from etc_agent.rendezvous.records import AbandonRecord, GenerationRecord, LeaderRecord, MasterRecord, MigrationRecord, NodeRecord, NodeStatus, Record
 from etc_agent.rendezvous.store import KeyValue, LeaseExpired, MembershipStore, StoreError, WatchEvent
-from etc_agent.utils.jsonline import JsonLineServer
+from etc_agent.utils.jsonline import JsonLineServer, parse_address
 
 R = TypeVar("R", bound=Record)
 
@@ -73,6 +73,10 @@ class AgentConfig(BaseModel):
     checkpoint_interval: int = Field(0, ge=0, description="Steps between periodic asynchronous checkpoints (0: none); "
                                      "what a failure leaves without a live copy is restored from the last one.")
     checkpoint_keep: int = Field(2, ge=1, description="Complete periodic checkpoints kept.")
+    sidecar: bool = Field(False, description="Run beside workers that another launcher starts (``etc-agent sidecar``): they attach "
+                          "over the control channel instead of being this agent's children.")
+    control_addr: str | None = Field(None, description="host:port of the control channel workers reach (ETC_AGENT_ADDR); "
+                                     "default 127.0.0.1 on a free port, or 127.0.0.1:29401 for a sidecar.")
 
 
 @dataclass
@@ -87,7 +91,7 @@ class Agent:
         self.node_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.host = config.local_addr or socket.getfqdn()
         self.emit = emit or self._log_event
-        self.workers: WorkerGroup | None = None
+        self.workers: WorkerGroup | AttachedWorkers | None = None
         self.generation: GenerationRecord | None = None
         self.restart_count = 0
         self.leaving = threading.Event()
@@ -109,8 +113,13 @@ class Agent:
         self._worker_pid: dict[int, int] = {}
         """Local rank -> pid that said hello: only a process that spoke can be judged silent."""
         self._watches = []
-        self._elastic = False
-        """Set when a worker says hello through the worker API: workers then live across generations."""
+        self._elastic = config.sidecar
+        """Set when a worker says hello through the worker API: workers then live across generations
+        (always for a sidecar: only worker-API processes can attach)."""
+        self._attachments = Attachments()
+        self._served_generation: dict[int, int] = {}
+        """Local rank -> the newest generation whose assignment its process asked for (sidecar: where a
+        replacement of that process starts looking)."""
         self._assignments: dict[int, dict] = {}
         """What each local worker is in the generation this node serves (rank, group, store address)."""
         self._stores: list = []
@@ -462,7 +471,7 @@ class Agent:
         envs = [self._worker_env(gen, master, local_rank) for local_rank in range(nproc)]
         self._prepare_assignments(gen, master)
         attempt_dir = self._run_dir / f"attempt_{gen.number}"
-        self.workers = WorkerGroup(self.spec, envs, attempt_dir)
+        self.workers = self._make_workers(envs, attempt_dir)
         self._reported = None
         self._report(gen, NodeStatus(state="running"))
         self.emit("workers_started", {"generation": gen.number, "group_rank": index, "world_size": gen.world_size,
@@ -522,7 +531,11 @@ class Agent:
         # TCPStore. Not in a background thread: TCPStores made while torch was still importing in
         # another thread made workers abort ("terminate called without an active exception").
         import torch.distributed  # noqa: F401
-        self._control = JsonLineServer(self._on_control, "127.0.0.1", 0, name="etc-control", schema=CONTROL_REQUEST)
+        host, port = parse_address(self.config.control_addr or ("127.0.0.1:29401" if self.config.sidecar else "127.0.0.1:0"))
+        self._control = JsonLineServer(self._on_control, host, port, name="etc-control", schema=CONTROL_REQUEST, on_held=self._attached)
+        if self.config.sidecar:
+            self.emit("sidecar", {"control_addr": self._control.address, "nproc_per_node": self.config.nproc_per_node,
+                                  "note": f"workers attach with ETC_AGENT_ADDR={self._control.address} and LOCAL_RANK"})
         self._join_warm()
         self._register()
         for target in (self._keepalive, self._elect):
@@ -552,6 +565,9 @@ class Agent:
         if getattr(req, "local_rank", 0) >= self.config.nproc_per_node:
             raise ValueError(f"local_rank {req.local_rank} is not a worker of this node (--nproc-per-node {self.config.nproc_per_node})")
         if isinstance(req, (Hello, Heartbeat)):
+            # A new process under a local rank another process already served replaces it (sidecar: the
+            # other launcher restarted it); it joins the generation after the one its predecessor ran.
+            replacement = isinstance(req, Hello) and self._worker_pid.get(req.local_rank) not in (None, req.pid)
             self._worker_seen[req.local_rank] = time.monotonic()
             if isinstance(req, Hello) and req.pid is not None:
                 self._worker_pid[req.local_rank] = req.pid
@@ -563,16 +579,36 @@ class Agent:
                         pass
                 self._elastic = True
                 self._standby_hellos.add(req.local_rank)
-            return {"node_id": self.node_id, "generation": self.generation.number if self.generation else None}
+            reply = {"node_id": self.node_id, "generation": self.generation.number if self.generation else None}
+            if self.config.sidecar and isinstance(req, Hello):
+                # What etcrun would have put in its children's environment.
+                number = self.generation.number if self.generation else 0
+                if replacement and req.local_rank in self._served_generation:
+                    # Its predecessor last saw that generation: the replacement joins a later one.
+                    number = self._served_generation.pop(req.local_rank) + 1
+                node_env = self._node_env(req.local_rank, number)
+                reply.update(sidecar=True, env={k: v for k, v in node_env.items() if k not in ("LOCAL_RANK", "OMP_NUM_THREADS")})
+            return reply
+        if isinstance(req, Attach):
+            if not self.config.sidecar:
+                raise ValueError("attach is for workers of an etc-agent sidecar; this agent starts its own workers")
+            return {"ok": True, "hold": True}
+        if isinstance(req, Exiting):
+            self._attachments.report_exit(req.local_rank, req.pid, req.code)
+            return {"ok": True}
         if isinstance(req, AssignmentQuery):
             self._worker_seen[req.local_rank] = time.monotonic()
             latest = self._latest
+            served = self._assignments.get(req.local_rank)
+            if served is not None:
+                self._served_generation[req.local_rank] = served["generation"]
             return {
                 "latest": latest.number if latest else None,
                 "latest_status": latest.status if latest else None,
                 "assignment": self._assignments.get(req.local_rank),
                 "finished": self._job_finished(),
                 "standby": not self._assignments,
+                "stop": self._attachments.stop_requested(req.local_rank),
             }
         if isinstance(req, SwitchFailed):
             self._abandon(req.generation, f"{self.node_id} local_rank {req.local_rank}: {req.reason[:300]}")
@@ -617,6 +653,26 @@ class Agent:
             "leaving": self.leaving.is_set(),
         }
 
+    def _attached(self, req: Attach, sock, reader) -> None:
+        """A sidecar's worker holds its attach connection while it lives (runs in the connection's thread)."""
+        attachment = self._attachments.attach(req.local_rank, req.pid, sock)
+        self.emit("worker_attached", {"local_rank": req.local_rank, "pid": req.pid})
+        try:
+            while reader.read(4096):
+                pass
+        except OSError:
+            pass
+        self._attachments.closed(attachment)
+        self.emit("worker_detached", {"local_rank": req.local_rank, "pid": req.pid, "exit_code": attachment.exit_code,
+                                      "reported": attachment.reported is not None})
+        self._wake.set()
+
+    def _make_workers(self, envs: list[dict[str, str]], attempt_dir: Path):
+        """This node's workers: started here, or (sidecar) the processes that attach under these local ranks."""
+        if self.config.sidecar:
+            return AttachedWorkers(self._attachments, [int(env["LOCAL_RANK"]) for env in envs])
+        return WorkerGroup(self.spec, envs, attempt_dir)
+
     def _join_warm(self) -> None:
         """Joining a running elastic job: start the workers first (interpreter, torch, the script's
         imports) and register as ready only once they said hello, so the running ranks do not stall
@@ -632,7 +688,7 @@ class Agent:
         self._elastic = True
         # No rank yet: a standby worker learns it from its assignment once the node is a member.
         envs = [{**self._node_env(local_rank, current.number + 1), "RANK": "-1"} for local_rank in range(self.config.nproc_per_node)]
-        self.workers = WorkerGroup(self.spec, envs, self._run_dir / "standby")
+        self.workers = self._make_workers(envs, self._run_dir / "standby")
         self.emit("workers_warming", {"workers": len(envs), "note": "joining once they run"})
         deadline = time.monotonic() + self.config.join_timeout
         while time.monotonic() < deadline and not self.stop_requested.is_set() and not self.leaving.is_set():

@@ -28,6 +28,24 @@ class Hello(_Request):
     elastic: bool = False
 
 
+class Attach(_Request):
+    """Sidecar mode: a worker started by another launcher holds this connection open for as long as it
+    lives; its closing is how the agent learns that the worker exited."""
+
+    op: Literal["attach"]
+    local_rank: int = Field(ge=0)
+    pid: int = Field(gt=0)
+
+
+class Exiting(_Request):
+    """Sidecar mode: the exit code a worker is about to exit with (sent just before it detaches)."""
+
+    op: Literal["exiting"]
+    local_rank: int = Field(ge=0)
+    pid: int = Field(gt=0)
+    code: int
+
+
 class Heartbeat(_Request):
     """A worker is alive (workers of plain scripts; the worker API's polls count as heartbeats too)."""
 
@@ -94,7 +112,7 @@ class Migration(_Request):
 
 
 ControlRequest = Annotated[
-    Union[Hello, Heartbeat, AssignmentQuery, GenerationQuery, SwitchFailed, Fatal, Finished, Trained, Migration],
+    Union[Hello, Attach, Exiting, Heartbeat, AssignmentQuery, GenerationQuery, SwitchFailed, Fatal, Finished, Trained, Migration],
     Field(discriminator="op"),
 ]
 CONTROL_REQUEST: TypeAdapter[ControlRequest] = TypeAdapter(ControlRequest)

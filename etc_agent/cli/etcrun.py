@@ -110,7 +110,7 @@ def open_store(backend: str, endpoint: str, run_id: str, host_store: bool | None
     help="Launch a training script on this node like torchrun, with live re-configuration when nodes come and go.",
 )
 def etcrun(
-    training_script: Annotated[str, typer.Argument(help="Script to run (or module with -m, executable with --no-python).")],
+    training_script: Annotated[Optional[str], typer.Argument(help="Script to run (or module with -m, executable with --no-python).")] = None,
     training_script_args: Annotated[Optional[list[str]], typer.Argument(help="Arguments for the script.")] = None,
     nnodes: Annotated[str, typer.Option("--nnodes", help="Number of nodes, or MIN:MAX for an elastic job.")] = "1:1",
     nproc_per_node: Annotated[str, typer.Option("--nproc-per-node", "--nproc_per_node", help="Workers per node: N, auto, cpu or gpu.")] = "1",
@@ -151,7 +151,20 @@ def etcrun(
     log_format: Annotated[str, typer.Option("--log-format", help="text or json (one JSON line per agent event).")] = "text",
     worker_heartbeat_timeout: Annotated[float, typer.Option("--worker-heartbeat-timeout", help="Seconds a worker-API process may stay "
                                                             "silent before it counts as hung (killed, handled as a crash); 0: never.")] = 30.0,
+    sidecar: Annotated[bool, typer.Option("--sidecar", help="Start no workers: run beside --nproc-per-node worker-API processes that "
+                                          "another launcher starts with ETC_AGENT_ADDR and LOCAL_RANK (what `etc-agent sidecar` runs).")] = False,
+    control_addr: Annotated[Optional[str], typer.Option("--control-addr", help="host:port the workers reach this agent on "
+                                                        "(ETC_AGENT_ADDR); default 127.0.0.1, a free port, or 127.0.0.1:29401 with --sidecar.")] = None,
 ) -> None:
+    if sidecar and training_script is not None:
+        raise ValueError(f"--sidecar starts no workers: remove the training script ({training_script}); start it with "
+                         "`etc-agent workers` or your own launcher, ETC_AGENT_ADDR pointing here")
+    if not sidecar and training_script is None:
+        raise ValueError("the training script is missing (or use --sidecar / `etc-agent sidecar` to run beside workers started elsewhere)")
+    if control_addr is not None:
+        from etc_agent.utils.jsonline import parse_address
+
+        parse_address(control_addr)
     low, high = parse_nnodes(nnodes)
     nproc = parse_nproc(nproc_per_node)
     conf = parse_rdzv_conf(rdzv_conf)
@@ -189,7 +202,7 @@ def etcrun(
                            user=etcd_user, password=etcd_password, timeout_s=float(conf.get("read_timeout", 5)))
     filter_ranks = {int(r) for r in local_ranks_filter.split(",") if r.strip()} if local_ranks_filter.strip() else None
     spec = WorkerSpec(
-        entrypoint=[training_script, *(training_script_args or [])],
+        entrypoint=[training_script, *(training_script_args or [])] if training_script else [],
         module=module, no_python=no_python, role=role, log_dir=log_dir,
         redirects=parse_std_spec(redirects, nproc), tee=parse_std_spec(tee, nproc), local_ranks_filter=filter_ranks,
     )
@@ -231,7 +244,7 @@ def etcrun(
         model=str(model) if model is not None and parallel_spec is not None else None,
         migration=migration, checkpoint_dir=str(checkpoint_dir.resolve()) if checkpoint_dir else None,
         checkpoint_interval=checkpoint_interval, checkpoint_keep=checkpoint_keep,
-        worker_heartbeat_timeout=worker_heartbeat_timeout,
+        worker_heartbeat_timeout=worker_heartbeat_timeout, sidecar=sidecar, control_addr=control_addr,
     )
     if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = "1"
@@ -269,9 +282,9 @@ def _keep_serving_store(store, agent: Agent) -> None:
         agent.hard_stop.wait(1.0)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, prog: str = "etcrun") -> None:
     """Entry point: one line and exit code 2 for bad flags or input."""
-    run_app(app, argv, "etcrun", (ValueError, StoreError, TimeoutError))
+    run_app(app, argv, prog, (ValueError, StoreError, TimeoutError))
 
 
 if __name__ == "__main__":

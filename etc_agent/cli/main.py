@@ -163,6 +163,29 @@ EtcdUser = Annotated[Optional[str], typer.Option("--etcd-user")]
 EtcdPassword = Annotated[Optional[str], typer.Option("--etcd-password", envvar="ETC_AGENT_ETCD_PASSWORD")]
 
 
+_FORWARD = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+
+
+@app.command(context_settings=_FORWARD, add_help_option=False)
+def sidecar(ctx: typer.Context) -> None:
+    """The per-node agent without its workers: etcrun's flags (no training script), plus --control-addr
+    (default 127.0.0.1:29401). Workers started by another launcher (`etc-agent workers`, a container,
+    srun) attach with ETC_AGENT_ADDR and LOCAL_RANK; membership, leader, generations and migrations are
+    etcrun's."""
+    from etc_agent.cli import etcrun
+
+    etcrun.main(["--sidecar", *ctx.args], prog="etc-agent sidecar")
+
+
+@app.command(context_settings=_FORWARD, add_help_option=False)
+def workers(ctx: typer.Context) -> None:
+    """Start one node's worker processes beside an `etc-agent sidecar` and start again any that dies
+    (`etc-agent workers --nproc-per-node N [--agent HOST:PORT] script.py args...`)."""
+    from etc_agent.worker.spawn import main as spawn_main
+
+    raise typer.Exit(spawn_main(list(ctx.args)))
+
+
 @app.command()
 def status(
     rdzv_endpoint: RdzvEndpoint,

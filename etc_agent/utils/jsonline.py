@@ -48,6 +48,11 @@ class _RequestHandler(socketserver.StreamRequestHandler):
             self.wfile.flush()
         except OSError:
             return
+        held = self.server.on_held  # type: ignore[attr-defined]
+        if reply.get("hold") and held is not None:
+            # The client keeps this connection open for as long as it lives; the callback blocks
+            # until it closes (the client exited, or the server side shut it down).
+            held(req, self.connection, self.rfile)
 
 
 class _Server(socketserver.ThreadingTCPServer):
@@ -60,13 +65,16 @@ class JsonLineServer:
 
     With ``schema`` (a pydantic ``TypeAdapter``, typically of a union discriminated by ``op``) every
     request is validated first and the handler gets the model; invalid ones get an error reply.
+    A reply with ``"hold": true`` keeps the connection: ``on_held(request, socket, reader)`` runs in
+    the connection's thread until the client closes it (a liveness signal that needs no polling).
     """
 
     def __init__(self, handler: Handler, host: str = "127.0.0.1", port: int = 0, name: str = "jsonline",
-                 schema: TypeAdapter | None = None):
+                 schema: TypeAdapter | None = None, on_held: Callable[[Any, socket.socket, Any], None] | None = None):
         self.server = _Server((host, port), _RequestHandler)
         self.server.handler = handler  # type: ignore[attr-defined]
         self.server.schema = schema  # type: ignore[attr-defined]
+        self.server.on_held = on_held  # type: ignore[attr-defined]
         self.host, self.port = self.server.server_address[:2]
         self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1}, name=name, daemon=True)
         self.thread.start()

@@ -37,6 +37,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
+import socket
 import sys
 import threading
 import time
@@ -116,9 +118,30 @@ class _AgentLink:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._changed = threading.Condition(self._lock)
-        request(self.address, {"op": "hello", "local_rank": local_rank, "pid": os.getpid(), "elastic": True}, timeout=10)
+        self._stopping = False
+        self.hello = request(self.address, {"op": "hello", "local_rank": local_rank, "pid": os.getpid(), "elastic": True}, timeout=10)
+        self._attachment: socket.socket | None = None
+        if self.hello.get("sidecar"):
+            self._attach()
         self._thread = threading.Thread(target=self._poll, name="etc-agent-link", daemon=True)
         self._thread.start()
+
+    def _attach(self) -> None:
+        """Sidecar mode: hold a connection to the agent for as long as this process lives; the agent is
+        not our parent, and that connection closing is how it learns we are gone."""
+        sock = socket.create_connection(self.address, timeout=10)
+        sock.sendall((json.dumps({"op": "attach", "local_rank": self.local_rank, "pid": os.getpid()}) + "\n").encode())
+        reply = b""
+        while not reply.endswith(b"\n"):
+            chunk = sock.recv(4096)
+            if not chunk:
+                raise JobError(f"the agent at {self.address[0]}:{self.address[1]} closed the attach connection")
+            reply += chunk
+        answer = json.loads(reply)
+        if "error" in answer:
+            raise JobError(f"the agent at {self.address[0]}:{self.address[1]} refused the attachment: {answer['error']}")
+        sock.settimeout(None)
+        self._attachment = sock
 
     def _poll(self) -> None:
         failures = 0
@@ -126,6 +149,11 @@ class _AgentLink:
             try:
                 reply = request(self.address, {"op": "assignment", "local_rank": self.local_rank}, timeout=10)
                 failures = 0
+                if reply.get("stop") and not self._stopping:
+                    # Sidecar mode: the agent cannot signal a process it did not start; it asks instead.
+                    self._stopping = True
+                    print(f"[etc_agent] local_rank {self.local_rank}: the agent asks this worker to stop", file=sys.stderr, flush=True)
+                    os.kill(os.getpid(), signal.SIGTERM)
                 with self._changed:
                     self.reply = reply
                     if reply.get("latest") is not None:
@@ -171,9 +199,14 @@ class _AgentLink:
         except (OSError, JsonLineError) as err:
             log.warning("could not send %s to the agent: %s", req.get("op"), err)
 
-    def close(self) -> None:
+    def close(self, exit_code: int = 0) -> None:
+        """Stop polling; a sidecar's worker reports ``exit_code`` and detaches."""
         self._stop.set()
         self._thread.join(timeout=2)
+        if self._attachment is not None:
+            self.send({"op": "exiting", "local_rank": self.local_rank, "pid": os.getpid(), "code": exit_code})
+            self._attachment.close()
+            self._attachment = None
 
 
 class Job:
@@ -187,8 +220,13 @@ class Job:
         the same step (otherwise dp groups away from the failure could step while others cannot)."""
         self.timeout_s = _env_float("ETC_AGENT_TIMEOUT", 120.0)
         """Bound on forming a group, on every collective of the switch, and on waiting for a generation."""
+        self.local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
+        address = os.environ.get("ETC_AGENT_ADDR")
+        self.elastic = address is not None and os.environ.get("ETC_AGENT_ELASTIC", "1") != "0"
+        self._link = _AgentLink(address, self.local_rank) if self.elastic else None
+        for key, value in (self._link.hello.get("env", {}) if self._link else {}).items():
+            os.environ.setdefault(key, value)  # a sidecar's workers get from it what etcrun puts in their environment
         self.backend = os.environ.get("ETC_AGENT_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
-        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.node_id = os.environ.get("ETC_AGENT_NODE_ID", "local")
         self.device = torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
         if self.device.type == "cuda":
@@ -212,8 +250,6 @@ class Job:
         """live, or checkpoint: at a switch save with DCP and exit; new workers load (the baseline)."""
         self.checkpoint_dir = os.environ.get("ETC_AGENT_CHECKPOINT_DIR")
         self._started_wall = time.time()
-        address = os.environ.get("ETC_AGENT_ADDR")
-        self.elastic = address is not None and os.environ.get("ETC_AGENT_ELASTIC", "1") != "0"
         interval = int(_env_float("ETC_AGENT_CHECKPOINT_INTERVAL", 0))
         self.checkpointer: PeriodicCheckpointer | None = None
         """Periodic asynchronous checkpoints (``etcrun --checkpoint-interval``): restore what a failure
@@ -221,7 +257,6 @@ class Job:
         if interval > 0 and self.checkpoint_dir and self.elastic:
             keep = int(_env_float("ETC_AGENT_CHECKPOINT_KEEP", 2))
             self.checkpointer = PeriodicCheckpointer(self.checkpoint_dir, interval, keep, self.timeout_s)
-        self._link = _AgentLink(address, self.local_rank) if self.elastic else None
 
     # ---- public API ------------------------------------------------------------------------
     @property

@@ -1,0 +1,95 @@
+"""``etc-agent workers``: start one node's worker processes beside an ``etc-agent sidecar``.
+
+For deployments where the agent does not start the workers (a Kubernetes pod's trainer container
+next to the agent's container, a node's processes started by a scheduler): it starts
+``--nproc-per-node`` processes of the script under the worker launcher, each with ``LOCAL_RANK`` and
+``ETC_AGENT_ADDR``, and starts again a process that dies (as a container restart would) while the
+job goes on. A process that exits 0 (training finished, or its node left the job after sending its
+state) is not restarted. Exits 0 once every process exited 0, 1 when the job failed or a process
+kept failing.
+
+    etc-agent workers --nproc-per-node 8 --agent 127.0.0.1:29401 train.py --lr 3e-4
+
+Under Slurm, run one task per node that starts the sidecar and this (``srun --ntasks-per-node 1``);
+``srun`` starting the workers directly also works (``SLURM_LOCALID`` is read as the local rank), but
+then nothing starts a dead process again and the job waits for one until ``ETC_AGENT_TIMEOUT``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from etc_agent.utils.jsonline import JsonLineError, parse_address, request
+
+
+def _job_over(address: tuple[str, int]) -> str | None:
+    """'succeeded'/'failed' once the agent says the job ended; None while it runs or cannot be asked."""
+    try:
+        reply = request(address, {"op": "generation"}, timeout=5)
+    except (OSError, JsonLineError):
+        return None
+    latest = reply.get("latest") or {}
+    return latest.get("status") if latest.get("status") in ("succeeded", "failed") else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="etc-agent workers", description=__doc__.splitlines()[0])
+    ap.add_argument("--nproc-per-node", type=int, required=True, help="Processes to start (the sidecar's --nproc-per-node).")
+    ap.add_argument("--agent", default=os.environ.get("ETC_AGENT_ADDR", "127.0.0.1:29401"), help="The sidecar's --control-addr.")
+    ap.add_argument("--max-restarts", type=int, default=100, help="Restarts of one local rank before giving up.")
+    ap.add_argument("-m", "--module", action="store_true", help="Run the script as a Python module.")
+    ap.add_argument("script")
+    ap.add_argument("script_args", nargs=argparse.REMAINDER)
+    args = ap.parse_args(argv)
+    if args.nproc_per_node < 1:
+        ap.error("--nproc-per-node must be at least 1")
+    address = parse_address(args.agent)
+    command = [sys.executable, "-u", "-m", "etc_agent.worker.launch", *(["-m"] if args.module else []), args.script, *args.script_args]
+    if sys.platform.startswith("linux"):
+        # The workers die with this process (a container's main process going away takes them along).
+        command = [sys.executable, "-m", "etc_agent.agent._exec_with_parent", str(os.getpid()), *command]
+
+    def start(local_rank: int) -> subprocess.Popen:
+        env = {**os.environ, "LOCAL_RANK": str(local_rank), "ETC_AGENT_ADDR": f"{address[0]}:{address[1]}"}
+        return subprocess.Popen(command, env=env)
+
+    procs = {r: start(r) for r in range(args.nproc_per_node)}
+    restarts = {r: 0 for r in procs}
+    done: dict[int, int] = {}
+    stopping = False
+
+    def on_term(signum, frame):
+        nonlocal stopping
+        stopping = True
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    while len(done) < len(procs):
+        time.sleep(0.2)
+        for r, p in list(procs.items()):
+            if r in done or (code := p.poll()) is None:
+                continue
+            over = _job_over(address) if code != 0 else None
+            if code == 0 or stopping or over is not None or restarts[r] >= args.max_restarts:
+                done[r] = code
+                if code != 0:
+                    why = "stopping" if stopping else f"the job {over}" if over else f"{restarts[r]} restarts used"
+                    print(f"[etc-agent workers] local_rank {r} exited {code}; not restarted ({why})", file=sys.stderr, flush=True)
+                continue
+            restarts[r] += 1
+            print(f"[etc-agent workers] local_rank {r} exited {code}; starting it again ({restarts[r]}/{args.max_restarts})",
+                  file=sys.stderr, flush=True)
+            procs[r] = start(r)
+    return 0 if all(code == 0 for code in done.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
