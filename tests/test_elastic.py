@@ -20,6 +20,8 @@ CASES = {
     # name: (parallel, workers per agent, steps, step delay, events, elementwise)
     "tp2-torch-adamw-loss": ("tp=2,pp=1,dp=auto", 2, 40, 0.1, ("join", "leave", "kill"), False),
     "tp2-bitwise": ("tp=2,pp=1,dp=auto", 2, 40, 0.15, ("join", "leave", "kill"), True),
+    # etc-agent sidecar per node, workers started (and the killed one restarted) by etc-agent workers.
+    "tp2-sidecar-bitwise": ("tp=2,pp=1,dp=auto", 2, 40, 0.15, ("join", "leave", "kill"), True),
     # A joining agent starts its 4 workers before it enters (10+ s on 2 loaded cores): long enough runs.
     "tp2pp2-zero1-bitwise": ("tp=2,pp=2,dp=auto,zero=1", 4, 60, 0.5, ("join", "leave"), True),
     "tp2pp2-loss": ("tp=2,pp=2,dp=auto", 4, 50, 0.2, ("join", "leave", "kill"), False),
@@ -36,9 +38,14 @@ def test_elastic_training_through_join_leave_and_crash(name, etcd_server, tmp_pa
         extra += ["--optimizer", "torch"]
     work = tmp_path / "elastic"
     work.mkdir()
-    result = run_scenario(parallel, nproc, steps, delay, work, echo=False, rdzv=rdzv, events=events, extra_script_args=extra)
+    sidecar = "sidecar" in name
+    result = run_scenario(parallel, nproc, steps, delay, work, echo=False, rdzv=rdzv, events=events, extra_script_args=extra, sidecar=sidecar)
     logs = result["cluster"].tail(60)
     assert result["codes"] == [0] * len(result["codes"]), f"agents exited {result['codes']}\n{logs}"
+    if sidecar:
+        assert result["cluster"].launcher_codes() == [0] * len(result["codes"]), logs
+        text = "".join("".join(lines) for lines in result["cluster"].outputs)
+        assert '"worker_attached"' in text and "starting it again" in text, logs  # the killed worker came back through its launcher
 
     # Every step trained once to completion, in order, across every event.
     losses = result["losses"]

@@ -311,10 +311,17 @@ class AttachedWorkers:
         return {r: a.pid for r in self.local_ranks if (a := self._state(r)) is not None and a.exit_code is None}
 
     def kill(self, local_rank: int, why: str) -> None:
+        """Ask it to exit and detach it; a hung process (it cannot hear) is killed when this agent can
+        see it as what it claims to be (same PID namespace: srun, a pod sharing its process namespace)."""
         a = self.attachments.current.get(local_rank)
         if a is None:
             return
         a.killed_because, a.stop_requested = why, True
+        if _is_worker(a.pid, local_rank):
+            try:
+                os.kill(a.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         _close(a.sock)
 
     def restart(self, local_rank: int, env: dict[str, str], attempt_dir: Path) -> None:
@@ -350,6 +357,17 @@ class AttachedWorkers:
                 reason += f", stopped by the agent: {a.killed_because}"
             lines.append(f"  local_rank {r} (pid {a.pid}) on {host}: {reason}")
         return "\n".join(lines)
+
+
+def _is_worker(pid: int, local_rank: int) -> bool:
+    """Whether ``pid`` here is a worker-API process of ``local_rank`` (not some other process that
+    happens to have that number in this PID namespace)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"etc_agent" in cmdline and f"LOCAL_RANK={local_rank}".encode() in environ
 
 
 def _close(sock) -> None:

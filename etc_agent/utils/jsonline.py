@@ -38,7 +38,9 @@ class _RequestHandler(socketserver.StreamRequestHandler):
             if len(line) > MAX_REQUEST_BYTES:
                 raise ValueError(f"request longer than {MAX_REQUEST_BYTES} bytes")
             req = json.loads(line)
-            reply = handler(schema.validate_python(req) if schema is not None else req)
+            if schema is not None:
+                req = schema.validate_python(req)
+            reply = handler(req)
         except ValidationError as err:
             reply = {"error": f"invalid request: {describe_validation_error(err)}"}
         except Exception as err:  # noqa: BLE001 - reported to the client, never kills the server
