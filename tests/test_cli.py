@@ -40,6 +40,21 @@ def test_plan_json_contract():
     assert data["checkpoint_bytes"] > data["bytes_moved"]
 
 
+def test_plan_reports_failure_domains_and_single_node_loss():
+    """tp=4,pp=2,dp=2 on 2x8: the resilient placement (default) leaves no shard in one node; fast keeps
+    Megatron's order, where each node holds both replicas of a stage."""
+    same = plan_args(to="tp=4,pp=2,dp=2", new="n0:8,n1:8")
+    resilient = json.loads(etc_agent(*same, "--json", check=True).stdout)["failure_domains"]
+    fast_out = json.loads(etc_agent(*same, "--json", "--placement", "fast", check=True).stdout)
+    fast = fast_out["failure_domains"]
+    assert resilient["single_domain_shards"] == 0 and resilient["worst_node_loss"]["bytes_lost"] == 0
+    assert resilient["worst_node_loss"]["bytes_from_peers"] > 0
+    assert fast_out["bytes_moved"] == 0 and fast["single_domain_shards"] > 0 and fast["worst_node_loss"]["bytes_lost"] > 0
+    assert sum(n["bytes_lost"] for n in fast["node_loss"]) == fast["single_domain_bytes"]
+    table = etc_agent(*same, check=True).stdout
+    assert "shards with one failure" in table and "worst single node loss" in table
+
+
 def test_plan_tables_and_plot(tmp_path):
     png = tmp_path / "heat.png"
     out = etc_agent(*plan_args(model="gpt-tiny", frm="tp=2,dp=2", old="n0:4", to="tp=4", new="n0:4"), "--plot", str(png), check=True)

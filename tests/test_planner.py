@@ -118,6 +118,38 @@ def test_lost_state_is_planned_as_checkpoint_reads_when_allowed():
     assert same.restores == [] and same.bytes_restored == 0
 
 
+def test_resilient_placement_survives_the_loss_of_either_node():
+    """Megatron's order puts both DP replicas of a stage of tp=4,pp=2,dp=2 in one node of 2x8: losing
+    it loses the stage. The resilient placement spreads every stage over both nodes."""
+    from etc_agent.planner.validate import validate_plan  # noqa: F401 - the planner runs it
+
+    spec, cfg, devs = TINY, P("tp=4,pp=2,dp=2"), D("n0:8,n1:8")
+    layout = model_layout(spec, cfg)
+    fast, _, _ = run("tp=4,pp=2,dp=2", "n0:8,n1:8", "tp=4,pp=2,dp=2", "n0:8,n1:8")
+    resilient, _, _ = run("tp=4,pp=2,dp=2", "n0:8,n1:8", "tp=4,pp=2,dp=2", "n0:8,n1:8", options=PlannerOptions(placement="resilient"))
+    assert fast.bytes_moved == 0 and fast.failure_domains["single_domain_bytes"] > 0
+    report = resilient.failure_domains
+    assert report["single_domain_shards"] == 0 and report["single_domain_bytes"] == 0
+    assert all(n["bytes_lost"] == 0 and n["bytes_from_peers"] > 0 for n in report["node_loss"])
+    for t in range(0, 16, 4):  # TP groups stay inside a node
+        assert len({d.node for d in resilient.assignment[t:t + 4]}) == 1
+    # Losing either node after the resilient placement: the survivors hold everything (no StateLost).
+    one_node = model_layout(spec, P("tp=4,pp=2"))
+    for lost in ("n0", "n1"):
+        survivors = [d for d in devs if d.node != lost]
+        plan = plan_migration(layout, resilient.assignment, one_node, survivors, tp=4, failed=[d for d in devs if d.node == lost])
+        assert plan.bytes_moved + sum(plan.resident_bytes.values()) == sum(plan.need_bytes.values())
+        with pytest.raises(StateLostError):
+            plan_migration(layout, fast.assignment, one_node, survivors, tp=4, failed=[d for d in devs if d.node == lost])
+
+
+def test_fast_placement_breaks_ties_towards_more_failure_domains():
+    """Onto fresh nodes every placement moves everything: the fast one then picks a resilient one."""
+    plan, _, _ = run("tp=4,pp=2,dp=2", "n0:8,n1:8", "tp=4,pp=2,dp=2", "n2:8,n3:8")
+    assert plan.bytes_moved == plan.lower_bound_bytes
+    assert plan.failure_domains["single_domain_bytes"] == 0
+
+
 def test_mem_cap_splits_into_rounds():
     cap = 64 * 1024
     plan, old, new = run("tp=2,pp=2", "n0:4", "tp=1,dp=2,pp=2", "n0:4,n1:4", options=PlannerOptions(mem_cap_bytes=cap))
@@ -256,10 +288,17 @@ def test_random_plans_satisfy_invariants(data):
     old_devs = data.draw(device_set(old_cfg.world_size, old_cfg.tp, [], "a"))
     new_devs = data.draw(device_set(new_cfg.world_size, new_cfg.tp, list(old_devs.nodes), "b"))
     cap = data.draw(st.sampled_from([1 << 30, 4096]))
-    plan = plan_model_migration(spec, old_cfg, old_devs, new_cfg, new_devs, options=PlannerOptions(mem_cap_bytes=cap))
+    placement = data.draw(st.sampled_from(["fast", "resilient"]))
+    options = PlannerOptions(mem_cap_bytes=cap, placement=placement)
+    plan = plan_model_migration(spec, old_cfg, old_devs, new_cfg, new_devs, options=options)
     old, new = model_layout(spec, old_cfg), model_layout(spec, new_cfg)
     check_invariants(plan, old, new)
-    again = plan_model_migration(spec, old_cfg, old_devs, new_cfg, new_devs, options=PlannerOptions(mem_cap_bytes=cap))
+    if placement == "resilient":
+        # Never more single-domain bytes than the fast placement (which only breaks ties with them).
+        fast = plan_model_migration(spec, old_cfg, old_devs, new_cfg, new_devs, options=PlannerOptions(mem_cap_bytes=cap))
+        assert plan.failure_domains["single_domain_bytes"] <= fast.failure_domains["single_domain_bytes"]
+        assert fast.bytes_moved <= plan.bytes_moved
+    again = plan_model_migration(spec, old_cfg, old_devs, new_cfg, new_devs, options=options)
     assert again.plan_hash == plan.plan_hash
     U, _ = cost_matrices(plan, old, new)
     index = {d: i for i, d in enumerate(plan.devices_new)}

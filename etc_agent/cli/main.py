@@ -81,6 +81,8 @@ def plan(
     seq_length: Annotated[int, typer.Option(help="Sequence length, for --to auto.")] = 2048,
     micro_batch_size: Annotated[int, typer.Option(help="Micro-batch size, for --to auto.")] = 1,
     global_batch_size: Annotated[int, typer.Option(help="Global batch size, for --to auto.")] = 512,
+    placement: Annotated[str, typer.Option("--placement", help="resilient (etcrun's default): spread the copies of every shard over "
+                                           "nodes first, then move the fewest bytes; fast: fewest bytes first.")] = "resilient",
     bandwidth_flags: dict | None = None,
 ) -> None:
     """Plan a migration between two parallel configurations and show what it moves."""
@@ -99,10 +101,13 @@ def plan(
     if mem_cap_gib <= 0:
         raise UserError(f"--mem-cap must be positive, got {mem_cap_gib}")
     bandwidth = build_model(BandwidthModel, bandwidth_flags or {})
+    if placement not in ("fast", "resilient"):
+        raise UserError(f"--placement {placement!r}: use fast or resilient")
     options = PlannerOptions(
         mem_cap_bytes=int(mem_cap_gib * GiB),
         max_messages_per_round=max_messages,
         bandwidth=bandwidth,
+        placement=placement,
     )
     console = Console(stderr=False)
     decision = None

@@ -52,6 +52,18 @@ def summary_table(plan: MigrationPlan) -> Table:
         ("plan seconds", f"{plan.plan_seconds:.3f}", "time to compute this plan"),
         ("plan hash", plan.plan_hash, ""),
     ]
+    domains = plan.failure_domains
+    if domains is not None:
+        worst = domains["worst_node_loss"]
+        rows += [
+            ("shards with one failure domain", str(domains["single_domain_shards"]),
+             f"{fmt_bytes(domains['single_domain_bytes'])} with every copy in one node"
+             + (f" ({fmt_bytes(domains['unavoidable_single_domain_bytes'])} held once: ZeRO ranges, dp=1)"
+                if domains["unavoidable_single_domain_bytes"] else "")),
+        ]
+        if worst is not None and domains["num_nodes"] > 1:
+            rows.append(("worst single node loss", f"{fmt_bytes(worst['bytes_lost'])} lost",
+                         f"{worst['node']}: {fmt_bytes(worst['bytes_from_peers'])} from peers"))
     if plan.failed:
         rows.insert(0, ("failed devices", str(len(plan.failed)), ", ".join(map(str, plan.failed[:8]))))
     for row in rows:

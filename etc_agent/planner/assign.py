@@ -9,19 +9,30 @@ slots with the cost of each group placed alone on a node (exact when no node can
 the common case of ``tp`` = devices per node), then improves by swapping and moving groups between
 nodes while that lowers the total.
 
+Failure domains (``replica_sets``): TP groups that hold copies of the same data should not all
+sit in one node, or losing that node loses the data. ``prefer="resilience"`` minimises the bytes
+with a single failure domain first and the migration cost second; ``prefer="cost"`` minimises the
+bytes moved first and uses failure domains to break ties (then inter-node bytes, as before).
+Exact when the distributions are enumerated; at scale, a repair pass moves the groups of
+single-domain sets to other nodes while that improves the objective.
+
 Ties: ``linear_sum_assignment`` is deterministic for identical input, enumeration runs in a fixed
 order and keeps the first minimum, so every process computes the same placement.
 """
 
 from __future__ import annotations
 
-from math import comb
+from math import comb, floor
+from typing import Sequence
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
+from etc_agent.planner.domains import single_domain_weight
+
 MAX_EXACT_DISTRIBUTIONS = 5000
 MAX_IMPROVE_PASSES = 4
+MAX_REPAIR_MOVES = 256
 
 
 def lsa(cost: np.ndarray) -> tuple[np.ndarray, float]:
@@ -33,20 +44,36 @@ def lsa(cost: np.ndarray) -> tuple[np.ndarray, float]:
     return out, float(cost[rows, cols].sum())
 
 
-def assign_ranks(cost: np.ndarray, node_of_device: np.ndarray, tp: int) -> np.ndarray:
+def assign_ranks(cost: np.ndarray, node_of_device: np.ndarray, tp: int, replica_sets: Sequence[tuple[tuple[int, ...], int]] = (),
+                 prefer: str = "cost") -> np.ndarray:
     """Device index of every new rank minimising ``sum(cost[device, rank])``.
 
     ``cost`` is ``(num_devices, num_ranks)``; consecutive blocks of ``tp`` ranks form a TP group and
-    must land on one node. Raises ValueError when no such placement exists.
+    must land on one node. ``replica_sets``: sets of TP groups holding copies of the same data, with
+    their bytes (:func:`etc_agent.planner.domains.replica_sets`); ``prefer``: ``"cost"`` or
+    ``"resilience"`` (see the module docstring). Raises ValueError when no such placement exists.
     """
+    if prefer not in ("cost", "resilience"):
+        raise ValueError(f"prefer must be cost or resilience, not {prefer!r}")
     num_devices, num_ranks = cost.shape
     if num_ranks > num_devices:
         raise ValueError(f"{num_ranks} ranks do not fit on {num_devices} devices")
     nodes = list(dict.fromkeys(node_of_device.tolist()))
+    sets = list(replica_sets) if len(nodes) > 1 else []
     if tp == 1 or len(nodes) == 1:
         if tp > 1 and num_devices < num_ranks:
             raise ValueError(f"{num_ranks} ranks do not fit on {num_devices} devices")
-        return lsa(cost.T)[0]
+        assignment = lsa(cost.T)[0]
+        if not sets:
+            return assignment
+        # Single ranks as groups: start from the optimal unconstrained placement, then spread.
+        node_devices = [np.flatnonzero(node_of_device == n) for n in nodes]
+        solver = _NodeSolver(cost, node_devices, 1, sets, prefer)
+        node_index = {n: i for i, n in enumerate(nodes)}
+        distribution: list[list[int]] = [[] for _ in nodes]
+        for rank, device in enumerate(assignment.tolist()):
+            distribution[node_index[node_of_device[device]]].append(rank)
+        return solver.placement(solver.repair(distribution, [len(d) for d in node_devices]))
     assert num_ranks % tp == 0
     node_devices = [np.flatnonzero(node_of_device == n) for n in nodes]
     capacity = [len(devs) // tp for devs in node_devices]
@@ -56,11 +83,13 @@ def assign_ranks(cost: np.ndarray, node_of_device: np.ndarray, tp: int) -> np.nd
         raise ValueError(
             f"{num_groups} TP groups of {tp} devices do not fit in nodes of {sizes} devices (a TP group must stay in one node)"
         )
-    solver = _NodeSolver(cost, node_devices, tp)
+    solver = _NodeSolver(cost, node_devices, tp, sets, prefer)
     if _num_distributions(num_groups, capacity) <= MAX_EXACT_DISTRIBUTIONS:
         best = solver.enumerate(num_groups, capacity)
     else:
         best = solver.heuristic(num_groups, capacity)
+        if sets:
+            best = solver.repair(best, capacity)
     return solver.placement(best)
 
 
@@ -80,10 +109,14 @@ def _num_distributions(num_groups: int, capacity: list[int]) -> int:
 
 
 class _NodeSolver:
-    def __init__(self, cost: np.ndarray, node_devices: list[np.ndarray], tp: int):
+    def __init__(self, cost: np.ndarray, node_devices: list[np.ndarray], tp: int,
+                 sets: Sequence[tuple[tuple[int, ...], int]] = (), prefer: str = "cost"):
         self.cost = cost
         self.node_devices = node_devices
         self.tp = tp
+        self.sets = list(sets)
+        self.prefer = prefer
+        self.num_groups = cost.shape[1] // tp
         self._cache: dict[tuple[int, tuple[int, ...]], tuple[float, np.ndarray]] = {}
         self._lsa_cache: dict[tuple, tuple[np.ndarray, float]] = {}
 
@@ -111,6 +144,52 @@ class _NodeSolver:
     def total(self, distribution: list[list[int]]) -> float:
         return sum(self.node_cost(n, tuple(gs))[0] for n, gs in enumerate(distribution))
 
+    def key(self, distribution: list[list[int]], total: float | None = None) -> tuple:
+        """What is minimised, compared as a tuple (see the module docstring)."""
+        total = self.total(distribution) if total is None else total
+        if not self.sets:
+            return (total,)
+        group_node = np.empty(self.num_groups, dtype=np.int64)
+        for node, groups in enumerate(distribution):
+            group_node[groups] = node
+        single = single_domain_weight(group_node, self.sets)
+        if self.prefer == "resilience":
+            return (single, total)
+        # Whole bytes moved first (the cost's fractional part is the inter-node tie-break).
+        return (floor(total + 1e-9), single, total)
+
+    def repair(self, distribution: list[list[int]], capacity: list[int]) -> list[list[int]]:
+        """Move groups of sets that sit in one node to other nodes (swapping, or into a free slot)
+        while that lowers :meth:`key`; best move first, bounded."""
+        distribution = [sorted(gs) for gs in distribution]
+        node_cost = [self.node_cost(n, tuple(gs))[0] for n, gs in enumerate(distribution)]
+        current = self.key(distribution, sum(node_cost))
+        for _ in range(MAX_REPAIR_MOVES):
+            where = {g: n for n, gs in enumerate(distribution) for g in gs}
+            crowded = [groups for groups, _ in sorted(self.sets, key=lambda item: -item[1])
+                       if len({where[g] for g in groups}) == 1]
+            best = None
+            for groups in crowded:
+                for g in groups:
+                    a = where[g]
+                    for b in range(len(distribution)):
+                        if b == a:
+                            continue
+                        for h in distribution[b] + ([None] if len(distribution[b]) < capacity[b] else []):
+                            new_a = sorted([x for x in distribution[a] if x != g] + ([h] if h is not None else []))
+                            new_b = sorted([x for x in distribution[b] if x != h] + [g])
+                            cost_a, cost_b = self.node_cost(a, tuple(new_a))[0], self.node_cost(b, tuple(new_b))[0]
+                            candidate = list(distribution)
+                            candidate[a], candidate[b] = new_a, new_b
+                            key = self.key(candidate, sum(node_cost) - node_cost[a] - node_cost[b] + cost_a + cost_b)
+                            if key < current and (best is None or key < best[0]):
+                                best = (key, a, b, new_a, new_b, cost_a, cost_b)
+            if best is None:
+                break
+            current, a, b, new_a, new_b, node_cost[a], node_cost[b] = best
+            distribution[a], distribution[b] = new_a, new_b
+        return distribution
+
     def placement(self, distribution: list[list[int]]) -> np.ndarray:
         num_ranks = self.cost.shape[1]
         out = np.full(num_ranks, -1, dtype=np.int64)
@@ -129,9 +208,9 @@ class _NodeSolver:
         def place(group: int) -> None:
             nonlocal best, best_cost
             if group == num_groups:
-                total = self.total(distribution)
-                if total < best_cost:
-                    best, best_cost = [list(gs) for gs in distribution], total
+                key = self.key(distribution)
+                if best is None or key < best_cost:
+                    best, best_cost = [list(gs) for gs in distribution], key
                 return
             for node in range(num_nodes):
                 if len(distribution[node]) < capacity[node]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from math import prod
-from typing import Iterable, Sequence
+from typing import Iterable, Literal, Sequence
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -33,6 +33,7 @@ from etc_agent.layout.model import ModelSpec
 from etc_agent.layout.shards import Geometry, StateLayout
 from etc_agent.planner.assign import assign_ranks, lsa
 from etc_agent.planner.bandwidth import BandwidthModel
+from etc_agent.planner.domains import failure_domains, replica_sets, single_domain_weight
 from etc_agent.planner.plan import KeyGroup, LocalCopy, MigrationPlan, Region, Restore, Transfer
 
 GiB = 1 << 30
@@ -51,6 +52,12 @@ class PlannerOptions(BaseModel):
     )
     max_messages_per_round: int = Field(64, ge=1, description="Per device and round, the most messages it sends (and receives).")
     bandwidth: BandwidthModel = Field(default_factory=BandwidthModel, description="Link and storage speeds for the estimates.")
+    placement: Literal["fast", "resilient"] = Field(
+        "fast",
+        description="fast: fewest bytes moved first, failure domains (bytes whose every copy sits in one node) only break "
+        "ties; resilient: fewest single-domain bytes first, then fewest bytes moved (what etcrun and `etc-agent plan` use "
+        "unless --placement fast).",
+    )
     restore_lost: bool = Field(
         False,
         description="Regions that no live device holds are planned as reads from a checkpoint "
@@ -429,11 +436,19 @@ class _Planner:
                 raise ValueError(f"fixed assignment uses devices outside the new set: {', '.join(unknown)}")
             assignment = np.array([self.dev_id[d] for d in fixed_assignment], dtype=np.int64)
         else:
-            assignment = assign_ranks(cost, self.node_of[: self.num_dev], self.tp)
+            sets = replica_sets(self.new, self.tp)
+            prefer = "resilience" if self.options.placement == "resilient" else "cost"
+            assignment = assign_ranks(cost, self.node_of[: self.num_dev], self.tp, sets, prefer)
+
+            def key(candidate: np.ndarray) -> tuple:
+                total = float(cost[candidate, ranks].sum())
+                single = single_domain_weight(self.node_of[candidate[:: self.tp]], sets)
+                return (single, total) if prefer == "resilience" else (int(total + 1e-9), single, total)
+
             # The constrained search is exact for small cases and a heuristic at scale; never do
             # worse than the naive placement when that one keeps TP groups inside nodes.
             naive_nodes = self.node_of[:n_rank].reshape(-1, self.tp)
-            if (naive_nodes == naive_nodes[:, :1]).all() and cost[ranks, ranks].sum() < cost[assignment, ranks].sum():
+            if (naive_nodes == naive_nodes[:, :1]).all() and key(ranks) < key(assignment):
                 assignment = ranks.copy()
         predicted_moved = int(not_on_device[assignment, ranks].sum())
         naive_moved = int(not_on_device[ranks, ranks].sum())
@@ -505,6 +520,7 @@ class _Planner:
                 len({universe[int(d)].node for d in assignment}),
             ),
         )
+        plan.failure_domains = failure_domains(self.new, plan.assignment, self.tp).to_json()
         validate_plan(plan, self.old, self.new)
         plan.plan_hash = plan.compute_hash()
         return plan

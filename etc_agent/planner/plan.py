@@ -116,6 +116,8 @@ class MigrationPlan:
     checkpoint_estimated_seconds: float
     plan_seconds: float = 0.0
     plan_hash: str = field(default="")
+    failure_domains: dict[str, Any] | None = None
+    """The new placement's single-domain shards and per-node loss (``planner.domains``), as JSON."""
 
     @property
     def num_messages(self) -> int:
@@ -187,4 +189,5 @@ class MigrationPlan:
             "estimated_seconds": self.estimated_seconds,
             "checkpoint_estimated_seconds": self.checkpoint_estimated_seconds,
             "plan_hash": self.plan_hash,
+            "failure_domains": self.failure_domains,
         }
