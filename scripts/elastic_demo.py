@@ -235,6 +235,12 @@ def run_scenario(parallel: str, nproc: int, steps: int, step_delay: float, work:
                                 "--rdzv-backend", "embedded" if backend == "c10d" else backend,
                                 "--rdzv-endpoint", rdzv[rdzv.index("--rdzv-endpoint") + 1], "--rdzv-id", rdzv[rdzv.index("--rdzv-id") + 1]],
                                cwd=ROOT, check=True, capture_output=True, timeout=60)
+            elif event == "kill-agent":
+                # A whole node dies: SIGKILL its agent (its workers die with it) and, for a sidecar, its workers' launcher.
+                target = max(i for i, a in enumerate(cluster.agents) if a.poll() is None and i != 0)
+                cluster.agents[target].kill()
+                if cluster.launchers[target] is not None:
+                    cluster.launchers[target].kill()
             elif event in ("kill", "hang"):
                 pids = cluster.worker_pids(1)
                 if not pids:
@@ -304,7 +310,7 @@ def main() -> None:
         console.print(f"[bold]ETC demo[/]: {args.parallel}, agents of {args.nproc} workers; join, SIGTERM leave, SIGKILL of a worker")
         extra = ["--elementwise"] if args.elementwise else []
         events = tuple(e for e in args.events.split(";") if e)
-        unknown = {e for e in events if e not in ("join", "leave", "leave-crash", "kill", "hang") and not e.startswith("reconfigure:")}
+        unknown = {e for e in events if e not in ("join", "leave", "leave-crash", "kill", "kill-agent", "hang") and not e.startswith("reconfigure:")}
         if unknown:
             raise SystemExit(f"--events: unknown {sorted(unknown)}")
         agent_args = ["--migration", args.migration, "--checkpoint-dir", str(work / "checkpoints")] if args.migration == "checkpoint" else []

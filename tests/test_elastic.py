@@ -140,6 +140,34 @@ def test_a_crash_that_takes_the_only_copy_restores_just_that_from_the_periodic_c
     assert compare_states(result["state_file"], reference_state) == []
 
 
+@pytest.mark.parametrize("agents,nproc", [(4, 2), (2, 4)], ids=["4x2", "2x4"])
+def test_a_whole_node_killed_loses_no_state_with_the_resilient_placement(etcd_server, tmp_path, agents, nproc):
+    """SIGKILL of a whole agent (its workers die with it) under tp=2,pp=2,dp=2. The placement keeps
+    the two DP replicas of each stage on different nodes (on 2 agents x 4, Megatron's order would put
+    a whole stage on one node), so the survivors hold everything: training goes on with the exact
+    state and no checkpoint. With 4 agents, the layout after the loss uses 2 of the 3 survivors: the
+    third holds a replica too and sends it before going idle as a spare."""
+    run_id = f"node-{uuid.uuid4().hex[:6]}"
+    rdzv = ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id]
+    work = tmp_path / "run"
+    work.mkdir()
+    extra = ["--elementwise", "--micro-batch", "1"]
+    steps = 40
+    result = run_scenario("tp=2,pp=2,dp=auto", nproc, steps, 0.15, work, echo=False, rdzv=rdzv, events=("kill-agent",),
+                          extra_script_args=extra, initial_agents=agents, min_nodes=1, event_steps=[8])
+    logs = result["cluster"].tail(60)
+    text = "".join("".join(lines) for lines in result["cluster"].outputs)
+    assert sorted(result["codes"]) == [-9] + [0] * (agents - 1), f"agents exited {result['codes']}\n{logs}"
+    assert sorted(result["losses"]) == list(range(steps)), logs
+    [record] = result["migrations"]
+    assert record["old_config"].startswith("tp=2,pp=2,dp=2") and record["new_config"].startswith("tp=2,pp=2,dp=1"), record
+    assert len(record["lost"]) == nproc and record["bytes_restored"] == 0, record
+    assert "state lost" not in text
+    assert sorted(p.name for p in work.iterdir() if not p.name.startswith("agent-")) == ["loss.jsonl", "state.pt"]  # no checkpoint
+    _, reference_state = reference_losses(steps, tmp_path, extra)
+    assert compare_states(result["state_file"], reference_state) == []
+
+
 def test_checkpoint_baseline_through_etcrun(etcd_server, tmp_path):
     """--migration checkpoint: at each change every worker saves with DCP and exits, fresh workers
     load with resharding. Same training result; its records say what it moved and how long it stalled."""

@@ -143,6 +143,29 @@ def test_resilient_placement_survives_the_loss_of_either_node():
             plan_migration(layout, fast.assignment, one_node, survivors, tp=4, failed=[d for d in devs if d.node == lost])
 
 
+def test_live_placement_spreads_stage_replicas_over_nodes_and_stays_put():
+    from etc_agent.planner.placement import live_placement
+
+    cfg = P("tp=2,pp=2,dp=2")
+    devices = [f"a:{i}" for i in range(4)] + [f"b:{i}" for i in range(4)]
+    placed = live_placement(cfg, devices)
+    node_of_stage = {p: {placed[r].split(":")[0] for r in range(8) if cfg.coord(r).pp == p} for p in range(2)}
+    assert node_of_stage == {0: {"a", "b"}, 1: {"a", "b"}}, placed
+    for t in range(0, 8, 2):
+        assert placed[t].split(":")[0] == placed[t + 1].split(":")[0]  # TP groups inside a node
+    # Same members again: nobody moves.
+    assert live_placement(cfg, devices, {d: r for r, d in enumerate(placed)}, cfg) == placed
+    # Coming from Megatron's order (a stage per node): resilient spreads, fast keeps every shard in place.
+    megatron = {d: r for r, d in enumerate(devices)}
+    assert live_placement(cfg, devices, megatron, cfg, prefer="cost") == devices
+    assert live_placement(cfg, devices, megatron, cfg, prefer="resilience") != devices
+    # After losing node b, the survivors keep their shards (one replica of each stage was on a).
+    after = live_placement(P("tp=2,pp=2"), devices[:4], {d: r for r, d in enumerate(placed)}, cfg)
+    for rank, device in enumerate(after):
+        old = cfg.coord({d: r for r, d in enumerate(placed)}[device])
+        assert (old.pp, old.tp) == (P("tp=2,pp=2").coord(rank).pp, P("tp=2,pp=2").coord(rank).tp)
+
+
 def test_fast_placement_breaks_ties_towards_more_failure_domains():
     """Onto fresh nodes every placement moves everything: the fast one then picks a resilient one."""
     plan, _, _ = run("tp=4,pp=2,dp=2", "n0:8,n1:8", "tp=4,pp=2,dp=2", "n2:8,n3:8")

@@ -27,7 +27,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -73,6 +73,9 @@ class AgentConfig(BaseModel):
     checkpoint_interval: int = Field(0, ge=0, description="Steps between periodic asynchronous checkpoints (0: none); "
                                      "what a failure leaves without a live copy is restored from the last one.")
     checkpoint_keep: int = Field(2, ge=1, description="Complete periodic checkpoints kept.")
+    placement: Literal["fast", "resilient"] = Field("resilient", description="resilient: the DP replicas of every pipeline stage on "
+                                                   "different nodes where the devices allow, then the least state moved; fast: the least "
+                                                   "state moved, replicas spread only on ties.")
     sidecar: bool = Field(False, description="Run beside workers that another launcher starts (``etc-agent sidecar``): they attach "
                           "over the control channel instead of being this agent's children.")
     control_addr: str | None = Field(None, description="host:port of the control channel workers reach (ETC_AGENT_ADDR); "
@@ -349,12 +352,32 @@ class Agent:
                                      reason=f"{len(ordered)} of at least {self.config.min_nodes} nodes"))
             return
         # Departing members that are still alive send their state before they exit.
+        # So do members left out as spares (the layout uses fewer devices): they may hold the only
+        # surviving copy of some state (a node failure took the other), and go idle after sending.
         leaving = {n.node_id: n for n in self._members_now(include_leaving=True) if n.leaving}
-        senders = [n for n in (current.members if current else []) if n in leaving and n not in ordered]
+        sender_devices = {n: leaving[n].num_devices if n in leaving else devices.get(n) for n in (current.members if current else [])}
+        senders = [n for n in (current.members if current else [])
+                   if n not in ordered and (n in leaving or n in alive_ids) and self.config.migration == "live"]
         publish(GenerationRecord(number=number, status="running", members=ordered, num_devices=[devices[n] for n in ordered],
                                  restart_count=restart_count, reason=reason, parallel=parallel, senders=senders,
-                                 sender_devices=[leaving[n].num_devices for n in senders], started=started,
-                                 published_at=time.time()))
+                                 sender_devices=[sender_devices[n] for n in senders], started=started,
+                                 published_at=time.time(), placement=self._place(parallel, ordered, devices, current)))
+
+    def _place(self, parallel: str | None, ordered: list[str], devices: dict[str, int], current: GenerationRecord | None) -> list[str] | None:
+        """Training rank -> device for a new generation (``--placement``), from the previous placement."""
+        if parallel is None:
+            return None
+        from etc_agent.layout.config import ParallelConfig
+        from etc_agent.planner.placement import live_placement
+
+        previous, previous_config = None, None
+        if current is not None and current.parallel and current.status == "running":
+            previous_config = ParallelConfig.parse(current.parallel)
+            order = current.placement or [f"{n}:{d}" for n, k in zip(current.members, current.num_devices) for d in range(k)]
+            previous = {device: rank for rank, device in enumerate(order)}
+        names = [f"{n}:{d}" for n in ordered for d in range(devices[n])]
+        return live_placement(ParallelConfig.parse(parallel), names, previous, previous_config,
+                              "resilience" if self.config.placement == "resilient" else "cost")
 
     def _requested_spec(self) -> ParallelSpec | None:
         """A layout asked for at run time (``etc-agent reconfigure``), which wins over ``--parallel``."""
@@ -417,11 +440,12 @@ class Agent:
     def _worker_env(self, gen: GenerationRecord, master: MasterRecord, local_rank: int) -> dict[str, str]:
         index = gen.members.index(self.node_id)
         offset = sum(gen.num_devices[:index])
+        rank = gen.placement.index(f"{self.node_id}:{local_rank}") if gen.placement else offset + local_rank
         env = {
             **self._node_env(local_rank, gen.number),
-            "RANK": str(offset + local_rank),
+            "RANK": str(rank),
             "GROUP_RANK": str(index),
-            "ROLE_RANK": str(offset + local_rank),
+            "ROLE_RANK": str(rank),
             "WORLD_SIZE": str(gen.world_size),
             "GROUP_WORLD_SIZE": str(len(gen.members)),
             "ROLE_WORLD_SIZE": str(gen.world_size),
@@ -453,10 +477,11 @@ class Agent:
             offset, leaving = sum(gen.num_devices[: gen.members.index(self.node_id)]), False
         else:
             offset, leaving = gen.world_size + sum(gen.sender_devices[: gen.senders.index(self.node_id)]), True
+        rank_of = {device: rank for rank, device in enumerate(gen.placement)} if gen.placement else {}
         self._assignments = {
             local: {
                 "generation": gen.number, "pg_rank": offset + local, "pg_world_size": len(devices),
-                "rank": None if leaving else offset + local, "world_size": gen.world_size, "parallel": gen.parallel,
+                "rank": None if leaving else rank_of.get(f"{self.node_id}:{local}", offset + local), "world_size": gen.world_size, "parallel": gen.parallel,
                 "store_addr": master.addr, "store_port": master.port, "devices": devices, "leaving": leaving,
                 "started": gen.started, "trained": trained, "reason": gen.reason, "published_at": gen.published_at, "node_id": self.node_id,
             }
@@ -780,7 +805,8 @@ class Agent:
         if self._elastic and self.workers is not None and gen.status in ("running", "waiting"):
             if gen.status == "waiting":
                 return None  # workers hold their state at a step boundary until enough nodes return
-            if self.node_id in gen.members:
+            if self.node_id in gen.members or (self.node_id in gen.senders and self.config.migration == "live"):
+                # A member's workers go on; a spare's send what they hold, then exit (the node stays, idle).
                 try:
                     self._continue_workers(gen)
                 except _Superseded:
@@ -838,6 +864,10 @@ class Agent:
         elif all(c == 0 for c in codes.values()):
             self.workers.close()
             self.workers = None
+            if self.node_id not in gen.members:
+                # A spare whose workers sent their state: it waits, without workers, for a generation that needs it.
+                self.emit("spare", {"generation": gen.number, "members": len(gen.members), "workers": "state sent, exited"})
+                return
             self._report(gen, NodeStatus(state="succeeded", exit_codes=codes))
             self.emit("workers_succeeded", {"generation": gen.number})
 

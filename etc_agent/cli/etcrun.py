@@ -151,6 +151,9 @@ def etcrun(
     log_format: Annotated[str, typer.Option("--log-format", help="text or json (one JSON line per agent event).")] = "text",
     worker_heartbeat_timeout: Annotated[float, typer.Option("--worker-heartbeat-timeout", help="Seconds a worker-API process may stay "
                                                             "silent before it counts as hung (killed, handled as a crash); 0: never.")] = 30.0,
+    placement: Annotated[str, typer.Option("--placement", help="resilient: put the DP replicas of every pipeline stage on different "
+                                           "nodes where the devices allow (a node loss then loses no state), then move the least; "
+                                           "fast: move the least state.")] = "resilient",
     sidecar: Annotated[bool, typer.Option("--sidecar", help="Start no workers: run beside --nproc-per-node worker-API processes that "
                                           "another launcher starts with ETC_AGENT_ADDR and LOCAL_RANK (what `etc-agent sidecar` runs).")] = False,
     control_addr: Annotated[Optional[str], typer.Option("--control-addr", help="host:port the workers reach this agent on "
@@ -219,6 +222,8 @@ def etcrun(
         if parallel_spec.fully_fixed and parallel_spec.tp * parallel_spec.pp * parallel_spec.dp > high * nproc:
             raise ValueError(f"--parallel {parallel} needs {parallel_spec.tp * parallel_spec.pp * parallel_spec.dp} workers; "
                              f"--nnodes {nnodes} x --nproc-per-node {nproc} allows at most {high * nproc}")
+    if placement not in ("fast", "resilient"):
+        raise ValueError(f"--placement {placement!r}: use fast or resilient")
     if migration not in ("live", "checkpoint"):
         raise ValueError(f"--migration {migration!r}: use live or checkpoint")
     if migration == "checkpoint" and checkpoint_dir is None:
@@ -244,7 +249,7 @@ def etcrun(
         model=str(model) if model is not None and parallel_spec is not None else None,
         migration=migration, checkpoint_dir=str(checkpoint_dir.resolve()) if checkpoint_dir else None,
         checkpoint_interval=checkpoint_interval, checkpoint_keep=checkpoint_keep,
-        worker_heartbeat_timeout=worker_heartbeat_timeout, sidecar=sidecar, control_addr=control_addr,
+        worker_heartbeat_timeout=worker_heartbeat_timeout, sidecar=sidecar, control_addr=control_addr, placement=placement,
     )
     if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = "1"

@@ -73,6 +73,8 @@ class GenerationRecord(Record):
     sender_devices: list[int] = Field(default_factory=list, description="Workers per sender, same order.")
     started: bool = Field(False, description="An earlier generation ran: training state exists somewhere.")
     published_at: float = Field(0.0, description="Wall-clock time the leader published this generation.")
+    placement: list[str] | None = Field(None, description="Device (node:local) of each training rank, when the leader placed them "
+                                        "(worker-API jobs with --parallel); otherwise ranks follow member order.")
 
     @property
     def world_size(self) -> int:
