@@ -357,7 +357,7 @@ class Agent:
         leaving = {n.node_id: n for n in self._members_now(include_leaving=True) if n.leaving}
         sender_devices = {n: leaving[n].num_devices if n in leaving else devices.get(n) for n in (current.members if current else [])}
         senders = [n for n in (current.members if current else [])
-                   if n not in ordered and (n in leaving or n in alive_ids) and self.config.migration == "live"]
+                   if n not in ordered and (n in leaving or (n in alive_ids and self.config.migration == "live"))]
         publish(GenerationRecord(number=number, status="running", members=ordered, num_devices=[devices[n] for n in ordered],
                                  restart_count=restart_count, reason=reason, parallel=parallel, senders=senders,
                                  sender_devices=[sender_devices[n] for n in senders], started=started,

@@ -433,14 +433,14 @@ class Job:
         from etc_agent.baselines.checkpoint import load_shards
 
         saves = sorted(Path(self.checkpoint_dir).glob("gen*/etc_state.json"), key=lambda p: int(p.parent.name[3:]))
-        saves = [(json.loads(p.read_text()), p.parent) for p in saves if int(p.parent.name[3:]) <= generation]
+        # (step, the baseline's save over a periodic one, newest generation): the state to resume from.
+        saves = [((json.loads(p.read_text())), p.parent, (1, int(p.parent.name[3:]))) for p in saves if int(p.parent.name[3:]) <= generation]
         if self.checkpointer is not None:
             for stored in complete_checkpoints(Path(self.checkpoint_dir)):
-                state = stored.state()
-                saves.append(({**state, "stopped_at": published_at, "save_s": 0.0}, stored.path))
+                saves.append(({**stored.state(), "stopped_at": published_at, "save_s": 0.0}, stored.path, (0, stored.generation)))
         if not saves:
             return None
-        meta, path = max(saves, key=lambda item: item[0]["step"])  # the baseline's save wins a tie (sorted first)
+        meta, path, _ = max(saves, key=lambda item: (item[0]["step"], *item[2]))
         t0 = time.perf_counter()
         load_shards(describe_state(new_tensors), path)
         meta["load_s"] = time.perf_counter() - t0
