@@ -647,26 +647,17 @@ class Agent:
         if isinstance(req, Finished):
             # The training ranks completed the last step: processes still on their way into a
             # generation (a late joiner) exit instead of waiting for peers that are gone.
-            try:
-                self.store.put("finished", json.dumps({"step": req.step, "generation": req.generation}))
-            except StoreError as err:
-                self.emit("store_unreachable", {"error": str(err), "pending": "finished marker"})
+            self._put_or_say("finished", json.dumps({"step": req.step, "generation": req.generation}), "finished marker")
             self._finished_cache = (time.monotonic(), True)
             self.emit("training_finished", {"step": req.step, "generation": req.generation})
             return {"ok": True}
         if isinstance(req, Trained):
-            try:
-                self.store.put("trained", json.dumps({"step": req.step, "node": self.node_id}))
-            except StoreError as err:
-                self.emit("store_unreachable", {"error": str(err), "pending": "trained marker"})
+            self._put_or_say("trained", json.dumps({"step": req.step, "node": self.node_id}), "trained marker")
             return {"ok": True}
         if isinstance(req, Migration):
             record = req.record
-            try:
-                self.store.put(f"generations/{record.generation}/migration", record.dumps())
-                self.store.put("last_migration", record.dumps())
-            except StoreError as err:
-                self.emit("store_unreachable", {"error": str(err), "pending": "migration record"})
+            if self._put_or_say(f"generations/{record.generation}/migration", record.dumps(), "migration record"):
+                self._put_or_say("last_migration", record.dumps(), "migration record")
             self.emit("migration", record.model_dump(exclude={"schema_version"}))
             return {"ok": True}
         assert isinstance(req, GenerationQuery), req
@@ -677,6 +668,15 @@ class Agent:
             "latest": latest.model_dump() if latest else None,
             "leaving": self.leaving.is_set(),
         }
+
+    def _put_or_say(self, key: str, value: str, what: str) -> bool:
+        """Write a marker or record the workers reported; through a store outage, say what is pending."""
+        try:
+            self.store.put(key, value)
+            return True
+        except StoreError as err:
+            self.emit("store_unreachable", {"error": str(err), "pending": what})
+            return False
 
     def _attached(self, req: Attach, sock, reader) -> None:
         """A sidecar's worker holds its attach connection while it lives (runs in the connection's thread)."""
