@@ -19,9 +19,11 @@ from elastic_demo import compare_states, reference_losses, run_scenario  # noqa:
 CASES = {
     # name: (parallel, workers per agent, steps, step delay, events, elementwise)
     "tp2-torch-adamw-loss": ("tp=2,pp=1,dp=auto", 2, 40, 0.1, ("join", "leave", "kill"), False),
-    "tp2-bitwise": ("tp=2,pp=1,dp=auto", 2, 40, 0.15, ("join", "leave", "kill"), True),
+    # 60 steps: the joining agent warms up its workers (interpreter, torch) before it enters, and on 2
+    # busy cores that took longer than the 32 steps left of a 40-step run once.
+    "tp2-bitwise": ("tp=2,pp=1,dp=auto", 2, 60, 0.15, ("join", "leave", "kill"), True),
     # etc-agent sidecar per node, workers started (and the killed one restarted) by etc-agent workers.
-    "tp2-sidecar-bitwise": ("tp=2,pp=1,dp=auto", 2, 40, 0.15, ("join", "leave", "kill"), True),
+    "tp2-sidecar-bitwise": ("tp=2,pp=1,dp=auto", 2, 60, 0.15, ("join", "leave", "kill"), True),
     # A joining agent starts its 4 workers before it enters (10+ s on 2 loaded cores): long enough runs.
     "tp2pp2-zero1-bitwise": ("tp=2,pp=2,dp=auto,zero=1", 4, 60, 0.5, ("join", "leave"), True),
     "tp2pp2-loss": ("tp=2,pp=2,dp=auto", 4, 50, 0.2, ("join", "leave", "kill"), False),
