@@ -25,7 +25,7 @@ def run(old_cfg, old_devs, new_cfg, new_devs, spec=TINY, **kw):
     return plan, model_layout(spec, P(old_cfg)), model_layout(spec, P(new_cfg))
 
 
-def check_invariants(plan, old, new):
+def check_invariants(plan, old, new, placement="fast"):
     counts = simulate(plan, old, new)
     assert counts["sent"] == plan.bytes_moved
     received = {d: 0 for d in plan.devices_new}
@@ -39,7 +39,15 @@ def check_invariants(plan, old, new):
         assert len({d.node for d in plan.assignment[start : start + tp]}) == 1, "TP group spans nodes"
     naive = list(plan.devices_new)[: len(plan.assignment)]
     if all(len({d.node for d in naive[s : s + tp]}) == 1 for s in range(0, len(naive), tp)):
-        assert plan.bytes_moved <= plan.naive_bytes_moved
+        if placement == "fast":
+            assert plan.bytes_moved <= plan.naive_bytes_moved
+        else:
+            # Resilience first: never more single-domain bytes than the naive placement, and at equal
+            # resilience never more bytes moved.
+            from etc_agent.planner.domains import failure_domains
+
+            naive_single = failure_domains(new, naive, tp).single_domain_bytes
+            assert (plan.failure_domains["single_domain_bytes"], plan.bytes_moved) <= (naive_single, plan.naive_bytes_moved)
 
 
 # ---- locality ---------------------------------------------------------------------------
@@ -315,7 +323,7 @@ def test_random_plans_satisfy_invariants(data):
     options = PlannerOptions(mem_cap_bytes=cap, placement=placement)
     plan = plan_model_migration(spec, old_cfg, old_devs, new_cfg, new_devs, options=options)
     old, new = model_layout(spec, old_cfg), model_layout(spec, new_cfg)
-    check_invariants(plan, old, new)
+    check_invariants(plan, old, new, placement)
     if placement == "resilient":
         # Never more single-domain bytes than the fast placement (which only breaks ties with them).
         fast = plan_model_migration(spec, old_cfg, old_devs, new_cfg, new_devs, options=PlannerOptions(mem_cap_bytes=cap))
