@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -32,17 +33,29 @@ def launch(*args: str, env: dict | None = None) -> subprocess.Popen:
 
 
 def finish(procs: list[subprocess.Popen], timeout: float = 120) -> list[tuple[int, str]]:
-    out = []
+    """Wait for every agent, reading all their outputs at once: an agent whose pipe nobody drains
+    blocks on a full pipe (its workers print to it too), and the others then wait for it."""
+    texts: dict[int, str] = {}
+
+    def drain(i: int, p: subprocess.Popen) -> None:
+        texts[i] = p.communicate()[0]
+
+    threads = [threading.Thread(target=drain, args=(i, p), daemon=True) for i, p in enumerate(procs)]
+    for t in threads:
+        t.start()
     deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            text, _ = p.communicate(timeout=max(1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            text, _ = p.communicate()
-            raise AssertionError(f"agent did not finish within {timeout} s:\n{text[-3000:]}")
-        out.append((p.returncode, text))
-    return out
+    for t in threads:
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
+    if any(t.is_alive() for t in threads):
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for t in threads:
+            t.join(timeout=10)
+        late = [i for i, p in enumerate(procs) if p.returncode is None or p.returncode < 0]
+        raise AssertionError(f"agents {late} did not finish within {timeout} s:\n"
+                             + "\n".join(f"--- agent {i} ---\n{texts.get(i, '')[-3000:]}" for i in range(len(procs))))
+    return [(p.returncode, texts[i]) for i, p in enumerate(procs)]
 
 
 def rdzv_args(backend: str, request, run_id: str) -> list[str]:
