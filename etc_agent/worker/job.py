@@ -59,7 +59,6 @@ from etc_agent.migrate.executor import migrate_state
 from etc_agent.migrate.transport import GroupTransport, MigrationError, TorchTransport
 from etc_agent.planner.core import StateLostError
 from etc_agent.utils.jsonline import JsonLineError, parse_address, request
-from etc_agent.worker.checkpoint import STATE_FILE, PeriodicCheckpointer, complete_checkpoints
 from etc_agent.worker.appstate import from_json, load_state, materialize_optimizer_state, split_state, to_json
 from etc_agent.worker.context import ParallelContext, make_context
 
@@ -251,10 +250,13 @@ class Job:
         self.checkpoint_dir = os.environ.get("ETC_AGENT_CHECKPOINT_DIR")
         self._started_wall = time.time()
         interval = int(_env_float("ETC_AGENT_CHECKPOINT_INTERVAL", 0))
-        self.checkpointer: PeriodicCheckpointer | None = None
+        self.checkpointer = None
         """Periodic asynchronous checkpoints (``etcrun --checkpoint-interval``): restore what a failure
         leaves without any live copy; see :mod:`etc_agent.worker.checkpoint`."""
         if interval > 0 and self.checkpoint_dir and self.elastic:
+            # Imported here: torch.distributed.checkpoint stays out of processes that never checkpoint.
+            from etc_agent.worker.checkpoint import PeriodicCheckpointer
+
             keep = int(_env_float("ETC_AGENT_CHECKPOINT_KEEP", 2))
             self.checkpointer = PeriodicCheckpointer(self.checkpoint_dir, interval, keep, self.timeout_s)
 
@@ -436,6 +438,8 @@ class Job:
         # (step, the baseline's save over a periodic one, newest generation): the state to resume from.
         saves = [((json.loads(p.read_text())), p.parent, (1, int(p.parent.name[3:]))) for p in saves if int(p.parent.name[3:]) <= generation]
         if self.checkpointer is not None:
+            from etc_agent.worker.checkpoint import complete_checkpoints
+
             for stored in complete_checkpoints(Path(self.checkpoint_dir)):
                 saves.append(({**stored.state(), "stopped_at": published_at, "save_s": 0.0}, stored.path, (0, stored.generation)))
         if not saves:
@@ -622,6 +626,8 @@ class Job:
             for (step, config), sources in candidates:
                 restore_path = stored.get(step)
                 if config is None:  # only the checkpoint has this step
+                    from etc_agent.worker.checkpoint import STATE_FILE
+
                     state_file = json.loads((Path(restore_path) / STATE_FILE).read_text())
                     config = state_file["config"]
                 held = {v["old_rank"] for v in sources.values()}
