@@ -123,8 +123,9 @@ class PeriodicCheckpointer:
     def save(self, state_tensors: dict[str, Any], plain: dict[str, Any], step: int, generation: int, config: str, rank: int,
              world_size: int, store) -> None:
         """Snapshot this rank's shards now and write them in the background. Every rank calls it."""
-        if not self.settle(failure=False):
-            print(f"[etc_agent] rank {rank}: the checkpoint of step {self._write.step} is still being written; "
+        in_flight = self._write.step if self._write is not None else None
+        if not self.settle(failure=False):  # it also forgets the write it gave up on
+            print(f"[etc_agent] rank {rank}: the checkpoint of step {in_flight} is still being written; "
                   f"skipping the one of step {step}", file=sys.stderr, flush=True)
             return
         started = time.perf_counter()
