@@ -8,7 +8,10 @@ plain value. Keys of the migrated tensors:
 - optimizer ``o``: ``o.state.<param fqn>.<state name>``, the parameter named after the module that
   holds it, so keys do not depend on the layout; its param-group settings (lr, betas, ...) are plain;
 - Stateful ``s``: ``s.<path>`` for tensors in ``state_dict()``; everything else in it is plain;
-- a tensor entry ``t``: ``t``.
+- a tensor entry ``t``: ``t``;
+- Megatron-core model ``m`` (a module or a list of model chunks): ``m.<sharded_state_dict key>``,
+  with each layer's number in the key; Megatron optimizer ``o``: ``o.<state>.<model key>``
+  (see :mod:`etc_agent.integrations.megatron`); its step count and settings are plain.
 
 Tensors of a new state are written in place (module parameters, optimizer state, a Stateful's
 ``state_dict()`` tensors must alias its storage); Statefuls then get ``load_state_dict`` with the
@@ -23,6 +26,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from etc_agent.integrations import megatron
 from etc_agent.migrate.describe import BoxedTensor
 
 TensorLike = (torch.Tensor, BoxedTensor)
@@ -81,8 +85,21 @@ def split_state(app: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
     tensors: dict[str, Any] = {}
     plain: dict[str, Any] = {}
     names = param_names(app)
+    megatron_params: dict[int, megatron.ParamBox] = {}
     for name, obj in app.items():
-        if isinstance(obj, nn.Module):
+        if megatron.is_model(obj):
+            boxes, params = megatron.model_tensors(obj)
+            tensors.update({f"{name}.{key}": box for key, box in boxes.items()})
+            megatron_params.update({pid: megatron.ParamBox(f"{name}.{b.key}", b.global_shape, b.offsets, b.lengths)
+                                    for pid, b in params.items()})
+    for name, obj in app.items():
+        if megatron.is_model(obj):
+            continue
+        if megatron.is_optimizer(obj):
+            boxes = megatron.optimizer_tensors(obj, megatron_params)
+            tensors.update({f"{name}.{key}": box for key, box in boxes.items()})
+            plain[name] = megatron.optimizer_plain(obj, name)
+        elif isinstance(obj, nn.Module):
             for fqn, value in obj.state_dict().items():
                 tensors[f"{name}.{fqn}"] = value
         elif isinstance(obj, torch.optim.Optimizer):
@@ -119,14 +136,16 @@ def load_state(app: dict[str, Any], plain: Mapping[str, Any], tensors: Mapping[s
         if name not in plain:
             continue
         value = plain[name]
-        if isinstance(obj, torch.optim.Optimizer):
+        if megatron.is_optimizer(obj):
+            megatron.load_optimizer_plain(obj, value)
+        elif isinstance(obj, torch.optim.Optimizer):
             for group, saved in zip(obj.param_groups, value["param_groups"]):
                 for k, v in saved.items():
                     restored = from_json(v)
                     if isinstance(group.get(k), tuple) and isinstance(restored, list):
                         restored = tuple(restored)
                     group[k] = restored
-        elif isinstance(obj, (nn.Module, *TensorLike)):
+        elif isinstance(obj, (nn.Module, *TensorLike)) or megatron.is_model(obj):
             continue
         elif _is_stateful(obj):
             obj.load_state_dict(_join_nested(value, tensors))

@@ -52,6 +52,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from etc_agent.integrations import megatron
 from etc_agent.layout.config import ParallelConfig, ParallelSpec
 from etc_agent.layout.devices import Device
 from etc_agent.migrate.describe import BoxedTensor, describe_state
@@ -368,9 +369,16 @@ class Job:
         for obj in state.values():
             if isinstance(obj, torch.optim.Optimizer):
                 materialize_optimizer_state(obj, zero=not ctx.restoring)
+                stepped = [obj]
+            elif megatron.is_optimizer(obj):
+                megatron.materialize_optimizer_state(obj, zero=not ctx.restoring)
+                stepped = megatron.torch_optimizers(obj)
+            else:
+                continue
+            for optimizer in stepped:
                 if self.elastic and self.commit_barrier:
-                    obj.register_step_pre_hook(self._before_optimizer_step)
-                obj.register_step_post_hook(self._on_optimizer_step)
+                    optimizer.register_step_pre_hook(self._before_optimizer_step)
+                optimizer.register_step_post_hook(self._on_optimizer_step)
         return state
 
     def _checkpoint(self) -> None:
@@ -474,6 +482,7 @@ class Job:
         return True
 
     def _teardown_group(self) -> None:
+        megatron.destroy_model_parallel()  # its groups are subgroups of the group that ends here
         if self.ctx is not None:
             self.ctx.mesh._pg_registry.clear()  # old DTensors keep their mesh; it must not keep the groups
         self.ctx = None

@@ -1,0 +1,190 @@
+"""A Megatron-core GPT trained through the worker API: its model and distributed optimizer migrate
+between (tp, pp, dp) layouts when devices come and go.
+
+The whole integration is the ``build`` function: it rebuilds Megatron's ``parallel_state`` for the
+layout it is given and returns the model chunks and the Megatron optimizer in the app state;
+``etc_agent`` describes them through their ``sharded_state_dict`` and the optimizer's ranges.
+
+The global batch stays fixed when dp changes (``global_batch / (dp * micro_batch)`` micro-batches per
+replica through Megatron's pipeline schedule), the data of a step depends on the global step only.
+
+Run with ``etcrun --parallel tp=2,pp=1,dp=auto ... -m etc_agent.examples.megatron_gpt`` (a world of 1:
+``python -m etc_agent.examples.megatron_gpt``). Without CUDA it runs Megatron on the CPU
+(:mod:`etc_agent.integrations.megatron_cpu`, local layer specs); with CUDA it uses NCCL and, when
+Transformer Engine is installed, Megatron's Transformer Engine layer specs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+import etc_agent
+from etc_agent.integrations import megatron as etc_megatron
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=32)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--query-groups", type=int, default=2)
+    parser.add_argument("--ffn", type=int, default=64)
+    parser.add_argument("--vocab", type=int, default=128)
+    parser.add_argument("--seq", type=int, default=16)
+    parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--bf16", action="store_true", help="bf16 parameters, fp32 main parameters in the optimizer")
+    parser.add_argument("--no-distributed-optimizer", dest="distributed_optimizer", action="store_false",
+                        help="replicate the optimizer state across dp instead of sharding it")
+    parser.add_argument("--parallel", default=None, help="default parallel spec when etcrun gives none (tp=1,pp=1,dp=auto)")
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (tests pace membership events)")
+    parser.add_argument("--out", default=None, help="rank 0 writes losses, migrations and a state digest here (JSON)")
+    return parser.parse_args(argv)
+
+
+def make_build(args: argparse.Namespace):
+    def build(ctx) -> dict:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.transformer import TransformerConfig
+
+        etc_megatron.initialize_model_parallel(ctx, seed=args.seed)
+        on_cpu = ctx.device.type == "cpu"
+        dtype = torch.bfloat16 if args.bf16 else torch.float32
+        config = TransformerConfig(
+            num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+            num_query_groups=args.query_groups, ffn_hidden_size=args.ffn, gated_linear_unit=True,
+            add_bias_linear=False, normalization="RMSNorm", hidden_dropout=0.0, attention_dropout=0.0,
+            tensor_model_parallel_size=ctx.tp, pipeline_model_parallel_size=ctx.pp,
+            pipeline_dtype=dtype, params_dtype=dtype, bf16=args.bf16,
+            use_cpu_initialization=on_cpu, perform_initialization=not ctx.restoring,
+        )
+        model = GPTModel(
+            config, _layer_spec(on_cpu), vocab_size=args.vocab, max_sequence_length=args.seq,
+            pre_process=ctx.pp_rank == 0, post_process=ctx.pp_rank == ctx.pp - 1,
+            share_embeddings_and_output_weights=False,
+        )
+        config.finalize_model_grads_func = finalize_model_grads  # dp gradient reduction after the schedule
+        if not on_cpu:
+            model.cuda(ctx.device)
+        ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=args.distributed_optimizer, grad_reduce_in_fp32=True)
+        chunks = [DistributedDataParallel(config, ddp_config, model)]
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=0.01, bf16=args.bf16,
+                            use_distributed_optimizer=args.distributed_optimizer),
+            chunks,
+        )
+        return {"model": chunks, "optimizer": optimizer}
+
+    return build
+
+
+def _layer_spec(on_cpu: bool):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    if not on_cpu:
+        try:
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+            return get_gpt_layer_with_transformer_engine_spec()
+        except Exception:  # noqa: BLE001 - Transformer Engine missing: the local spec runs everywhere
+            pass
+    return get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def batch(args: argparse.Namespace, step: int, first_sample: int, num_samples: int) -> torch.Tensor:
+    """Tokens ``[num_samples, seq + 1]`` of samples ``first_sample..`` of the global batch of ``step``."""
+    rows = []
+    for sample in range(first_sample, first_sample + num_samples):
+        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 10_007 + sample)
+        rows.append(torch.randint(0, args.vocab, (args.seq + 1,), generator=gen))
+    return torch.stack(rows)
+
+
+def train_step(args: argparse.Namespace, job, step: int) -> float | None:
+    """One optimizer step on the global batch of ``step``; the mean loss on the last stage's rank 0 of dp."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    ctx, state = job.ctx, job.state
+    chunks, optimizer = state["model"], state["optimizer"]
+    per_replica = args.global_batch // ctx.dp
+    num_micro = per_replica // args.micro_batch
+    tokens = batch(args, step, ctx.dp_rank * per_replica, per_replica).to(ctx.device)
+    micro = iter(tokens.split(args.micro_batch))
+    positions = torch.arange(args.seq, device=ctx.device).unsqueeze(0).expand(args.micro_batch, -1)
+
+    def loss_func(output: torch.Tensor):
+        loss = output.float().mean()
+        return loss, {"lm loss": loss.detach().clone()}  # the schedule divides loss in place
+
+    def forward_step(data_iterator, model):
+        sample = next(data_iterator)
+        output = model(sample[:, :-1], positions, None, labels=sample[:, 1:])
+        return output, loss_func
+
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=micro, model=chunks, num_microbatches=num_micro,
+        seq_length=args.seq, micro_batch_size=args.micro_batch, forward_only=False,
+    )
+    optimizer.step()
+    if ctx.pp_rank != ctx.pp - 1:
+        return None
+    mean = torch.stack([entry["lm loss"] for entry in losses]).mean().reshape(1)
+    dist.all_reduce(mean, group=parallel_state.get_data_parallel_group())
+    return float(mean.item() / ctx.dp)
+
+
+def state_digest(job) -> dict[str, str]:
+    """SHA-256 of every migrated tensor's full value (rank 0; None elsewhere), keyed like the app state."""
+    full = job.gather_state()
+    if full is None:
+        return {}
+    return {key: hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16] for key, t in full.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        from etc_agent.integrations import megatron_cpu
+
+        megatron_cpu.enable()
+    job = etc_agent.init(parallel=args.parallel or "tp=1,pp=1,dp=auto")
+    job.start(make_build(args))
+    losses: dict[int, float] = {}
+    for step in job.steps(args.steps):
+        loss = train_step(args, job, step)
+        last = job.ctx.config.rank(job.ctx.pp - 1, 0, 0)
+        value = torch.tensor([loss if loss is not None else 0.0], dtype=torch.float64)
+        dist.broadcast(value, src=last)
+        losses[step] = float(value.item())
+        if job.ctx.rank == 0:
+            print(f"step {step} loss {losses[step]:.6f} layout {job.ctx.config.short()}", flush=True)
+        if args.step_sleep:
+            import time
+
+            time.sleep(args.step_sleep)
+    digest = state_digest(job)
+    if job.ctx.rank == 0 and args.out:
+        with open(args.out, "w") as f:
+            json.dump({"losses": losses, "layout": job.ctx.config.short(), "migrations": job.migrations, "digest": digest}, f)
+    job.finish()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
