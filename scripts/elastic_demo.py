@@ -42,7 +42,10 @@ class Cluster:
     ``etc-agent sidecar`` plus an ``etc-agent workers`` process that starts (and restarts) the workers."""
 
     def __init__(self, rdzv: list[str], nproc: int, parallel: str, script_args: list[str], log_dir: Path, echo: bool,
-                 max_nodes: int = 4, extra: list[str] | None = None, min_nodes: int = 1, sidecar: bool = False):
+                 max_nodes: int = 4, extra: list[str] | None = None, min_nodes: int = 1, sidecar: bool = False,
+                 module: str = "etc_agent.examples.gpt"):
+        self.module = module
+        """The training script every worker runs (``python -m``)."""
         self.rdzv, self.nproc, self.parallel = rdzv, nproc, parallel
         self.script_args, self.log_dir, self.echo = script_args, log_dir, echo
         self.max_nodes, self.min_nodes = max_nodes, min_nodes
@@ -67,9 +70,9 @@ class Cluster:
             control = f"127.0.0.1:{free_port()}"
             args += ["--control-addr", control]
             launcher_args = [sys.executable, "-m", "etc_agent.cli.main", "workers", "--nproc-per-node", str(self.nproc), "--agent", control,
-                             "-m", "etc_agent.examples.gpt", *self.script_args]
+                             "-m", self.module, *self.script_args]
         else:
-            args += ["-m", "etc_agent.examples.gpt", *self.script_args]
+            args += ["-m", self.module, *self.script_args]
         proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env)
         self.agents.append(proc)
         self.outputs.append(lines)
@@ -102,7 +105,7 @@ class Cluster:
                 continue
             ppid = int(stat.rsplit(")", 1)[1].split()[1])
             parent = self.launchers[agent] if self.sidecar else self.agents[agent]
-            if ppid == parent.pid and "etc_agent.examples.gpt" in cmdline:
+            if ppid == parent.pid and self.module in cmdline:
                 pids.append(int(entry.name))
         return sorted(pids)
 
@@ -170,7 +173,7 @@ def run_scenario(parallel: str, nproc: int, steps: int, step_delay: float, work:
                  extra_script_args: list[str] | None = None, wait_migrations: bool = True,
                  agent_args: list[str] | None = None, initial_agents: int = 2, event_steps: list[int] | None = None,
                  stop_after: int | None = None, min_nodes: int | None = None, event_after_text: str | None = None,
-                 sidecar: bool = False) -> dict:
+                 sidecar: bool = False, module: str = "etc_agent.examples.gpt") -> dict:
     """Run the elastic scenario; return losses, migration records and exit codes.
 
     ``wait_migrations=False``: do not wait for a migration after each event (a run expected to fail).
@@ -187,7 +190,7 @@ def run_scenario(parallel: str, nproc: int, steps: int, step_delay: float, work:
     rdzv = rdzv or ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", f"demo-{uuid.uuid4().hex[:6]}"]
     # The job starts once the initial agents are all in, so no extra generation precedes the events.
     cluster = Cluster(rdzv, nproc, parallel, script_args, work, echo, extra=agent_args, min_nodes=min_nodes or initial_agents,
-                      sidecar=sidecar)
+                      sidecar=sidecar, module=module)
     events_done: list[dict] = []
     skipped = 0
     started = time.monotonic()
@@ -269,11 +272,12 @@ def run_scenario(parallel: str, nproc: int, steps: int, step_delay: float, work:
             "state_file": state_file, "cluster": cluster}
 
 
-def reference_losses(parallel_steps: int, work: Path, extra_script_args: list[str] | None = None) -> tuple[dict[int, float], Path]:
+def reference_losses(parallel_steps: int, work: Path, extra_script_args: list[str] | None = None,
+                     module: str = "etc_agent.examples.gpt") -> tuple[dict[int, float], Path]:
     """The same training in one process (world of 1), uninterrupted."""
     loss_log = work / "reference_loss.jsonl"
     state_file = work / "reference_state.pt"
-    subprocess.run([sys.executable, "-m", "etc_agent.examples.gpt", "--steps", str(parallel_steps), "--loss-log", str(loss_log),
+    subprocess.run([sys.executable, "-m", module, "--steps", str(parallel_steps), "--loss-log", str(loss_log),
                     "--dump-state", str(state_file), *(extra_script_args or [])],
                    cwd=ROOT, check=True, capture_output=True, text=True, env={k: v for k, v in os.environ.items() if not k.startswith("ETC_AGENT")})
     return read_losses(loss_log), state_file

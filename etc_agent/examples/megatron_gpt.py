@@ -21,7 +21,7 @@ import hashlib
 import json
 import os
 import sys
-from functools import partial
+import time
 
 import torch
 import torch.distributed as dist
@@ -48,8 +48,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-distributed-optimizer", dest="distributed_optimizer", action="store_false",
                         help="replicate the optimizer state across dp instead of sharding it")
     parser.add_argument("--parallel", default=None, help="default parallel spec when etcrun gives none (tp=1,pp=1,dp=auto)")
-    parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (tests pace membership events)")
-    parser.add_argument("--out", default=None, help="rank 0 writes losses, migrations and a state digest here (JSON)")
+    parser.add_argument("--step-delay", type=float, default=0.0, help="seconds to sleep per step (tests pace membership events)")
+    parser.add_argument("--loss-log", default=None, help="rank 0 appends {step, loss, layout} JSON lines here")
+    parser.add_argument("--dump-state", default=None, help="rank 0 saves the whole state, unsharded, here after the last step")
+    parser.add_argument("--digest-log", default=None,
+                        help="rank 0 appends a digest of the whole state before and after every step here (JSON lines): "
+                             "a migration between two steps must not change it")
     return parser.parse_args(argv)
 
 
@@ -81,6 +85,8 @@ def make_build(args: argparse.Namespace):
             model.cuda(ctx.device)
         ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=args.distributed_optimizer, grad_reduce_in_fp32=True)
         chunks = [DistributedDataParallel(config, ddp_config, model)]
+        if not ctx.restoring:
+            init_weights(chunks, args.seed)  # before the optimizer copies them into its main parameters
         optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=0.01, bf16=args.bf16,
                             use_distributed_optimizer=args.distributed_optimizer),
@@ -102,6 +108,26 @@ def _layer_spec(on_cpu: bool):
         except Exception:  # noqa: BLE001 - Transformer Engine missing: the local spec runs everywhere
             pass
     return get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def init_weights(chunks: list, seed: int) -> None:
+    """Initialise every parameter from its global tensor, so a run starts from the same weights in any layout.
+
+    Megatron's own initialisation draws each rank's shards from the RNG in build order, which
+    depends on pp; here each tensor is drawn whole from a generator seeded by its key, then sliced.
+    """
+    import zlib
+
+    tensors, _ = etc_megatron.model_tensors(chunks)
+    with torch.no_grad():
+        for key, box in tensors.items():
+            if "norm" in key:  # RMSNorm scales
+                full = torch.ones(box.global_shape)
+            else:
+                gen = torch.Generator().manual_seed(seed * 7919 + zlib.crc32(key.encode()))
+                full = torch.randn(box.global_shape, generator=gen) * 0.02
+            region = full[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths))]
+            box.tensor.copy_(region.to(box.tensor.dtype))
 
 
 def batch(args: argparse.Namespace, step: int, first_sample: int, num_samples: int) -> torch.Tensor:
@@ -150,12 +176,25 @@ def train_step(args: argparse.Namespace, job, step: int) -> float | None:
     return float(mean.item() / ctx.dp)
 
 
-def state_digest(job) -> dict[str, str]:
-    """SHA-256 of every migrated tensor's full value (rank 0; None elsewhere), keyed like the app state."""
-    full = job.gather_state()
-    if full is None:
-        return {}
-    return {key: hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16] for key, t in full.items()}
+def state_digest(full: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over every tensor of a whole (unsharded) state, in key order."""
+    digest = hashlib.sha256()
+    for key in sorted(full):
+        digest.update(key.encode())
+        digest.update(full[key].contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:24]
+
+
+def _append(path: str | None, record: dict) -> None:
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def _log_digest(args: argparse.Namespace, job, step: int, when: str) -> None:
+    full = job.gather_state()  # every rank takes part
+    if full is not None:
+        _append(args.digest_log, {"step": step, "when": when, "digest": state_digest(full), "layout": job.ctx.config.short()})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -166,23 +205,24 @@ def main(argv: list[str] | None = None) -> None:
         megatron_cpu.enable()
     job = etc_agent.init(parallel=args.parallel or "tp=1,pp=1,dp=auto")
     job.start(make_build(args))
-    losses: dict[int, float] = {}
     for step in job.steps(args.steps):
+        ctx = job.ctx
+        if args.digest_log:
+            _log_digest(args, job, step, "before")
         loss = train_step(args, job, step)
-        last = job.ctx.config.rank(job.ctx.pp - 1, 0, 0)
         value = torch.tensor([loss if loss is not None else 0.0], dtype=torch.float64)
-        dist.broadcast(value, src=last)
-        losses[step] = float(value.item())
-        if job.ctx.rank == 0:
-            print(f"step {step} loss {losses[step]:.6f} layout {job.ctx.config.short()}", flush=True)
-        if args.step_sleep:
-            import time
-
-            time.sleep(args.step_sleep)
-    digest = state_digest(job)
-    if job.ctx.rank == 0 and args.out:
-        with open(args.out, "w") as f:
-            json.dump({"losses": losses, "layout": job.ctx.config.short(), "migrations": job.migrations, "digest": digest}, f)
+        dist.broadcast(value, src=ctx.config.rank(ctx.pp - 1, 0, 0))
+        record = {"step": step, "loss": float(value.item()), "layout": ctx.config.short()}
+        if ctx.rank == 0:
+            print(f"step {step} loss {record['loss']:.6f} layout {record['layout']}", flush=True)
+            _append(args.loss_log, record)
+        if args.digest_log:
+            _log_digest(args, job, step, "after")
+        if args.step_delay:
+            time.sleep(args.step_delay)
+    full = job.gather_state()
+    if full is not None and args.dump_state:
+        torch.save(full, args.dump_state)
     job.finish()
 
 

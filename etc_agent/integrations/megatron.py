@@ -362,3 +362,11 @@ def destroy_model_parallel() -> None:
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    # destroy_model_parallel leaves a few groups set (megatron-core 0.16: the intra partial dp groups);
+    # a group kept alive keeps its connections open, and peers blocked on it would wait for their timeout.
+    import torch.distributed as dist
+
+    for name, value in list(vars(parallel_state).items()):
+        if name.isupper() or not name.startswith("_"):
+            if isinstance(value, dist.ProcessGroup):
+                setattr(parallel_state, name, None)

@@ -679,9 +679,14 @@ class Job:
                     self.checkpointer.drop(lambda s: s.step == mine["step"])  # the new state may hold its buffers now
                 break
             else:
-                hint = "" if self.checkpointer is not None else " (etcrun --checkpoint-dir and --checkpoint-interval keep periodic checkpoints to restore from)"
-                self._fatal(StateLost(f"generation {generation}: training state lost, no step has a live copy or a checkpoint of "
-                                      f"every shard: {last_error}{hint}"))
+                if not assignment.get("trained", assignment["started"]):
+                    # Nothing trained yet: the state every process built is the initial one, so a part
+                    # that died with its process is built again (a crash before the first step).
+                    candidates, resume_step, result = [], self.next_step, None
+                else:
+                    hint = "" if self.checkpointer is not None else " (etcrun --checkpoint-dir and --checkpoint-interval keep periodic checkpoints to restore from)"
+                    self._fatal(StateLost(f"generation {generation}: training state lost, no step has a live copy or a "
+                                          f"checkpoint of every shard: {last_error}{hint}"))
         if self.checkpointer is not None:
             self.checkpointer.drop(lambda s: s.step > resume_step)  # taken on steps that are trained again
             if new_rank == 0 and live_step is not None and resume_step < live_step:
