@@ -186,3 +186,23 @@ def test_a_join_before_the_first_step_starts_fresh_instead_of_failing(etcd_serve
         assert j.generation().status == "succeeded"
     finally:
         j.close()
+
+
+def test_a_crash_before_the_first_step_rebuilds_the_initial_state_instead_of_failing(etcd_server, tmp_path):
+    """Rank 1 dies before any optimizer step while its range of a sharded tensor has no other copy:
+    nothing was trained, so the next generation builds the initial state again and trains from step
+    0 (it used to fail the job with "training state lost")."""
+    j = Job(etcd_server, tmp_path, nnodes="1:1", extra=("--log-format", "json", "--max-restarts", "2"))
+    try:
+        script = str(ROOT / "tests" / "scripts" / "crash_before_first_step.py")
+        j.agents.append(launch(*j.args, script, "3", str(tmp_path / "crashed")))
+        outputs = finish(j.agents, timeout=180)
+        texts = "\n".join(text for _, text in outputs)
+        assert [code for code, _ in outputs] == [0], texts[-3000:]
+        assert (tmp_path / "crashed").exists(), "the crash did not happen"
+        assert "state lost" not in texts
+        steps = [line for line in texts.splitlines() if line.startswith("step ")]
+        # Three SGD steps with gradient 1 and lr 0.5 from the initial arange: every element lowered by 1.5.
+        assert steps[-1] == f"step 2 world 2 z {[float(i) - 1.5 for i in range(24)]}", steps
+    finally:
+        j.close()
