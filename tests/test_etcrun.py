@@ -402,3 +402,50 @@ def test_waiting_for_min_nodes_times_out_with_a_clear_reason(job):
     agent = j.add_agent()
     (code, text), = finish([agent], timeout=60)
     assert code == 1 and "join_timeout" in text and "needed=2" in text
+
+
+def test_a_job_config_file_gives_the_flags_and_the_command_line_wins(tmp_path):
+    """``etcrun --config job.yaml``: the file's options and script run the job; a flag on the command
+    line replaces the file's value (here 2 workers instead of 1); the script's own ``--config`` is its own."""
+    out = tmp_path / "env"
+    out.mkdir()
+    config = tmp_path / "job.yaml"
+    config.write_text(f"standalone: true\nnproc_per_node: 1\nmax_restarts: 1\nrole: trainer\n"
+                      f"script: {SCRIPTS / 'env_dump.py'}\nscript_args: [{str(out)!r}, --no-dist]\n")
+    (code, text), = finish([launch("--config", str(config), "--nproc-per-node", "2", env=LOOPBACK)])
+    assert code == 0, text[-3000:]
+    env = read_env(out)
+    assert sorted(env) == [0, 1], text[-3000:]
+    assert env[0]["ROLE_NAME"] == "trainer" and env[0]["WORLD_SIZE"] == "2" and env[0]["TORCHELASTIC_MAX_RESTARTS"] == "1"
+
+    # A script named on the command line comes with its own arguments, not the file's.
+    out2 = tmp_path / "env2"
+    out2.mkdir()
+    (code, text), = finish([launch("--config", str(config), str(SCRIPTS / "env_dump.py"), str(out2), "--no-dist", env=LOOPBACK)])
+    assert code == 0, text[-3000:]
+    assert sorted(read_env(out2)) == [0] and not list(out.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("content, message", [
+    ("nproc_per_node: 2\nnprocs: 3\n", "nprocs: Extra inputs are not permitted; keys are etcrun's long options"),
+    ("max_restarts: many\n", "max_restarts: Input should be a valid integer"),
+    ("- a\n- b\n", "expected a mapping of etcrun options"),
+    ("a: [\n", "not valid YAML"),
+])
+def test_a_bad_job_config_is_one_line_and_exit_2(tmp_path, content, message):
+    config = tmp_path / "job.yaml"
+    config.write_text(content)
+    p = subprocess.run([sys.executable, "-m", "etc_agent.cli.etcrun", "--config", str(config), "x.py"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stderr
+    lines = [line for line in p.stderr.strip().splitlines() if line]
+    assert len(lines) == 1 and message in lines[0] and str(config) in lines[0], p.stderr
+
+
+def test_the_example_job_configs_are_valid():
+    from etc_agent.cli.etcrun import etcrun
+    from etc_agent.cli.jobconfig import load_job_config
+
+    for path in sorted((ROOT / "configs" / "jobs").glob("*.yaml")):
+        values = load_job_config(path, etcrun)
+        assert values["training_script"] and values["parallel"], path

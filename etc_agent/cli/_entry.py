@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import sys
+from typing import Any, Callable
 
 import typer
 
 
-def run_app(app: typer.Typer, argv: list[str] | None, prog: str, user_errors: tuple[type[BaseException], ...]) -> None:
+def run_app(app: typer.Typer, argv: list[str] | None, prog: str, user_errors: tuple[type[BaseException], ...],
+            prepare: Callable[[list[str]], tuple[list[str], dict[str, Any]]] | None = None) -> None:
+    """``prepare(argv) -> (argv, click context settings)`` runs first (its ValueErrors are user errors too)."""
     try:
-        result = app(args=argv, standalone_mode=False, prog_name=prog)
+        settings: dict[str, Any] = {}
+        if prepare is not None:
+            argv, settings = prepare(list(sys.argv[1:] if argv is None else argv))
+        result = app(args=argv, standalone_mode=False, prog_name=prog, **settings)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
     except typer.Abort:

@@ -110,6 +110,7 @@ def open_store(backend: str, endpoint: str, run_id: str, host_store: bool | None
     help="Launch a training script on this node like torchrun, with live re-configuration when nodes come and go.",
 )
 def etcrun(
+    ctx: typer.Context,
     training_script: Annotated[Optional[str], typer.Argument(help="Script to run (or module with -m, executable with --no-python).")] = None,
     training_script_args: Annotated[Optional[list[str]], typer.Argument(help="Arguments for the script.")] = None,
     nnodes: Annotated[str, typer.Option("--nnodes", help="Number of nodes, or MIN:MAX for an elastic job.")] = "1:1",
@@ -158,7 +159,14 @@ def etcrun(
                                           "another launcher starts with ETC_AGENT_ADDR and LOCAL_RANK (what `etc-agent sidecar` runs).")] = False,
     control_addr: Annotated[Optional[str], typer.Option("--control-addr", help="host:port the workers reach this agent on "
                                                         "(ETC_AGENT_ADDR); default 127.0.0.1, a free port, or 127.0.0.1:29401 with --sidecar.")] = None,
+    config: Annotated[Optional[Path], typer.Option("--config", help="Job YAML (configs/jobs/*.yaml): etcrun's options by name, "
+                                                   "script and script_args; flags given here win.")] = None,
 ) -> None:
+    from click.core import ParameterSource
+
+    if ctx.get_parameter_source("training_script") == ParameterSource.COMMANDLINE and \
+            ctx.get_parameter_source("training_script_args") == ParameterSource.DEFAULT_MAP:
+        training_script_args = None  # a script named on the command line comes with its own arguments
     if sidecar and training_script is not None:
         raise ValueError(f"--sidecar starts no workers: remove the training script ({training_script}); start it with "
                          "`etc-agent workers` or your own launcher, ETC_AGENT_ADDR pointing here")
@@ -287,9 +295,21 @@ def _keep_serving_store(store, agent: Agent) -> None:
         agent.hard_stop.wait(1.0)
 
 
+def _with_job_config(argv: list[str]) -> tuple[list[str], dict]:
+    """``--config FILE``: the file's values become the defaults of etcrun's parameters."""
+    from etc_agent.cli.jobconfig import load_job_config, split_config_flag
+
+    command = typer.main.get_command(app)
+    value_options = {name for param in command.params if not getattr(param, "is_flag", True) for name in param.opts}
+    path, argv = split_config_flag(argv, value_options)
+    if path is None:
+        return argv, {}
+    return argv, {"default_map": load_job_config(path, etcrun)}
+
+
 def main(argv: list[str] | None = None, prog: str = "etcrun") -> None:
     """Entry point: one line and exit code 2 for bad flags or input."""
-    run_app(app, argv, prog, (ValueError, StoreError, TimeoutError))
+    run_app(app, argv, prog, (ValueError, StoreError, TimeoutError), prepare=_with_job_config)
 
 
 if __name__ == "__main__":
