@@ -9,6 +9,7 @@ on the first rank until it resumed on the last), bytes are the record's bytes mo
     python scripts/bench_migration.py --quick          # 1.1 MB model, 3 transitions, 1 repetition
     python scripts/bench_migration.py --small          # 1.1 MB model, every transition
     python scripts/bench_migration.py --repeat 3       # ~1 GB of state, every transition
+    python scripts/bench_migration.py --megatron       # Megatron-core GPT + distributed optimizer, 384 MB of state
 
 Prints a rich table and one JSON line, and writes a bar chart (``--plot``).
 """
@@ -42,15 +43,26 @@ MODEL_QUICK = ["--layers", "10", "--global-batch", "12", "--micro-batch", "1", "
 """The example's default widths with MODEL_FULL's 10 layers (same tensors, 1.1 MB): the fixed costs."""
 
 
+MEGATRON_MODULE = "etc_agent.examples.megatron_gpt"
+MEGATRON_SUITE = [t for t in SUITE if "zero" not in t.name and "zero" not in t.event]
+"""The Megatron example shards its optimizer with Megatron's distributed optimizer in every layout."""
+MEGATRON_FULL = ["--layers", "8", "--hidden", "512", "--heads", "8", "--query-groups", "4", "--ffn", "1408", "--vocab", "8192",
+                 "--seq", "16", "--global-batch", "12"]
+"""~32 M parameters: fp32 weights + Adam moments = 384 MB (the fp32 main parameters are the weights)."""
+MEGATRON_QUICK = ["--global-batch", "12"]
+"""The example's default widths (0.8 MB of state)."""
+
+
 PHASES = ("detect_s", "agree_s", "rebuild_s", "plan_s", "transfer_s")
 
 
-def run_once(t: BenchTransition, method: str, model_args: list[str], steps: int, work: Path) -> dict:
+def run_once(t: BenchTransition, method: str, model_args: list[str], steps: int, work: Path,
+             module: str = "etc_agent.examples.gpt") -> dict:
     agent_args = ["--migration", "checkpoint", "--checkpoint-dir", str(work / "checkpoints")] if method == "checkpoint" else []
     # Long enough never to end before the change; killed two steps after it (the record is what counts).
     result = run_scenario(t.parallel, 2, 10_000, 0.0, work, echo=False, events=(t.event,), extra_script_args=model_args,
                           agent_args=agent_args, initial_agents=t.initial_agents, event_steps=[1], stop_after=2,
-                          min_nodes=min(t.initial_agents, 2))
+                          min_nodes=min(t.initial_agents, 2), module=module)
     records = [m for m in result["migrations"] if m.get("method", "live") == method]
     if len(records) != 1:
         raise RuntimeError(f"{t.name} / {method}: expected one migration record, got {len(records)}")
@@ -64,12 +76,17 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=None, help="Repetitions of each method per transition (default 3; --quick 1).")
     ap.add_argument("--only", default=None, help="Comma-separated substrings: run the transitions whose name matches.")
     ap.add_argument("--plot", type=Path, default=Path("bench_migration.png"))
+    ap.add_argument("--megatron", action="store_true", help="Train the Megatron-core example (GPTModel, Megatron DDP, distributed "
+                    "optimizer) instead of the DTensor one; the transitions without zero (with --quick: its small widths).")
     ap.add_argument("--methods", default="live,checkpoint", help="Comma-separated subset of live,checkpoint (profiling one side).")
     args = ap.parse_args()
     from rich.console import Console
     from rich.table import Table
 
     suite = QUICK if args.quick else SUITE
+    module = "etc_agent.examples.gpt"
+    if args.megatron:
+        suite, module = [t for t in suite if t in MEGATRON_SUITE], MEGATRON_MODULE
     if args.only:
         wanted = [w.strip() for w in args.only.split(",")]
         suite = [t for t in suite if any(w in t.name for w in wanted)]
@@ -80,6 +97,8 @@ def main() -> None:
     if not methods or not set(methods) <= {"live", "checkpoint"}:
         ap.error(f"--methods: expected live and/or checkpoint, got {args.methods!r}")
     model_args = MODEL_QUICK if args.quick or args.small else MODEL_FULL
+    if args.megatron:
+        model_args = MEGATRON_QUICK if args.quick or args.small else MEGATRON_FULL
     steps = 0  # unused: each job is stopped two steps after its change
     console = Console(stderr=True)
     rows = []
@@ -89,13 +108,13 @@ def main() -> None:
         for rep in range(repeat):
             for method in methods if rep % 2 == 0 else methods[::-1]:
                 with tempfile.TemporaryDirectory(prefix="etc-bench-") as tmp:
-                    record = run_once(t, method, model_args, steps, Path(tmp))
+                    record = run_once(t, method, model_args, steps, Path(tmp), module)
                 samples[method].append(record)
                 console.print(f"{t.name:38s} {method:10s} rep {rep + 1}: stall {record['total_stall_s']:.3f} s, "
                               f"moved {record['bytes_moved'] / 1e6:.1f} MB")
         rows.append(_row(t, samples))
     ratios = [r["ratio"] for r in rows if r["ratio"]]
-    summary = {"suite": "quick" if args.quick else "small" if args.small else "full", "repeat": repeat, "transitions": rows,
+    summary = {"suite": "quick" if args.quick else "small" if args.small else "full", "model": module, "repeat": repeat, "transitions": rows,
                "median_ratio": round(statistics.median(ratios), 3) if ratios else None, "wall_s": round(time.monotonic() - started, 1)}
 
     table = Table(title=f"migration stall, live vs checkpoint (medians of {repeat})")

@@ -50,6 +50,47 @@ def _boxes(tensors: dict) -> dict:
             for key, b in tensors.items()}
 
 
+def test_layer_numbers_go_into_the_key_and_swiglu_boxes_fold_into_one():
+    """Pure geometry on real ShardedTensors (no process group): the prepended layer axis becomes part
+    of the key, and SwiGLU's two boxes per rank ([gate; up] halves of [2*ffn, h]) one [2, ffn, h] box
+    whose tensor is a view of the parameter."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from etc_agent.integrations.megatron import _fold, _unprepend
+
+    weight = torch.zeros(16, 8)
+    sh = ShardedTensor.from_rank_offsets("decoder.layers.mlp.linear_fc2.weight", weight, (0, 5, 7), (2, 1, 2), prepend_axis_num=1)
+    key, (global_shape, offsets, lengths, data) = _unprepend(sh)
+    assert key == "decoder.layers.mlp.linear_fc2.weight[5]"
+    assert (global_shape, offsets, lengths) == ((16, 16), (0, 8), (16, 8)) and data is weight
+
+    # tp=2, rank 1, ffn=8 (4 per rank): local [gate(4); up(4)] = 8 rows of global [gate(8); up(8)].
+    fc1 = torch.arange(8 * 3, dtype=torch.float32).view(8, 3)
+    gate, up = torch.chunk(fc1, 2)
+    boxes = [_unprepend(ShardedTensor.from_rank_offsets("fc1", part, (0, index, 4))) for part, index in ((gate, 1), (up, 3))]
+    key, (global_shape, offsets, lengths, data) = _fold("fc1", fc1, boxes)
+    assert (key, global_shape, offsets, lengths) == ("fc1", (2, 8, 3), (0, 4, 0), (2, 4, 3))
+    assert data is fc1
+
+    # Boxes that do not cut one axis into equal parts are refused with the key named.
+    uneven = [boxes[0], _unprepend(ShardedTensor.from_rank_offsets("fc1", up, (0, 2, 4)))]
+    with pytest.raises(ValueError, match="fc1: boxes along axis 0"):
+        _fold("fc1", fc1, uneven)
+    other_key = [boxes[0], _unprepend(ShardedTensor.from_rank_offsets("fc2", up, (0, 3, 4)))]
+    with pytest.raises(ValueError, match="several keys"):
+        _fold("fc1", fc1, other_key)
+
+
+def test_megatron_parallel_state_takes_tp_and_pp_from_the_job_only():
+    from etc_agent.integrations.megatron import initialize_model_parallel
+
+    ctx = _context("tp=2,pp=1,dp=1", 0)
+    with pytest.raises(ValueError, match="tensor_model_parallel_size comes from the job's parallel configuration"):
+        initialize_model_parallel(ctx, tensor_model_parallel_size=4)
+    with pytest.raises(ValueError, match="context_parallel_size=2: etc_agent lays out tp, pp and dp only"):
+        initialize_model_parallel(ctx, context_parallel_size=2)
+
+
 def _describe_worker(rank: int, world: int, layouts: list[str], extra: list[str]) -> dict:
     from etc_agent.integrations.megatron import destroy_model_parallel
     from etc_agent.worker.appstate import split_state
