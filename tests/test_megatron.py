@@ -91,25 +91,37 @@ def test_megatron_parallel_state_takes_tp_and_pp_from_the_job_only():
         initialize_model_parallel(ctx, context_parallel_size=2)
 
 
-def _describe_worker(rank: int, world: int, layouts: list[str], extra: list[str]) -> dict:
+def _describe_worker(rank: int, world: int, layouts: list[str], variants: dict[str, list[str]]) -> dict:
     from etc_agent.integrations.megatron import destroy_model_parallel
     from etc_agent.worker.appstate import split_state
 
-    out = {}
-    for parallel in layouts:
-        app = _build(parallel, rank, extra)
-        tensors, plain = split_state(app)
-        out[parallel] = _boxes(tensors)
-        destroy_model_parallel()
+    out: dict[str, dict] = {}
+    for variant, extra in variants.items():
+        for parallel in layouts:
+            app = _build(parallel, rank, extra)
+            tensors, plain = split_state(app)
+            out.setdefault(variant, {})[parallel] = _boxes(tensors)
+            destroy_model_parallel()
     return out
 
 
-@pytest.mark.parametrize("extra", [[], ["--no-distributed-optimizer"]], ids=["distributed-optimizer", "plain-optimizer"])
-def test_adapter_describes_megatron_gpt_the_same_way_in_every_layout(extra):
+LAYOUTS = ["tp=4,pp=1,dp=1", "tp=2,pp=2,dp=1", "tp=1,pp=2,dp=2", "tp=2,pp=1,dp=2", "tp=1,pp=1,dp=4"]
+VARIANTS = {"distributed-optimizer": [], "plain-optimizer": ["--no-distributed-optimizer"]}
+
+
+@pytest.fixture(scope="module")
+def described() -> dict[str, list[dict]]:
+    """Each variant's boxes per rank and layout (one set of 4 processes builds them all)."""
+    per_rank = run_workers(4, _describe_worker, LAYOUTS, VARIANTS, timeout_s=300)
+    return {variant: [per_rank[rank][variant] for rank in range(4)] for variant in VARIANTS}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_adapter_describes_megatron_gpt_the_same_way_in_every_layout(described, variant):
     """Every layout of 4 ranks names the same keys with the same global shapes, and each layout's
     boxes (and flat ranges of them) cover every element of every tensor."""
-    layouts = ["tp=4,pp=1,dp=1", "tp=2,pp=2,dp=1", "tp=1,pp=2,dp=2", "tp=2,pp=1,dp=2", "tp=1,pp=1,dp=4"]
-    per_rank = run_workers(4, _describe_worker, layouts, extra, timeout_s=240)
+    layouts, extra = LAYOUTS, VARIANTS[variant]
+    per_rank = described[variant]
     shapes_by_layout = {}
     for parallel in layouts:
         shapes: dict[str, tuple] = {}
@@ -172,7 +184,7 @@ def _mismatches(tensors: dict) -> list[str]:
     return bad
 
 
-def _migrate_worker(rank: int, world: int, old: str, new: str, extra: list[str]) -> dict:
+def _migrate_case(rank: int, old: str, new: str, extra: list[str]) -> dict:
     from etc_agent.integrations.megatron import destroy_model_parallel
     from etc_agent.migrate import migrate_state
     from etc_agent.migrate.transport import TorchTransport
@@ -210,19 +222,29 @@ def _migrate_worker(rank: int, world: int, old: str, new: str, extra: list[str])
             "steps": sorted(steps), "moved": result.plan.bytes_moved, "loss": loss}
 
 
-@pytest.mark.parametrize("old,new,extra", [
+def _migrate_worker(rank: int, world: int, cases: list[tuple[str, str, list[str]]]) -> list[dict]:
+    return [_migrate_case(rank, old, new, extra) for old, new, extra in cases]
+
+
+MIGRATIONS = [
     ("tp=2,pp=2,dp=1", "tp=1,pp=2,dp=2", []),
     ("tp=1,pp=1,dp=4", "tp=4,pp=1,dp=1", []),
     ("tp=2,pp=1,dp=2", "tp=1,pp=2,dp=2", ["--no-distributed-optimizer"]),
-], ids=["tp2pp2-to-pp2dp2", "dp4-to-tp4", "tp2dp2-to-pp2dp2-plain"])
-def test_megatron_state_migrates_bitwise_through_the_executor(old, new, extra):
-    results = run_workers(4, _migrate_worker, old, new, extra, timeout_s=240)
-    for rank, r in enumerate(results):
-        assert r["bad"] == [], f"rank {rank}: {len(r['bad'])} of {r['keys']} tensors differ, e.g. {r['bad'][:3]}"
-        assert r["proj"], f"rank {rank}: the module's linear_proj does not hold the migrated values"
-        assert r["steps"] == [7.0], f"rank {rank}: optimizer steps after migration {r['steps']}"
-    assert results[0]["moved"] > 0
-    assert any(r["loss"] is not None for r in results)  # the last stage computed a loss
+]
+
+
+def test_megatron_state_migrates_bitwise_through_the_executor():
+    """tp2,pp2 -> pp2,dp2 and dp4 -> tp4 with the distributed optimizer, tp2,dp2 -> pp2,dp2 with the plain one."""
+    per_rank = run_workers(4, _migrate_worker, MIGRATIONS, timeout_s=300)
+    for case, (old, new, extra) in enumerate(MIGRATIONS):
+        label = f"{old} -> {new} {' '.join(extra)}"
+        results = [per_rank[rank][case] for rank in range(4)]
+        for rank, r in enumerate(results):
+            assert r["bad"] == [], f"{label}, rank {rank}: {len(r['bad'])} of {r['keys']} tensors differ, e.g. {r['bad'][:3]}"
+            assert r["proj"], f"{label}, rank {rank}: the module's linear_proj does not hold the migrated values"
+            assert r["steps"] == [7.0], f"{label}, rank {rank}: optimizer steps after migration {r['steps']}"
+        assert results[0]["moved"] > 0, label
+        assert any(r["loss"] is not None for r in results), label  # the last stage computed a loss
 
 
 def test_megatron_gpt_trains_through_join_leave_reconfigure_and_crash_under_etcrun(etcd_server, tmp_path):

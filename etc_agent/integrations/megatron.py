@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
@@ -76,8 +76,14 @@ class ParamBox:
 # ---- model -----------------------------------------------------------------------------------
 
 
-def model_tensors(model: Any) -> tuple[dict[str, BoxedTensor], dict[int, ParamBox]]:
-    """``(boxes by layout-independent key, id(parameter) -> its box)`` of one rank's model.
+def tensor_id(tensor: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
+    """Identity of a tensor's elements (storage, offset, shape): a parameter, its ``.data`` and a detached
+    view of it agree, so optimizers and state dicts that hold either find the same box."""
+    return tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape)
+
+
+def model_tensors(model: Any) -> tuple[dict[str, BoxedTensor], dict[tuple, ParamBox]]:
+    """``(boxes by layout-independent key, tensor_id(parameter) -> its box)`` of one rank's model.
 
     ``model`` is a Megatron module (a DDP wrapper included) or a list of model chunks. Every box's
     tensor aliases the parameter's (or buffer's) storage, so writing into it updates the model.
@@ -87,7 +93,7 @@ def model_tensors(model: Any) -> tuple[dict[str, BoxedTensor], dict[int, ParamBo
 
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     tensors: dict[str, BoxedTensor] = {}
-    params: dict[int, ParamBox] = {}
+    params: dict[tuple, ParamBox] = {}
     for chunk in chunks:
         for item in nested_values(chunk.sharded_state_dict()):
             if isinstance(item, ShardedObject):
@@ -107,7 +113,7 @@ def model_tensors(model: Any) -> tuple[dict[str, BoxedTensor], dict[int, ParamBo
             view = data.detach()
             view = view.view(lengths) if tuple(view.shape) != lengths else view
             tensors[key] = BoxedTensor(view, global_shape, offsets, lengths)
-            params[id(data)] = ParamBox(key, global_shape, offsets, lengths)
+            params[tensor_id(data)] = ParamBox(key, global_shape, offsets, lengths)
     return tensors, params
 
 
@@ -174,7 +180,7 @@ def _inner_optimizers(optimizer: Any) -> list[Any]:
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
-def optimizer_tensors(optimizer: Any, params: Mapping[int, ParamBox]) -> dict[str, BoxedTensor]:
+def optimizer_tensors(optimizer: Any, params: Mapping[tuple, ParamBox]) -> dict[str, BoxedTensor]:
     """Boxes of a Megatron optimizer's per-parameter state, keyed ``<state>.<model key>``
     (``exp_avg.module.decoder.layers.mlp.linear_fc2.weight[1]``; ``param`` for fp32 main parameters).
 
@@ -188,7 +194,7 @@ def optimizer_tensors(optimizer: Any, params: Mapping[int, ParamBox]) -> dict[st
             raise ValueError("Megatron's precision-aware optimizer keeps its state scaled and gives copies of it; "
                              "it cannot be migrated in place (set use_precision_aware_optimizer=False)")
         for model_param, main_param, state, flat in _param_states(opt, isinstance(opt, DistributedOptimizer)):
-            box = params.get(id(model_param))
+            box = params.get(tensor_id(model_param))
             if box is None:
                 raise ValueError(f"an optimizer parameter of shape {tuple(model_param.shape)} is not in any Megatron model "
                                  "of the app state (put the model chunks the optimizer was built for in the app state)")
@@ -253,9 +259,19 @@ def materialize_optimizer_state(optimizer: Any, zero: bool) -> None:
             materialize(inner, zero=zero)
 
 
-def torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
-    """The torch optimizers that step a Megatron optimizer's parameters (for step hooks)."""
-    return [opt.optimizer for opt in _inner_optimizers(optimizer) if getattr(opt, "optimizer", None) is not None]
+def wrap_step(optimizer: Any, before: Callable[[], None] | None, after: Callable[[], None]) -> None:
+    """Call ``before`` and ``after`` around every ``optimizer.step()`` of a Megatron optimizer (which has
+    no step hooks): once per step on every rank, whatever optimizers it chains."""
+    step = optimizer.step
+
+    def stepped(*args: Any, **kwargs: Any) -> Any:
+        if before is not None:
+            before()
+        result = step(*args, **kwargs)
+        after()
+        return result
+
+    optimizer.step = stepped
 
 
 def optimizer_plain(optimizer: Any, path: str) -> dict:

@@ -85,7 +85,7 @@ def split_state(app: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
     tensors: dict[str, Any] = {}
     plain: dict[str, Any] = {}
     names = param_names(app)
-    megatron_params: dict[int, megatron.ParamBox] = {}
+    megatron_params: dict[tuple, megatron.ParamBox] = {}
     for name, obj in app.items():
         if megatron.is_model(obj):
             boxes, params = megatron.model_tensors(obj)

@@ -366,19 +366,16 @@ class Job:
         state = self._build(ctx)
         if not isinstance(state, dict):
             raise TypeError(f"build() must return a dict (the app state), got {type(state).__name__}")
+        barrier = self.elastic and self.commit_barrier
         for obj in state.values():
             if isinstance(obj, torch.optim.Optimizer):
                 materialize_optimizer_state(obj, zero=not ctx.restoring)
-                stepped = [obj]
+                if barrier:
+                    obj.register_step_pre_hook(self._before_optimizer_step)
+                obj.register_step_post_hook(self._on_optimizer_step)
             elif megatron.is_optimizer(obj):
                 megatron.materialize_optimizer_state(obj, zero=not ctx.restoring)
-                stepped = megatron.torch_optimizers(obj)
-            else:
-                continue
-            for optimizer in stepped:
-                if self.elastic and self.commit_barrier:
-                    optimizer.register_step_pre_hook(self._before_optimizer_step)
-                optimizer.register_step_post_hook(self._on_optimizer_step)
+                megatron.wrap_step(obj, self._before_optimizer_step if barrier else None, self._on_optimizer_step)
         return state
 
     def _checkpoint(self) -> None:
@@ -682,7 +679,7 @@ class Job:
                 if not assignment.get("trained", assignment["started"]):
                     # Nothing trained yet: the state every process built is the initial one, so a part
                     # that died with its process is built again (a crash before the first step).
-                    candidates, resume_step, result = [], self.next_step, None
+                    resume_step, result = self.next_step, None
                 else:
                     hint = "" if self.checkpointer is not None else " (etcrun --checkpoint-dir and --checkpoint-interval keep periodic checkpoints to restore from)"
                     self._fatal(StateLost(f"generation {generation}: training state lost, no step has a live copy or a "
