@@ -305,7 +305,7 @@ def _jsonable(value: Any) -> bool:
 
 
 def load_optimizer_plain(optimizer: Any, plain: Mapping[str, Any]) -> None:
-    from etc_agent.worker.appstate import from_json
+    from etc_agent.worker.appstate import from_json, load_param_group
 
     optimizers = _inner_optimizers(optimizer)
     if len(optimizers) != len(plain["optimizers"]):
@@ -314,14 +314,7 @@ def load_optimizer_plain(optimizer: Any, plain: Mapping[str, Any]) -> None:
     for opt, saved in zip(optimizers, plain["optimizers"]):
         inner = getattr(opt, "optimizer", None)
         for group, settings in zip(inner.param_groups if inner is not None else [], saved["param_groups"]):
-            for k, v in settings.items():
-                restored = from_json(v)
-                if isinstance(group.get(k), tuple) and isinstance(restored, list):
-                    restored = tuple(restored)
-                if isinstance(group.get(k), torch.Tensor):
-                    group[k].copy_(torch.as_tensor(restored))
-                else:
-                    group[k] = restored
+            load_param_group(group, settings)
             for p in group["params"]:
                 state = inner.state.get(p)
                 if state and step is not None and "step" in state:

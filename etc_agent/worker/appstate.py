@@ -140,17 +140,28 @@ def load_state(app: dict[str, Any], plain: Mapping[str, Any], tensors: Mapping[s
             megatron.load_optimizer_plain(obj, value)
         elif isinstance(obj, torch.optim.Optimizer):
             for group, saved in zip(obj.param_groups, value["param_groups"]):
-                for k, v in saved.items():
-                    restored = from_json(v)
-                    if isinstance(group.get(k), tuple) and isinstance(restored, list):
-                        restored = tuple(restored)
-                    group[k] = restored
+                load_param_group(group, saved)
         elif isinstance(obj, (nn.Module, *TensorLike)) or megatron.is_model(obj):
             continue
         elif _is_stateful(obj):
             obj.load_state_dict(_join_nested(value, tensors))
         else:
             app[name] = from_json(value)
+
+
+def load_param_group(group: dict[str, Any], saved: Mapping[str, Any]) -> None:
+    """Restore an optimizer param group's carried settings (lr, betas, ...) in place.
+
+    Tuples come back as tuples; a tensor-valued setting keeps its tensor (device, dtype) and takes the value.
+    """
+    for k, v in saved.items():
+        restored = from_json(v)
+        if isinstance(group.get(k), tuple) and isinstance(restored, list):
+            restored = tuple(restored)
+        if isinstance(group.get(k), torch.Tensor):
+            group[k].copy_(torch.as_tensor(restored))
+        else:
+            group[k] = restored
 
 
 def _join_nested(value: Any, tensors: Mapping[str, Any]) -> Any:
