@@ -297,6 +297,8 @@ def _keep_serving_store(store, agent: Agent) -> None:
 
 def _with_job_config(argv: list[str]) -> tuple[list[str], dict]:
     """``--config FILE``: the file's values become the defaults of etcrun's parameters."""
+    if not any(arg == "--config" or arg.startswith("--config=") for arg in argv):
+        return argv, {}  # the common case: no command to build twice
     from etc_agent.cli.jobconfig import load_job_config, split_config_flag
 
     command = typer.main.get_command(app)

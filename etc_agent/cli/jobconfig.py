@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 RENAMED = {"script": "training_script", "script_args": "training_script_args"}
 """File keys -> etcrun parameter names."""
+_FILE_KEY = {parameter: key for key, parameter in RENAMED.items()}
 
 
 def _model_for(command: Callable) -> type[BaseModel]:
@@ -30,8 +31,7 @@ def _model_for(command: Callable) -> type[BaseModel]:
             continue
         annotation = hints[name]
         base = typing.get_args(annotation)[0] if typing.get_origin(annotation) is typing.Annotated else annotation
-        key = {v: k for k, v in RENAMED.items()}.get(name, name)
-        fields[key] = (base | None, None)
+        fields[_FILE_KEY.get(name, name)] = (base | None, None)
     return create_model("JobConfig", __config__=ConfigDict(extra="forbid"), **fields)
 
 

@@ -376,6 +376,5 @@ def destroy_model_parallel() -> None:
     import torch.distributed as dist
 
     for name, value in list(vars(parallel_state).items()):
-        if name.isupper() or not name.startswith("_"):
-            if isinstance(value, dist.ProcessGroup):
-                setattr(parallel_state, name, None)
+        if isinstance(value, dist.ProcessGroup):
+            setattr(parallel_state, name, None)
