@@ -80,16 +80,9 @@ def multi_gpu(num_gpus: int) -> dict:
                               module="etc_agent.examples.megatron_gpt", min_nodes=1)
         if result["codes"] != [0]:
             return {"ok": False, "error": result["cluster"].tail(80)}
-        after, crossings, mismatches = {}, 0, []
-        for line in digests.read_text().splitlines():
-            record = json.loads(line)
-            if record["when"] == "after":
-                after[record["step"]] = record
-            elif record["step"] - 1 in after:
-                before = after[record["step"] - 1]
-                crossings += before["layout"] != record["layout"]
-                if before["digest"] != record["digest"]:
-                    mismatches.append(record["step"])
+        from etc_agent.examples.megatron_gpt import compare_digests
+
+        crossings, mismatches = compare_digests(digests)
         records = result["migrations"]
         return {"ok": crossings == 1 and not mismatches and len(records) == 1, "crossings": crossings, "mismatches": mismatches,
                 "migration": {k: records[0].get(k) for k in ("old_config", "new_config", "bytes_moved", "total_stall_s")} if records else None,

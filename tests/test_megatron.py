@@ -254,7 +254,6 @@ def test_megatron_gpt_trains_through_join_leave_reconfigure_and_crash_under_etcr
     copy: read from the periodic checkpoint, the steps since trained again). Across every event the
     whole state before a step is bitwise the state after the previous one, and the losses match an
     uninterrupted single-process run."""
-    import json
     import sys
     import uuid
 
@@ -292,16 +291,8 @@ def test_megatron_gpt_trains_through_join_leave_reconfigure_and_crash_under_etcr
     assert crash["restored_from"], crash
 
     # Lossless: the state entering each step equals the state the previous step left, in any layout.
-    after: dict[int, str] = {}
-    crossings = 0
-    for line in digests.read_text().splitlines():
-        record = json.loads(line)
-        if record["when"] == "after":
-            after[record["step"]] = (record["digest"], record["layout"])
-        elif record["step"] - 1 in after:
-            digest, layout = after[record["step"] - 1]
-            assert record["digest"] == digest, f"step {record['step']}: state differs from the end of the step before ({layout} -> {record['layout']})"
-            crossings += layout != record["layout"]
+    crossings, mismatches = megatron_gpt.compare_digests(digests)
+    assert mismatches == [], mismatches
     assert crossings == 3, f"{crossings} layout changes seen between two digests"
 
     reference, _ = reference_losses(steps, work, ["--global-batch", "12"], module=module)

@@ -19,8 +19,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -194,6 +196,24 @@ def _log_digest(args: argparse.Namespace, job, step: int, when: str) -> None:
     full = job.gather_state()  # every rank takes part
     if full is not None:
         _append(args.digest_log, {"step": step, "when": when, "digest": state_digest(full), "layout": job.ctx.config.short()})
+
+
+def compare_digests(path: str | os.PathLike) -> tuple[int, list[str]]:
+    """Read a ``--digest-log``: ``(layout changes seen between two steps, mismatches)``, where a mismatch
+    is a step whose state on entry differs from the state the step before left (it names both layouts)."""
+    after: dict[int, dict] = {}
+    crossings, mismatches = 0, []
+    for line in Path(path).read_text().splitlines():
+        record = json.loads(line)
+        if record["when"] == "after":
+            after[record["step"]] = record
+        elif record["step"] - 1 in after:
+            before = after[record["step"] - 1]
+            crossings += before["layout"] != record["layout"]
+            if before["digest"] != record["digest"]:
+                mismatches.append(f"step {record['step']}: state differs from the end of the step before "
+                                  f"({before['layout']} -> {record['layout']})")
+    return crossings, mismatches
 
 
 def main(argv: list[str] | None = None) -> None:
