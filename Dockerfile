@@ -9,13 +9,14 @@ ENV PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1
 WORKDIR /opt/etc-agent
 
 # torch first: the largest layer, changes least often.
-RUN pip install torch==2.13.0
+COPY constraints.txt ./
+RUN pip install -c constraints.txt torch
 
 COPY pyproject.toml README.md ./
 COPY etc_agent ./etc_agent
 COPY configs ./configs
 COPY scripts ./scripts
-RUN pip install ".${EXTRAS:+[$EXTRAS]}" && python -c "import pyetcd, etc_agent; print('etc-agent', etc_agent.__version__)"
+RUN pip install -c constraints.txt ".${EXTRAS:+[$EXTRAS]}" && python -c "import pyetcd, etc_agent; print('etc-agent', etc_agent.__version__)"
 
 ENTRYPOINT ["etcrun"]
 CMD ["--help"]

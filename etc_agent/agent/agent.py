@@ -223,10 +223,11 @@ class Agent:
             last_decision = 0.0
             while not self.stop_requested.is_set() and not self.leaving.is_set():
                 if self._leader_dirty.wait(0.1):
-                    # Debounce: decide once nothing changed for reconfig_delay.
+                    # Debounce: decide once nothing changed for reconfig_delay, unless no later change can
+                    # alter the decision.
                     while not self.stop_requested.is_set():
                         self._leader_dirty.clear()
-                        if not self._leader_dirty.wait(self.config.reconfig_delay):
+                        if self._settled() or not self._leader_dirty.wait(self.config.reconfig_delay):
                             break
                     self._decide()
                     last_decision = time.monotonic()
@@ -245,6 +246,20 @@ class Agent:
                     self.store.delete("leader")
                 except StoreError:
                     pass
+
+    def _settled(self) -> bool:
+        """Whether the next decision needs no ``--reconfig-delay`` of quiet first: the first generation
+        once every node ``--nnodes`` allows has registered (no other can join), and the end of a job
+        whose members all reported success."""
+        kv = self.store.get("generation")
+        if kv is None:
+            return len(self._members_now()) >= self.config.max_nodes
+        current = self._parse(GenerationRecord, kv)
+        if current is None or current.status != "running" or not current.members:
+            return False
+        states = {skv.key.rsplit("/", 1)[-1]: status.state for skv in self.store.get_prefix(f"generations/{current.number}/status/")
+                  if (status := self._parse(NodeStatus, skv)) is not None}
+        return all(states.get(n) == "succeeded" for n in current.members)
 
     def _on_leader_event(self, event: WatchEvent) -> None:
         if event.key.startswith("nodes/") or "/status/" in event.key or "/abandoned/" in event.key:

@@ -162,10 +162,8 @@ def etcrun(
     config: Annotated[Optional[Path], typer.Option("--config", help="Job YAML (configs/jobs/*.yaml): etcrun's options by name, "
                                                    "script and script_args; flags given here win.")] = None,
 ) -> None:
-    from click.core import ParameterSource
-
-    if ctx.get_parameter_source("training_script") == ParameterSource.COMMANDLINE and \
-            ctx.get_parameter_source("training_script_args") == ParameterSource.DEFAULT_MAP:
+    # Compared by name: click's ParameterSource lives in typer's vendored copy of click, not in an importable package.
+    if _source(ctx, "training_script") == "COMMANDLINE" and _source(ctx, "training_script_args") == "DEFAULT_MAP":
         training_script_args = None  # a script named on the command line comes with its own arguments
     if sidecar and training_script is not None:
         raise ValueError(f"--sidecar starts no workers: remove the training script ({training_script}); start it with "
@@ -274,6 +272,11 @@ def etcrun(
         if server is not None:
             server.stop()
     raise typer.Exit(code)
+
+
+def _source(ctx: typer.Context, name: str) -> str:
+    source = ctx.get_parameter_source(name)
+    return source.name if source is not None else ""
 
 
 def _keep_serving_store(store, agent: Agent) -> None:

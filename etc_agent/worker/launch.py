@@ -26,8 +26,6 @@ def main(argv: list[str]) -> None:
     sys.argv = [target, *args]
     if not module:
         sys.path.insert(0, os.path.dirname(os.path.abspath(target)))  # as `python script.py` does
-    from etc_agent.worker import job as job_module
-
     while True:
         try:
             if module:
@@ -38,7 +36,10 @@ def main(argv: list[str]) -> None:
         except SystemExit:
             raise
         except BaseException as err:
-            job = job_module.current()
+            # Only a script that used the worker API has imported it; a plain script keeps its own
+            # start-up cost (importing it here would import torch into every worker).
+            job_module = sys.modules.get("etc_agent.worker.job")
+            job = job_module.current() if job_module is not None else None
             if job is None or not job.recover(err):
                 raise
 
