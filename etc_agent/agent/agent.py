@@ -89,8 +89,15 @@ class _Event:
 
 
 class Agent:
-    def __init__(self, config: AgentConfig, spec: WorkerSpec, store: MembershipStore, emit: Callable[[str, dict], None] | None = None):
+    def __init__(self, config: AgentConfig, spec: WorkerSpec, store: MembershipStore, emit: Callable[[str, dict], None] | None = None,
+                 workers_store=None):
+        """``workers_store``: a TCPStore this agent hosts at a fixed address for the whole run
+        (torchrun's static rendezvous on ``--master-port``); generations use it as the workers'
+        store while each restart count's key prefix is still unused there."""
         self.config, self.spec, self.store = config, spec, store
+        self._static_store = workers_store
+        self._static_attempts: set[int] = set()
+        """Restart counts whose ``/worker/attempt_<n>`` keys workers already wrote to the static store."""
         self.node_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.host = config.local_addr or socket.getfqdn()
         self.emit = emit or self._log_event
@@ -101,6 +108,8 @@ class Agent:
         self.stop_requested = threading.Event()
         self.hard_stop = threading.Event()
         """Set by a second SIGTERM/SIGINT: stop everything now, the embedded store included."""
+        self.signal_received: signal.Signals | None = None
+        """The first signal that asked this node to leave (reported when that ends an unfinished job)."""
         self._wake = threading.Event()
         self._lease = None
         self._is_leader = False
@@ -409,14 +418,20 @@ class Agent:
     def _master(self, gen: GenerationRecord) -> MasterRecord:
         key = f"generations/{gen.number}/master"
         if gen.members[0] == self.node_id:
-            # Like torchrun's c10d agents: the first member hosts the workers' TCPStore, a fresh one
-            # per generation (stale keys of an old generation would break gloo's connect).
-            from torch.distributed import TCPStore
+            if self._static_store is not None and gen.restart_count not in self._static_attempts:
+                # Static rendezvous: MASTER_PORT is --master-port, as under torchrun, and torch's
+                # agent-store clients keep each restart's keys apart (/worker/attempt_<restart count>).
+                self._static_attempts.add(gen.restart_count)
+                record = MasterRecord(addr=self._static_store.host, port=self._static_store.port)
+            else:
+                # Like torchrun's c10d agents: the first member hosts the workers' TCPStore, a fresh one
+                # per generation (stale keys of an old generation would break gloo's connect).
+                from torch.distributed import TCPStore
 
-            self._tcp_store = TCPStore(self.host, 0, is_master=True, wait_for_workers=False)
-            # Live workers may still be leaving the previous generation's group: keep its store too.
-            self._stores = [*self._stores[-1:], self._tcp_store]
-            record = MasterRecord(addr=self.host, port=self._tcp_store.port)
+                self._tcp_store = TCPStore(self.host, 0, is_master=True, wait_for_workers=False)
+                # Live workers may still be leaving the previous generation's group: keep its store too.
+                self._stores = [*self._stores[-1:], self._tcp_store]
+                record = MasterRecord(addr=self.host, port=self._tcp_store.port)
             self.store.create(key, record.dumps())
         deadline = time.monotonic() + self.config.join_timeout
         while time.monotonic() < deadline and not self.stop_requested.is_set():
@@ -433,7 +448,8 @@ class Agent:
     def _node_env(self, local_rank: int, generation: int) -> dict[str, str]:
         """What a worker gets from this node whatever its place in a generation."""
         env = {
-            "LOCAL_RANK": str(local_rank),
+            "LOCAL_RANK": "0" if self.spec.virtual_local_rank else str(local_rank),
+            "ETC_AGENT_LOCAL_RANK": str(local_rank),
             "ROLE_NAME": self.spec.role,
             "LOCAL_WORLD_SIZE": str(self.config.nproc_per_node),
             "TORCHELASTIC_MAX_RESTARTS": str(self.config.max_restarts),
@@ -450,6 +466,10 @@ class Agent:
             env["ETC_AGENT_CHECKPOINT_KEEP"] = str(self.config.checkpoint_keep)
         if "OMP_NUM_THREADS" in os.environ:
             env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
+        if self.spec.virtual_local_rank:
+            # As torchrun does: each worker sees only its own device, as device 0.
+            visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+            env["CUDA_VISIBLE_DEVICES"] = visible[local_rank] if local_rank < len(visible) else str(local_rank)
         return env
 
     def _worker_env(self, gen: GenerationRecord, master: MasterRecord, local_rank: int) -> dict[str, str]:
@@ -627,7 +647,7 @@ class Agent:
                     # Its predecessor last saw that generation: the replacement joins a later one.
                     number = self._served_generation.pop(req.local_rank) + 1
                 node_env = self._node_env(req.local_rank, number)
-                reply.update(sidecar=True, env={k: v for k, v in node_env.items() if k not in ("LOCAL_RANK", "OMP_NUM_THREADS")})
+                reply.update(sidecar=True, env={k: v for k, v in node_env.items() if k not in ("LOCAL_RANK", "ETC_AGENT_LOCAL_RANK", "OMP_NUM_THREADS")})
             return reply
         if isinstance(req, Attach):
             if not self.config.sidecar:
@@ -710,7 +730,7 @@ class Agent:
     def _make_workers(self, envs: list[dict[str, str]], attempt_dir: Path):
         """This node's workers: started here, or (sidecar) the processes that attach under these local ranks."""
         if self.config.sidecar:
-            return AttachedWorkers(self._attachments, [int(env["LOCAL_RANK"]) for env in envs])
+            return AttachedWorkers(self._attachments, [int(env["ETC_AGENT_LOCAL_RANK"]) for env in envs])
         return WorkerGroup(self.spec, envs, attempt_dir)
 
     def _join_warm(self) -> None:
@@ -868,13 +888,15 @@ class Agent:
             summary = self.workers.failure_summary(self.host)
             if self._reported != (gen.number, "failed"):
                 self.emit("workers_failed", {"generation": gen.number, "exit_codes": failed, "action": "restart as joiners"})
-                log.error("worker failure (generation %d):\n%s", gen.number, summary)
+                log.error("worker failure (generation %d):\n%s", gen.number, self.workers.failure_report(self._script_name()))
             self._report(gen, NodeStatus(state="failed", exit_codes={r: c for r, c in codes.items() if c is not None}, message=summary))
         elif failed:
             summary = self.workers.failure_summary(self.host)
             self.emit("workers_failed", {"generation": gen.number, "exit_codes": failed})
-            log.error("worker failure (generation %d):\n%s", gen.number, summary)
+            group = self.workers
             self._stop_workers("a local worker failed")
+            # After the stop, as torchrun does: the workers stopped because of the failure are listed too.
+            log.error("worker failure (generation %d):\n%s", gen.number, group.failure_report(self._script_name()))
             self._report(gen, NodeStatus(state="failed", exit_codes={r: c for r, c in codes.items() if c is not None}, message=summary))
         elif all(c == 0 for c in codes.values()):
             self.workers.close()
@@ -885,6 +907,9 @@ class Agent:
                 return
             self._report(gen, NodeStatus(state="succeeded", exit_codes=codes))
             self.emit("workers_succeeded", {"generation": gen.number})
+
+    def _script_name(self) -> str:
+        return self.spec.entrypoint[0] if self.spec.entrypoint else "workers"
 
     def _abandon(self, generation: int, reason: str) -> None:
         key = f"generations/{generation}/abandoned/{self.node_id}"
@@ -904,11 +929,31 @@ class Agent:
         if self._elastic and self.workers is not None and self.generation is not None and self.node_id in self.generation.members:
             self._send_state_before_leaving()
         self._stop_workers("planned departure")
+        code = self._departure_exit_code()
         try:
             self.store.delete(f"nodes/{self.node_id}")
         except StoreError:
             pass
-        return 0
+        return code
+
+    def _departure_exit_code(self) -> int:
+        """0 when the job finished or other nodes carry it on; otherwise this departure ends a job that
+        did not finish, and the exit code says so (1, as torchrun's agent exits on a signal), so that
+        a scheduler does not record a killed job as a success."""
+        try:
+            latest = self._read_generation()
+            finished = self._job_finished() or (latest is not None and latest.status == "succeeded")
+            others = [] if finished else [r.node_id for r in (self._parse(NodeRecord, kv) for kv in self.store.get_prefix("nodes/"))
+                                          if r is not None and r.node_id != self.node_id and not r.leaving]
+        except StoreError as err:
+            self.emit("store_unreachable", {"error": str(err), "pending": "whether other nodes go on"})
+            finished, others = False, []
+        if finished or others:
+            return 0
+        cause = self.signal_received.name if self.signal_received is not None else "a departure request"
+        self.emit("job_unfinished", {"cause": cause, "exit_code": 1,
+                                     "note": "no other node goes on with the job and it did not finish"})
+        return 1
 
 
     def _send_state_before_leaving(self) -> None:
@@ -967,15 +1012,19 @@ class _Superseded(Exception):
     """A newer generation appeared while this one was being set up."""
 
 
-def install_signal_handlers(agent: Agent) -> None:
-    """SIGTERM/SIGINT: planned departure; a second one: stop now (a store host stops serving too)."""
+def install_signal_handlers(agent: Agent, signals: list[signal.Signals] = (signal.SIGTERM, signal.SIGINT)) -> None:
+    """Each of ``signals`` (etcrun: ``--signals-to-handle``): planned departure; a second one: stop now
+    (a store host stops serving too). The first one is remembered: a job that did not finish then
+    ends with torchrun's exit code for a signal, not 0."""
 
     def on_term(signum, frame):
         agent.emit("signal", {"signal": signal.Signals(signum).name})
         if agent.leaving.is_set():
             agent.hard_stop.set()
             agent.stop_requested.set()
+        if agent.signal_received is None:
+            agent.signal_received = signal.Signals(signum)
         agent.request_departure()
 
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGINT, on_term)
+    for sig in signals:
+        signal.signal(sig, on_term)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -29,6 +30,10 @@ class WorkerSpec(BaseModel):
     redirects: dict[int, int] = Field(default_factory=dict, description="Local rank -> 0 none, 1 stdout, 2 stderr, 3 both to files.")
     tee: dict[int, int] = Field(default_factory=dict, description="Like redirects, but also shown on the console.")
     local_ranks_filter: set[int] | None = Field(None, description="Only these local ranks' output reaches the console.")
+    duplicate_filters: dict[str, list[str]] = Field(
+        default_factory=dict, description="'stdout'/'stderr' -> substrings: matching lines of every local worker are also "
+        "written to filtered_<stream>.log in the attempt's directory (torchrun's --duplicate-*-filters).")
+    virtual_local_rank: bool = Field(False, description="LOCAL_RANK=0 in every worker, CUDA_VISIBLE_DEVICES narrowed to its device.")
 
     def command(self) -> list[str]:
         if self.no_python:
@@ -67,6 +72,8 @@ class _Worker:
     files: list[IO] = field(default_factory=list)
     killed_because: str = ""
     """Set when the agent killed it (e.g. it stopped responding)."""
+    exited_at: float | None = None
+    """When the agent first saw it exited (orders failures without an error file for the root cause)."""
 
 
 class WorkerGroup:
@@ -76,11 +83,21 @@ class WorkerGroup:
         self.spec = spec
         self.workers: list[_Worker] = []
         self.attempt_dir = attempt_dir
+        self._filtered: dict[str, _FilteredLog] = {}
         for env in envs:
             self.workers.append(self._start(env))
 
+    def _filtered_log(self, stream: str) -> _FilteredLog | None:
+        filters = self.spec.duplicate_filters.get(stream)
+        if not filters:
+            return None
+        path = self.attempt_dir / f"filtered_{stream}.log"
+        if stream not in self._filtered or self._filtered[stream].path != path:
+            self._filtered[stream] = _FilteredLog(path, filters)
+        return self._filtered[stream]
+
     def _start(self, env: dict[str, str]) -> _Worker:
-        local_rank = int(env["LOCAL_RANK"])
+        local_rank = int(env["ETC_AGENT_LOCAL_RANK"])
         rank_dir = self.attempt_dir / str(local_rank)
         rank_dir.mkdir(parents=True, exist_ok=True)
         error_file = rank_dir / "error.json"
@@ -95,7 +112,7 @@ class WorkerGroup:
         for bit, name, console in ((1, "stdout", sys.stdout), (2, "stderr", sys.stderr)):
             to_file = bool((redirect | tee) & bit) and self.spec.log_dir is not None
             to_console = shown and (not (redirect & bit) or bool(tee & bit))
-            if to_file or not to_console:
+            if to_file or not to_console or self.spec.duplicate_filters.get(name):
                 streams[name] = (subprocess.PIPE, to_file, to_console, console, rank_dir / f"{name}.log")
             else:
                 streams[name] = (None, False, True, console, None)
@@ -118,7 +135,8 @@ class WorkerGroup:
                 files.append(sink)
             prefix = f"[{self.spec.role}{env['RANK']}]:"
             thread = threading.Thread(
-                target=_pump, args=(getattr(proc, name), sink, console if to_console else None, prefix), daemon=True
+                target=_pump, args=(getattr(proc, name), sink, console if to_console else None, prefix, self._filtered_log(name)),
+                daemon=True,
             )
             thread.start()
             worker.pumps.append(thread)
@@ -137,7 +155,12 @@ class WorkerGroup:
 
     def poll(self) -> dict[int, int | None]:
         """Local rank -> exit code (None while running)."""
-        return {w.local_rank: w.proc.poll() for w in self.workers}
+        codes = {}
+        for w in self.workers:
+            codes[w.local_rank] = w.proc.poll()
+            if codes[w.local_rank] is not None and w.exited_at is None:
+                w.exited_at = time.time()
+        return codes
 
     def pids(self) -> dict[int, int]:
         return {w.local_rank: w.proc.pid for w in self.workers}
@@ -169,9 +192,38 @@ class WorkerGroup:
                 t.join(timeout=2)
             for f in w.files:
                 f.close()
+        for filtered in self._filtered.values():
+            filtered.close()
+
+    def failure_report(self, name: str) -> str:
+        """torchrun's ``ChildFailedError`` text for the workers that failed: each failure (time, host,
+        rank, exit code, error file, the error file's traceback) and the root cause, the first one
+        observed (an error file's own timestamp where the worker wrote one)."""
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+        failures = {}
+        for w in self.workers:
+            code = w.proc.poll()
+            if code in (None, 0):
+                continue
+            try:
+                failure = ProcessFailure(local_rank=w.local_rank, pid=w.proc.pid, exitcode=code, error_file=str(w.error_file))
+            except (OSError, ValueError, KeyError, TypeError):  # an error file the worker left half-written
+                failure = ProcessFailure(local_rank=w.local_rank, pid=w.proc.pid, exitcode=code, error_file="")
+                failure.message = f"(unreadable error file {w.error_file}) {failure.message}"
+            if not w.error_file.exists():
+                failure.timestamp = int(w.exited_at or time.time())
+            if w.killed_because:
+                failure.message = f"{failure.message}; killed by the agent: {w.killed_because}"
+            failures[w.global_rank] = failure
+        if not failures:
+            return ""
+        # Equal timestamps (one-second resolution) go in the order the agent saw the exits.
+        order = sorted(failures, key=lambda r: (failures[r].timestamp, next(w.exited_at or 0 for w in self.workers if w.global_rank == r)))
+        return ChildFailedError(name, {rank: failures[rank] for rank in order}).format_msg()
 
     def failure_summary(self, host: str) -> str:
-        """torchrun-style root-cause report of the workers that failed."""
+        """One line per failed worker (what the store's status record carries)."""
         lines = []
         for w in self.workers:
             code = w.proc.poll()
@@ -202,9 +254,36 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
             pass
 
 
-def _pump(stream: IO[bytes], sink: IO | None, console: IO | None, prefix: str) -> None:
+class _FilteredLog:
+    """One attempt's ``filtered_stdout.log`` / ``filtered_stderr.log``, shared by its workers' pumps."""
+
+    def __init__(self, path: Path, filters: list[str]):
+        self.path, self.filters = path, filters
+        self._lock = threading.Lock()
+        self._file: IO | None = None
+
+    def offer(self, prefix: str, line: str) -> None:
+        if not any(f in line for f in self.filters):
+            return
+        with self._lock:
+            if self._file is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = open(self.path, "a")
+            self._file.write(f"{prefix}{line}")
+            self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
+def _pump(stream: IO[bytes], sink: IO | None, console: IO | None, prefix: str, filtered: _FilteredLog | None = None) -> None:
     for raw in iter(stream.readline, b""):
         line = raw.decode(errors="replace")
+        if filtered is not None:
+            filtered.offer(prefix, line)
         if sink is not None:
             sink.write(line)
             sink.flush()
@@ -345,6 +424,13 @@ class AttachedWorkers:
 
     def close(self) -> None:
         pass
+
+    def failure_report(self, name: str) -> str:
+        """The failures in torchrun's layout, as far as an agent that did not start them knows (no
+        error files: those are the other launcher's)."""
+        body = self.failure_summary(socket.getfqdn())
+        rule = "=" * 60
+        return f"{rule}\n{name} FAILED (attached workers)\n{'-' * 60}\nFailures:\n{body}\n{rule}" if body else ""
 
     def failure_summary(self, host: str) -> str:
         lines = []

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import signal
 import socket
 import sys
 import uuid
@@ -75,6 +76,31 @@ def parse_rdzv_conf(text: str) -> dict[str, str]:
     return out
 
 
+def parse_filters(text: str) -> list[str]:
+    """torchrun's comma-separated filter list: ``a,b`` is two filters, ``a,,b`` the one filter ``a,b``."""
+    if not text:
+        return []
+    escaped = "\0"
+    return [part.replace(escaped, ",") for part in text.replace(",,", escaped).split(",") if part]
+
+
+def parse_signals(text: str) -> list[signal.Signals]:
+    out = []
+    for name in (n.strip().upper() for n in text.split(",")):
+        if not name:
+            continue
+        try:
+            sig = signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
+        except KeyError:
+            raise ValueError(f"--signals-to-handle: {name!r} is not a signal name (e.g. SIGTERM,SIGUSR1)") from None
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise ValueError(f"--signals-to-handle: {sig.name} cannot be handled")
+        out.append(sig)
+    if not out:
+        raise ValueError("--signals-to-handle needs at least one signal (default SIGTERM,SIGINT,SIGHUP,SIGQUIT)")
+    return out
+
+
 def _is_local(host: str) -> bool:
     if host in ("localhost", "127.0.0.1", "::1", "0.0.0.0", ""):
         return True
@@ -105,37 +131,84 @@ def open_store(backend: str, endpoint: str, run_id: str, host_store: bool | None
     return EmbeddedStore(endpoint, run_id, connect_timeout_s=wait_s), server
 
 
+STATIC_ENDPOINT_KEY = "etc_agent/membership_store"
+"""Key in the static rendezvous' TCPStore that names the embedded membership store's address."""
+
+
+def open_static_store(master_addr: str, master_port: int, node_rank: int, run_id: str, wait_s: float):
+    """torchrun's static rendezvous: node rank 0 hosts a TCPStore on ``--master-addr:--master-port``,
+    the store the workers reach at ``MASTER_ADDR:MASTER_PORT`` (``env://`` and ``tcp://`` inits
+    alike). The membership store (embedded) listens on a free port beside it, and other nodes read
+    its address from that TCPStore: the job needs no port but ``--master-port``.
+
+    Returns ``(membership store, its server or None, the workers' TCPStore on node 0 or None)``.
+    """
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    if node_rank == 0:
+        try:
+            workers_store = TCPStore(master_addr, master_port, is_master=True, wait_for_workers=False,
+                                     timeout=timedelta(seconds=wait_s))
+        except RuntimeError as err:
+            raise ValueError(f"--master-port {master_port}: cannot listen on it ({str(err).splitlines()[0]}); "
+                             "is another job using it?") from None
+        bind = "127.0.0.1" if master_addr in ("", "localhost") else master_addr
+        if not _is_local(bind):
+            bind = "0.0.0.0"
+        server = EmbeddedStoreServer(bind, 0)
+        endpoint = f"{master_addr}:{server.port}"
+        workers_store.set(STATIC_ENDPOINT_KEY, endpoint)
+        return EmbeddedStore(endpoint, run_id, connect_timeout_s=wait_s), server, workers_store
+    try:
+        bootstrap = TCPStore(master_addr, master_port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=wait_s))
+        endpoint = bootstrap.get(STATIC_ENDPOINT_KEY).decode()
+    except RuntimeError as err:
+        raise StoreError(f"static rendezvous: node rank 0 did not answer at {master_addr}:{master_port} within {wait_s:.0f} s "
+                         f"({str(err).splitlines()[0]})") from None
+    return EmbeddedStore(endpoint, run_id, connect_timeout_s=wait_s), None, None
+
+
 @app.command(
     context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]},
-    help="Launch a training script on this node like torchrun, with live re-configuration when nodes come and go.",
+    help="Launch a training script on this node like torchrun, with live re-configuration when nodes come and go. "
+         "Every torchrun option can also be set by its PET_* environment variable (PET_NPROC_PER_NODE=2); a flag wins over it.",
 )
 def etcrun(
     ctx: typer.Context,
     training_script: Annotated[Optional[str], typer.Argument(help="Script to run (or module with -m, executable with --no-python).")] = None,
     training_script_args: Annotated[Optional[list[str]], typer.Argument(help="Arguments for the script.")] = None,
-    nnodes: Annotated[str, typer.Option("--nnodes", help="Number of nodes, or MIN:MAX for an elastic job.")] = "1:1",
-    nproc_per_node: Annotated[str, typer.Option("--nproc-per-node", "--nproc_per_node", help="Workers per node: N, auto, cpu or gpu.")] = "1",
-    rdzv_backend: Annotated[str, typer.Option("--rdzv-backend", "--rdzv_backend", help="etcd-v3 (etcd), or embedded (c10d, static): a store hosted by one agent.")] = "static",
-    rdzv_endpoint: Annotated[str, typer.Option("--rdzv-endpoint", "--rdzv_endpoint", help="host:port of etcd or of the embedded store.")] = "",
-    rdzv_id: Annotated[str, typer.Option("--rdzv-id", "--rdzv_id", help="Job id shared by all nodes.")] = "none",
-    rdzv_conf: Annotated[str, typer.Option("--rdzv-conf", "--rdzv_conf", help="key=value,...: join_timeout, lease_ttl, is_host.")] = "",
-    standalone: Annotated[bool, typer.Option("--standalone", help="One node, embedded store on a free local port, random run id.")] = False,
-    max_restarts: Annotated[int, typer.Option("--max-restarts", "--max_restarts", help="Worker-failure restarts before the job fails.")] = 0,
-    monitor_interval: Annotated[float, typer.Option("--monitor-interval", "--monitor_interval", help="Seconds between worker checks.")] = 0.1,
-    start_method: Annotated[str, typer.Option("--start-method", "--start_method", help="Accepted for compatibility; workers are always separate processes.")] = "spawn",
-    role: Annotated[str, typer.Option("--role", help="Worker role name (ROLE_NAME).")] = "default",
-    module: Annotated[bool, typer.Option("-m", "--module", help="Run the script as a Python module.")] = False,
-    no_python: Annotated[bool, typer.Option("--no-python", "--no_python", help="Run the script directly, not through python.")] = False,
-    run_path: Annotated[bool, typer.Option("--run-path", "--run_path", help="Run the script as a path (the default way here).")] = False,
-    log_dir: Annotated[Optional[Path], typer.Option("--log-dir", "--log_dir", help="Directory for worker logs and error files.")] = None,
-    redirects: Annotated[str, typer.Option("-r", "--redirects", help="Workers' std streams to files in --log-dir: 0-3 or rank:value,...")] = "0",
-    tee: Annotated[str, typer.Option("-t", "--tee", help="Like --redirects but also to the console.")] = "0",
-    local_ranks_filter: Annotated[str, typer.Option("--local-ranks-filter", "--local_ranks_filter", help="Only these local ranks' output on the console, e.g. 0,1.")] = "",
-    node_rank: Annotated[int, typer.Option("--node-rank", "--node_rank", help="This node's rank (static rendezvous; a position hint otherwise).")] = 0,
-    master_addr: Annotated[str, typer.Option("--master-addr", "--master_addr", help="Static rendezvous: address of node rank 0.")] = "127.0.0.1",
-    master_port: Annotated[int, typer.Option("--master-port", "--master_port", help="Static rendezvous: port on node rank 0.")] = 29500,
-    local_addr: Annotated[Optional[str], typer.Option("--local-addr", "--local_addr", help="Address other nodes use to reach this node.")] = None,
-    shutdown_timeout: Annotated[Optional[int], typer.Option("--shutdown-timeout", "--shutdown_timeout", help="Seconds between SIGTERM and SIGKILL for workers (default 30).")] = None,
+    nnodes: Annotated[str, typer.Option("--nnodes", envvar="PET_NNODES", show_envvar=False, help="Number of nodes, or MIN:MAX for an elastic job.")] = "1:1",
+    nproc_per_node: Annotated[str, typer.Option("--nproc-per-node", "--nproc_per_node", envvar="PET_NPROC_PER_NODE", show_envvar=False, help="Workers per node: N, auto, cpu or gpu.")] = "1",
+    rdzv_backend: Annotated[str, typer.Option("--rdzv-backend", "--rdzv_backend", envvar="PET_RDZV_BACKEND", show_envvar=False, help="etcd-v3 (etcd), or embedded (c10d, static): a store hosted by one agent.")] = "static",
+    rdzv_endpoint: Annotated[str, typer.Option("--rdzv-endpoint", "--rdzv_endpoint", envvar="PET_RDZV_ENDPOINT", show_envvar=False, help="host:port of etcd or of the embedded store.")] = "",
+    rdzv_id: Annotated[str, typer.Option("--rdzv-id", "--rdzv_id", envvar="PET_RDZV_ID", show_envvar=False, help="Job id shared by all nodes.")] = "none",
+    rdzv_conf: Annotated[str, typer.Option("--rdzv-conf", "--rdzv_conf", envvar="PET_RDZV_CONF", show_envvar=False, help="key=value,...: join_timeout, lease_ttl, is_host.")] = "",
+    standalone: Annotated[bool, typer.Option("--standalone", envvar="PET_STANDALONE", show_envvar=False, help="One node, embedded store on a free local port, random run id.")] = False,
+    max_restarts: Annotated[int, typer.Option("--max-restarts", "--max_restarts", envvar="PET_MAX_RESTARTS", show_envvar=False, help="Worker-failure restarts before the job fails.")] = 0,
+    monitor_interval: Annotated[float, typer.Option("--monitor-interval", "--monitor_interval", envvar="PET_MONITOR_INTERVAL", show_envvar=False, help="Seconds between worker checks.")] = 0.1,
+    start_method: Annotated[str, typer.Option("--start-method", "--start_method", envvar="PET_START_METHOD", show_envvar=False, help="Accepted for compatibility; workers are always separate processes.")] = "spawn",
+    role: Annotated[str, typer.Option("--role", envvar="PET_ROLE", show_envvar=False, help="Worker role name (ROLE_NAME).")] = "default",
+    module: Annotated[bool, typer.Option("-m", "--module", envvar="PET_MODULE", show_envvar=False, help="Run the script as a Python module.")] = False,
+    no_python: Annotated[bool, typer.Option("--no-python", "--no_python", envvar="PET_NO_PYTHON", show_envvar=False, help="Run the script directly, not through python.")] = False,
+    run_path: Annotated[bool, typer.Option("--run-path", "--run_path", envvar="PET_RUN_PATH", show_envvar=False, help="Run the script as a path (the default way here).")] = False,
+    log_dir: Annotated[Optional[Path], typer.Option("--log-dir", "--log_dir", envvar="PET_LOG_DIR", show_envvar=False, help="Directory for worker logs and error files.")] = None,
+    redirects: Annotated[str, typer.Option("-r", "--redirects", envvar="PET_REDIRECTS", show_envvar=False, help="Workers' std streams to files in --log-dir: 0-3 or rank:value,...")] = "0",
+    tee: Annotated[str, typer.Option("-t", "--tee", envvar="PET_TEE", show_envvar=False, help="Like --redirects but also to the console.")] = "0",
+    local_ranks_filter: Annotated[str, typer.Option("--local-ranks-filter", "--local_ranks_filter", envvar="PET_LOCAL_RANKS_FILTER", show_envvar=False, help="Only these local ranks' output on the console, e.g. 0,1.")] = "",
+    node_rank: Annotated[int, typer.Option("--node-rank", "--node_rank", envvar="PET_NODE_RANK", show_envvar=False, help="This node's rank (static rendezvous; a position hint otherwise).")] = 0,
+    master_addr: Annotated[str, typer.Option("--master-addr", "--master_addr", envvar="PET_MASTER_ADDR", show_envvar=False, help="Static rendezvous: address of node rank 0.")] = "127.0.0.1",
+    master_port: Annotated[int, typer.Option("--master-port", "--master_port", envvar="PET_MASTER_PORT", show_envvar=False, help="Static rendezvous: port on node rank 0.")] = 29500,
+    local_addr: Annotated[Optional[str], typer.Option("--local-addr", "--local_addr", envvar="PET_LOCAL_ADDR", show_envvar=False, help="Address other nodes use to reach this node.")] = None,
+    shutdown_timeout: Annotated[Optional[int], typer.Option("--shutdown-timeout", "--shutdown_timeout", envvar="PET_SHUTDOWN_TIMEOUT", show_envvar=False, help="Seconds between SIGTERM and SIGKILL for workers (default 30).")] = None,
+    event_log_handler: Annotated[str, typer.Option("--event-log-handler", "--event_log_handler", envvar="PET_EVENT_LOG_HANDLER", show_envvar=False, help="Accepted for compatibility: torch's event handlers are not called; the agent's events go to its log (--log-format json for one JSON line each).")] = "null",
+    duplicate_stdout_filters: Annotated[str, typer.Option("--duplicate-stdout-filters", "--duplicate_stdout_filters", envvar="PET_DUPLICATE_STDOUT_FILTERS", show_envvar=False, help="Comma-separated substrings: workers' stdout lines containing any of them are also written to filtered_stdout.log in the attempt's log directory (',,' is a literal comma).")] = "",
+    duplicate_stderr_filters: Annotated[str, typer.Option("--duplicate-stderr-filters", "--duplicate_stderr_filters", envvar="PET_DUPLICATE_STDERR_FILTERS", show_envvar=False, help="Like --duplicate-stdout-filters, for stderr (filtered_stderr.log).")] = "",
+    logs_specs: Annotated[Optional[str], typer.Option("--logs-specs", "--logs_specs", envvar="PET_LOGS_SPECS", show_envvar=False, help="torchrun.logs_specs entry point: only the default layout is supported (log files under --log-dir).")] = None,
+    numa_binding: Annotated[Optional[str], typer.Option("--numa-binding", "--numa_binding", envvar="PET_NUMA_BINDING", show_envvar=False, help="node, socket, exclusive or core-complex: not supported (CPU affinity is left to the system); rejected rather than ignored.")] = None,
+    signals_to_handle: Annotated[str, typer.Option("--signals-to-handle", "--signals_to_handle", envvar="PET_SIGNALS_TO_HANDLE", show_envvar=False, help="Signals that end this node's part of the job (planned departure; a second one stops at once), comma-separated.")] = "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+    virtual_local_rank: Annotated[bool, typer.Option("--virtual-local-rank", "--virtual_local_rank", envvar="PET_VIRTUAL_LOCAL_RANK", show_envvar=False, help="LOCAL_RANK=0 in every worker, CUDA_VISIBLE_DEVICES narrowed to its own device (index 0).")] = False,
     migration: Annotated[str, typer.Option("--migration", help="live (device to device) or checkpoint (DCP save, restart, load: the baseline).")] = "live",
     checkpoint_dir: Annotated[Optional[Path], typer.Option("--checkpoint-dir", help="Directory every node can reach: --migration checkpoint saves there; with --checkpoint-interval, periodic checkpoints.")] = None,
     checkpoint_interval: Annotated[int, typer.Option("--checkpoint-interval", help="Every N steps, an asynchronous DCP checkpoint in --checkpoint-dir; state that a failure leaves without any live copy is restored from it (only that state), and the steps since are trained again. 0: none.")] = 0,
@@ -165,6 +238,12 @@ def etcrun(
     # Compared by name: click's ParameterSource lives in typer's vendored copy of click, not in an importable package.
     if _source(ctx, "training_script") == "COMMANDLINE" and _source(ctx, "training_script_args") == "DEFAULT_MAP":
         training_script_args = None  # a script named on the command line comes with its own arguments
+    if logs_specs is not None:
+        raise ValueError(f"--logs-specs {logs_specs}: custom LogsSpecs are not supported; worker logs go under --log-dir "
+                         "(<run>_<node>/attempt_<n>/<local_rank>/stdout.log)")
+    if numa_binding is not None:
+        raise ValueError(f"--numa-binding {numa_binding}: not supported by etcrun (set CPU affinity with numactl or your scheduler)")
+    handled_signals = parse_signals(signals_to_handle)
     if sidecar and training_script is not None:
         raise ValueError(f"--sidecar starts no workers: remove the training script ({training_script}); start it with "
                          "`etc-agent workers` or your own launcher, ETC_AGENT_ADDR pointing here")
@@ -214,6 +293,8 @@ def etcrun(
         entrypoint=[training_script, *(training_script_args or [])] if training_script else [],
         module=module, no_python=no_python, role=role, log_dir=log_dir,
         redirects=parse_std_spec(redirects, nproc), tee=parse_std_spec(tee, nproc), local_ranks_filter=filter_ranks,
+        duplicate_filters={"stdout": parse_filters(duplicate_stdout_filters), "stderr": parse_filters(duplicate_stderr_filters)},
+        virtual_local_rank=virtual_local_rank,
     )
     parallel_spec = None
     if parallel:
@@ -260,9 +341,13 @@ def etcrun(
     if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = "1"
     logging.basicConfig(level=logging.INFO, format="%(asctime)s etcrun %(levelname)s %(message)s", stream=sys.stderr)
-    store, server = open_store(backend, rdzv_endpoint, run_id, host_store, etcd, wait_s=min(join_timeout, 60.0))
-    agent = Agent(config, spec, store)
-    install_signal_handlers(agent)
+    workers_store = None
+    if backend == "static" and "is_host" not in conf:
+        store, server, workers_store = open_static_store(master_addr, master_port, node_rank, run_id, wait_s=min(join_timeout, 60.0))
+    else:
+        store, server = open_store(backend, rdzv_endpoint, run_id, host_store, etcd, wait_s=min(join_timeout, 60.0))
+    agent = Agent(config, spec, store, workers_store=workers_store)
+    install_signal_handlers(agent, handled_signals)
     try:
         code = agent.run()
         if server is not None and agent.leaving.is_set():

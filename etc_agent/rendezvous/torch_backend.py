@@ -99,7 +99,7 @@ class EtcdV3C10dStore(dist.Store):
         delay = 0.01
         while not self.check(keys):
             if time.monotonic() > deadline:
-                raise LookupError(f"keys {list(keys)} did not appear in etcd within {(override_timeout or self._wait_timeout).total_seconds()} s")
+                raise dist.DistStoreError(f"keys {list(keys)} did not appear in etcd within {(override_timeout or self._wait_timeout).total_seconds()} s")
             time.sleep(delay)
             delay = min(0.2, delay * 2)
 

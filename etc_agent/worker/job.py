@@ -220,7 +220,8 @@ class Job:
         the same step (otherwise dp groups away from the failure could step while others cannot)."""
         self.timeout_s = _env_float("ETC_AGENT_TIMEOUT", 120.0)
         """Bound on forming a group, on every collective of the switch, and on waiting for a generation."""
-        self.local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
+        # ETC_AGENT_LOCAL_RANK: the agent's own count, which --virtual-local-rank leaves intact (LOCAL_RANK is then 0).
+        self.local_rank = int(os.environ.get("ETC_AGENT_LOCAL_RANK", os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0))))
         address = os.environ.get("ETC_AGENT_ADDR")
         self.elastic = address is not None and os.environ.get("ETC_AGENT_ELASTIC", "1") != "0"
         self._link = _AgentLink(address, self.local_rank) if self.elastic else None
@@ -228,7 +229,9 @@ class Job:
             os.environ.setdefault(key, value)  # a sidecar's workers get from it what etcrun puts in their environment
         self.backend = os.environ.get("ETC_AGENT_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
         self.node_id = os.environ.get("ETC_AGENT_NODE_ID", "local")
-        self.device = torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
+        # LOCAL_RANK is the CUDA index (0 under --virtual-local-rank, where each worker sees one device).
+        cuda_index = int(os.environ.get("LOCAL_RANK", self.local_rank))
+        self.device = torch.device("cuda", cuda_index) if self.backend == "nccl" else torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.state: dict | None = None
