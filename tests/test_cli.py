@@ -41,18 +41,33 @@ def test_plan_json_contract():
 
 
 def test_plan_reports_failure_domains_and_single_node_loss():
-    """tp=4,pp=2,dp=2 on 2x8: the resilient placement (default) leaves no shard in one node; fast keeps
-    Megatron's order, where each node holds both replicas of a stage."""
+    """tp=4,pp=2,dp=2 on 2x8 planned to itself: the default (fast) keeps Megatron's order, where each
+    node holds both replicas of a stage, moves nothing and says what a node loss would lose and what
+    the resilient placement would move to avoid it; --placement resilient applies it."""
     same = plan_args(to="tp=4,pp=2,dp=2", new="n0:8,n1:8")
-    resilient = json.loads(etc_agent(*same, "--json", check=True).stdout)["failure_domains"]
-    fast_out = json.loads(etc_agent(*same, "--json", "--placement", "fast", check=True).stdout)
+    fast_out = json.loads(etc_agent(*same, "--json", check=True).stdout)
     fast = fast_out["failure_domains"]
+    resilient_out = json.loads(etc_agent(*same, "--json", "--placement", "resilient", check=True).stdout)
+    resilient = resilient_out["failure_domains"]
     assert resilient["single_domain_shards"] == 0 and resilient["worst_node_loss"]["bytes_lost"] == 0
     assert resilient["worst_node_loss"]["bytes_from_peers"] > 0
     assert fast_out["bytes_moved"] == 0 and fast["single_domain_shards"] > 0 and fast["worst_node_loss"]["bytes_lost"] > 0
     assert sum(n["bytes_lost"] for n in fast["node_loss"]) == fast["single_domain_bytes"]
+    advice = fast_out["resilient_alternative"]
+    assert advice["bytes_moved"] == resilient_out["bytes_moved"] > 0 and advice["single_domain_bytes"] == 0
+    assert resilient_out["resilient_alternative"] is None
     table = etc_agent(*same, check=True).stdout
     assert "shards with one failure" in table and "worst single node loss" in table
+    assert "loss of n0" in table and "loss of n1" in table and "resilient placement would" in table
+
+
+@pytest.mark.parametrize("new", ["n0:8,n1:8", "n1:8,n0:8", "n1:[4-7,0-3],n0:8"], ids=["same", "nodes-permuted", "devices-permuted"])
+def test_a_plan_to_the_same_layout_on_the_same_devices_moves_nothing_by_default(new):
+    """The first figure a user sees must not contradict locality: same config, same devices (in any
+    order) -> 0 bytes with default flags."""
+    data = json.loads(etc_agent(*plan_args(to="tp=4,pp=2,dp=2", new=new), "--json", check=True).stdout)
+    assert data["bytes_moved"] == 0 and data["num_messages"] == 0
+    assert sorted(data["assignment"].values()) == sorted(data["devices_new"])
 
 
 def test_plan_tables_and_plot(tmp_path):

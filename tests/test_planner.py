@@ -174,6 +174,20 @@ def test_live_placement_spreads_stage_replicas_over_nodes_and_stays_put():
         assert (old.pp, old.tp) == (P("tp=2,pp=2").coord(rank).pp, P("tp=2,pp=2").coord(rank).tp)
 
 
+def test_resilience_gaps_name_what_one_node_loss_would_lose():
+    from etc_agent.planner.placement import live_placement, resilience_gaps
+
+    cfg = P("tp=2,pp=2,dp=2")
+    devices = [f"a:{i}" for i in range(4)] + [f"b:{i}" for i in range(4)]
+    # The first generation spreads for free (every placement moves the same: nothing yet).
+    assert resilience_gaps(cfg, live_placement(cfg, devices, prefer="cost")) == []
+    # Megatron's order: a stage per node.
+    assert resilience_gaps(cfg, devices) == ["stage 0: every DP replica on a", "stage 1: every DP replica on b"]
+    assert resilience_gaps(P("tp=2,pp=2,dp=2,zero=1"), live_placement(cfg, devices)) == ["ZeRO-1: each optimizer range is held by one rank"]
+    assert resilience_gaps(P("tp=2,pp=2,dp=1"), devices[:2] + devices[4:6])[0].startswith("dp=1: every shard is held once")
+    assert resilience_gaps(cfg, [f"a:{i}" for i in range(8)]) == []  # one node: no placement helps
+
+
 def test_fast_placement_breaks_ties_towards_more_failure_domains():
     """Onto fresh nodes every placement moves everything: the fast one then picks a resilient one."""
     plan, _, _ = run("tp=4,pp=2,dp=2", "n0:8,n1:8", "tp=4,pp=2,dp=2", "n2:8,n3:8")

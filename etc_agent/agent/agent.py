@@ -73,9 +73,10 @@ class AgentConfig(BaseModel):
     checkpoint_interval: int = Field(0, ge=0, description="Steps between periodic asynchronous checkpoints (0: none); "
                                      "what a failure leaves without a live copy is restored from the last one.")
     checkpoint_keep: int = Field(2, ge=1, description="Complete periodic checkpoints kept.")
-    placement: Literal["fast", "resilient"] = Field("resilient", description="resilient: the DP replicas of every pipeline stage on "
-                                                   "different nodes where the devices allow, then the least state moved; fast: the least "
-                                                   "state moved, replicas spread only on ties.")
+    placement: Literal["fast", "resilient"] = Field("fast", description="fast: the least state moved, DP replicas spread over "
+                                                   "nodes where that moves nothing more (the first generation, ties); resilient: the DP "
+                                                   "replicas of every pipeline stage on different nodes where the devices allow, then the "
+                                                   "least state moved. A layout one node's loss would lose state in is named in the record.")
     sidecar: bool = Field(False, description="Run beside workers that another launcher starts (``etc-agent sidecar``): they attach "
                           "over the control channel instead of being this agent's children.")
     control_addr: str | None = Field(None, description="host:port of the control channel workers reach (ETC_AGENT_ADDR); "
@@ -382,10 +383,19 @@ class Agent:
         sender_devices = {n: leaving[n].num_devices if n in leaving else devices.get(n) for n in (current.members if current else [])}
         senders = [n for n in (current.members if current else [])
                    if n not in ordered and (n in leaving or (n in alive_ids and self.config.migration == "live"))]
+        placement = self._place(parallel, ordered, devices, current)
+        gaps = []
+        if placement is not None:
+            from etc_agent.layout.config import ParallelConfig
+            from etc_agent.planner.placement import resilience_gaps
+
+            gaps = resilience_gaps(ParallelConfig.parse(parallel), placement)
         publish(GenerationRecord(number=number, status="running", members=ordered, num_devices=[devices[n] for n in ordered],
                                  restart_count=restart_count, reason=reason, parallel=parallel, senders=senders,
                                  sender_devices=[sender_devices[n] for n in senders], started=started,
-                                 published_at=time.time(), placement=self._place(parallel, ordered, devices, current)))
+                                 published_at=time.time(), placement=placement, not_resilient=gaps))
+        if gaps:
+            self.emit("not_resilient", {"generation": number, "placement": self.config.placement, "gaps": "; ".join(gaps)})
 
     def _place(self, parallel: str | None, ordered: list[str], devices: dict[str, int], current: GenerationRecord | None) -> list[str] | None:
         """Training rank -> device for a new generation (``--placement``), from the previous placement."""

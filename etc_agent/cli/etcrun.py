@@ -225,9 +225,10 @@ def etcrun(
     log_format: Annotated[str, typer.Option("--log-format", help="text or json (one JSON line per agent event).")] = "text",
     worker_heartbeat_timeout: Annotated[float, typer.Option("--worker-heartbeat-timeout", help="Seconds a worker-API process may stay "
                                                             "silent before it counts as hung (killed, handled as a crash); 0: never.")] = 30.0,
-    placement: Annotated[str, typer.Option("--placement", help="resilient: put the DP replicas of every pipeline stage on different "
-                                           "nodes where the devices allow (a node loss then loses no state), then move the least; "
-                                           "fast: move the least state.")] = "resilient",
+    placement: Annotated[str, typer.Option("--placement", help="fast: move the least state, with the DP replicas of a stage on "
+                                           "different nodes where that costs nothing (first generation, ties; a generation where one "
+                                           "node's loss would lose state says so in its record and log); resilient: put them on "
+                                           "different nodes first (a node loss then loses no state), then move the least.")] = "fast",
     sidecar: Annotated[bool, typer.Option("--sidecar", help="Start no workers: run beside --nproc-per-node worker-API processes that "
                                           "another launcher starts with ETC_AGENT_ADDR and LOCAL_RANK (what `etc-agent sidecar` runs).")] = False,
     control_addr: Annotated[Optional[str], typer.Option("--control-addr", help="host:port the workers reach this agent on "

@@ -81,14 +81,16 @@ def plan(
     seq_length: Annotated[int, typer.Option(help="Sequence length, for --to auto.")] = 2048,
     micro_batch_size: Annotated[int, typer.Option(help="Micro-batch size, for --to auto.")] = 1,
     global_batch_size: Annotated[int, typer.Option(help="Global batch size, for --to auto.")] = 512,
-    placement: Annotated[str, typer.Option("--placement", help="resilient (etcrun's default): spread the copies of every shard over "
-                                           "nodes first, then move the fewest bytes; fast: fewest bytes first.")] = "resilient",
+    placement: Annotated[str, typer.Option("--placement", help="fast (the default, as etcrun's): fewest bytes moved, copies spread "
+                                           "over nodes where that costs nothing (the report says what a node loss would lose and "
+                                           "what the resilient placement would move to avoid it); resilient: spread the copies of "
+                                           "every shard over nodes first, then move the fewest bytes.")] = "fast",
     bandwidth_flags: dict | None = None,
 ) -> None:
     """Plan a migration between two parallel configurations and show what it moves."""
     from etc_agent.cli.report import plot_heatmap, policy_table, print_plan
     from etc_agent.planner.bandwidth import BandwidthModel
-    from etc_agent.planner.core import PlannerOptions, plan_model_migration
+    from etc_agent.planner.core import PlannerOptions, plan_model_migration, resilience_advice
     from etc_agent.planner.policy import PolicyOptions, choose_config
 
     spec = ModelSpec.from_yaml(model)
@@ -129,6 +131,11 @@ def plan(
         new_config.check_world_size(len(new_devices))
         spec.check_parallel(new_config)
     result = plan_model_migration(spec, old_config, old_devices, new_config, new_devices, failed=failed_devices, options=options)
+    domains = result.failure_domains
+    if placement == "fast" and domains and domains["single_domain_bytes"] > domains["unavoidable_single_domain_bytes"]:
+        resilient = plan_model_migration(spec, old_config, old_devices, new_config, new_devices, failed=failed_devices,
+                                         options=options.model_copy(update={"placement": "resilient"}))
+        result.resilient_alternative = resilience_advice(result, resilient)
     if plot is not None:
         plot_heatmap(result, plot)
     if json_out:
@@ -251,6 +258,8 @@ def status(
             f"run {rdzv_id}: generation {generation.number} {generation.status}, world size {generation.world_size}, "
             f"restarts {generation.restart_count}; {generation.reason}"
         )
+        if generation.not_resilient:
+            console.print(f"not resilient to one node's loss: {'; '.join(generation.not_resilient)}")
     table = Table(title="members", header_style="bold")
     for col in ("node", "host", "devices", "group rank", "role", "workers"):
         table.add_column(col)

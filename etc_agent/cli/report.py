@@ -13,6 +13,7 @@ from etc_agent.planner.plan import MigrationPlan
 from etc_agent.planner.policy import PolicyDecision
 
 MAX_ASSIGNMENT_ROWS = 64
+MAX_NODE_LOSS_ROWS = 8
 
 
 def fmt_bytes(n: float) -> str:
@@ -64,6 +65,17 @@ def summary_table(plan: MigrationPlan) -> Table:
         if worst is not None and domains["num_nodes"] > 1:
             rows.append(("worst single node loss", f"{fmt_bytes(worst['bytes_lost'])} lost",
                          f"{worst['node']}: {fmt_bytes(worst['bytes_from_peers'])} from peers"))
+            losing = [n for n in domains["node_loss"] if n["bytes_lost"]]
+            for node in losing[:MAX_NODE_LOSS_ROWS]:
+                rows.append((f"  loss of {node['node']}", f"{fmt_bytes(node['bytes_lost'])} lost", "only a checkpoint has it"))
+            if len(losing) > MAX_NODE_LOSS_ROWS:
+                rows.append(("", f"{len(losing) - MAX_NODE_LOSS_ROWS} more nodes", "see --json node_loss"))
+    advice = plan.resilient_alternative
+    if advice is not None:
+        rows.append(("resilient placement would move", fmt_bytes(advice["bytes_moved"]),
+                     f"+{fmt_bytes(advice['extra_bytes_moved'])}; then a node loss loses "
+                     f"{fmt_bytes(advice['worst_node_loss']['bytes_lost'] if advice['worst_node_loss'] else 0)} "
+                     "(--placement resilient applies it)"))
     if plan.failed:
         rows.insert(0, ("failed devices", str(len(plan.failed)), ", ".join(map(str, plan.failed[:8]))))
     for row in rows:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from math import prod
-from typing import Iterable, Literal, Sequence
+from typing import Any, Iterable, Literal, Sequence
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -55,8 +55,8 @@ class PlannerOptions(BaseModel):
     placement: Literal["fast", "resilient"] = Field(
         "fast",
         description="fast: fewest bytes moved first, failure domains (bytes whose every copy sits in one node) only break "
-        "ties; resilient: fewest single-domain bytes first, then fewest bytes moved (what etcrun and `etc-agent plan` use "
-        "unless --placement fast).",
+        "ties (the default of etcrun and `etc-agent plan`); resilient: fewest single-domain bytes first, then fewest bytes "
+        "moved (--placement resilient).",
     )
     restore_lost: bool = Field(
         False,
@@ -111,6 +111,24 @@ def plan_model_migration(
     )
     plan.plan_seconds = time.perf_counter() - started
     return plan
+
+
+def resilience_advice(fast: MigrationPlan, resilient: MigrationPlan) -> dict[str, Any] | None:
+    """What the resilient placement would change over the fast one: None when the fast plan already
+    leaves nothing avoidable in a single node (or the resilient plan spreads no more)."""
+    fast_domains, resilient_domains = fast.failure_domains, resilient.failure_domains
+    if fast_domains is None or resilient_domains is None:
+        return None
+    avoidable = fast_domains["single_domain_bytes"] - fast_domains["unavoidable_single_domain_bytes"]
+    if avoidable <= 0 or resilient_domains["single_domain_bytes"] >= fast_domains["single_domain_bytes"]:
+        return None
+    return {
+        "bytes_moved": resilient.bytes_moved,
+        "extra_bytes_moved": resilient.bytes_moved - fast.bytes_moved,
+        "single_domain_bytes": resilient_domains["single_domain_bytes"],
+        "worst_node_loss": resilient_domains["worst_node_loss"],
+        "estimated_seconds": resilient.estimated_seconds,
+    }
 
 
 def plan_migration(

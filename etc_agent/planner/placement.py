@@ -60,3 +60,22 @@ def live_placement(config: ParallelConfig, devices: Sequence[str], previous: dic
     node_of_device = np.array([node_index[n] for n in nodes], dtype=np.int64)
     assignment = assign_ranks(cost, node_of_device, config.tp, stage_replica_sets(config), prefer)
     return [devices[int(i)] for i in assignment]
+
+
+def resilience_gaps(config: ParallelConfig, placement: Sequence[str]) -> list[str]:
+    """Why losing one node of ``placement`` (device ``node:local`` of each rank) would lose state
+    that no surviving device holds; empty when every shard has a copy on two nodes (or all ranks
+    share one node, where no placement helps)."""
+    nodes = [d.rpartition(":")[0] for d in placement[: config.world_size]]
+    if len(set(nodes)) < 2:
+        return []
+    if config.dp < 2:
+        return [f"dp={config.dp}: every shard is held once, so each node's loss loses its ranks' state"]
+    gaps = []
+    for stage, (groups, _) in enumerate(stage_replica_sets(config)):
+        stage_nodes = {nodes[g * config.tp + t] for g in groups for t in range(config.tp)}
+        if len(stage_nodes) == 1:
+            gaps.append(f"stage {stage}: every DP replica on {stage_nodes.pop()}")
+    if config.zero:
+        gaps.append("ZeRO-1: each optimizer range is held by one rank")
+    return gaps

@@ -118,6 +118,9 @@ class MigrationPlan:
     plan_hash: str = field(default="")
     failure_domains: dict[str, Any] | None = None
     """The new placement's single-domain shards and per-node loss (``planner.domains``), as JSON."""
+    resilient_alternative: dict[str, Any] | None = None
+    """Set on a fast plan whose placement leaves avoidable state in one node: what the resilient
+    placement would move instead (:func:`etc_agent.planner.core.resilience_advice`)."""
 
     @property
     def num_messages(self) -> int:
@@ -190,4 +193,5 @@ class MigrationPlan:
             "checkpoint_estimated_seconds": self.checkpoint_estimated_seconds,
             "plan_hash": self.plan_hash,
             "failure_domains": self.failure_domains,
+            "resilient_alternative": self.resilient_alternative,
         }

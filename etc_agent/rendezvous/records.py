@@ -75,6 +75,8 @@ class GenerationRecord(Record):
     published_at: float = Field(0.0, description="Wall-clock time the leader published this generation.")
     placement: list[str] | None = Field(None, description="Device (node:local) of each training rank, when the leader placed them "
                                         "(worker-API jobs with --parallel); otherwise ranks follow member order.")
+    not_resilient: list[str] = Field(default_factory=list, description="Why one node's loss would lose state no survivor holds "
+                                     "(empty: every shard has copies on two nodes); --placement resilient spreads replicas first.")
 
     @property
     def world_size(self) -> int:
