@@ -6,6 +6,7 @@ scripts (no worker API). Each test here failed before the change it covers.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -137,6 +138,16 @@ def test_duplicate_stdout_filters_copy_matching_lines(tmp_path):
     filtered, = (tmp_path / "logs").rglob("filtered_stdout.log")
     assert filtered.read_text() == "[default1]:rank 1 done\n"
     assert parse_filters("a,,b,c") == ["a,b", "c"] and parse_filters("") == []
+
+
+def test_virtual_local_rank_gives_every_worker_local_rank_0_and_its_own_device(tmp_path):
+    p = launch("--standalone", "--nproc-per-node", "2", "--virtual-local-rank", str(SCRIPTS / "dump_vars.py"), str(tmp_path),
+               "LOCAL_RANK", "CUDA_VISIBLE_DEVICES", "ETC_AGENT_LOCAL_RANK", env={"CUDA_VISIBLE_DEVICES": "4,5"})
+    (code, text), = finish([p], timeout=60)
+    assert code == 0, text[-3000:]
+    seen = {int(f.stem): json.loads(f.read_text()) for f in tmp_path.glob("*.json")}
+    assert seen == {0: {"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": "4", "ETC_AGENT_LOCAL_RANK": "0"},
+                    1: {"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": "5", "ETC_AGENT_LOCAL_RANK": "1"}}
 
 
 @pytest.mark.parametrize("args, message", [
