@@ -98,6 +98,20 @@ def test_a_signal_that_ends_an_unfinished_job_exits_non_zero(sig, tmp_path):
     assert '"event": "job_unfinished"' in text and sig.name in text
 
 
+def test_signals_to_handle_are_forwarded_to_the_workers(tmp_path):
+    """--signals-to-handle SIGUSR1 (Slurm's preemption notice): the agent leaves and its workers get
+    SIGUSR1 (not SIGTERM), as torchrun forwards the signal it got."""
+    p = launch("--standalone", "--nproc-per-node", "2", "--signals-to-handle", "SIGTERM,SIGUSR1",
+               str(SCRIPTS / "signal_catcher.py"), str(tmp_path))
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("*.up"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGUSR1)
+    (code, text), = finish([p], timeout=60)
+    assert code == 1, text[-3000:]
+    assert sorted(f.read_text() for f in tmp_path.glob("*.sig")) == ["SIGUSR1", "SIGUSR1"]
+
+
 def test_a_planned_departure_while_others_go_on_exits_0(etcd_server, tmp_path):
     run_id = f"leave-{uuid.uuid4().hex[:6]}"
     args = ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_server.endpoint,

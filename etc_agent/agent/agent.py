@@ -571,10 +571,10 @@ class Agent:
                                        "role": "member" if self.node_id in gen.members else "sender",
                                        "restarted_local_ranks": restarted, "reason": gen.reason})
 
-    def _stop_workers(self, why: str) -> None:
+    def _stop_workers(self, why: str, sig: signal.Signals = signal.SIGTERM) -> None:
         if self.workers is not None:
-            self.emit("workers_stopping", {"reason": why})
-            self.workers.stop(self.config.shutdown_timeout)
+            self.emit("workers_stopping", {"reason": why, **({"signal": sig.name} if sig != signal.SIGTERM else {})})
+            self.workers.stop(self.config.shutdown_timeout, sig)
             self.workers = None
         self._tcp_store = None
 
@@ -938,7 +938,8 @@ class Agent:
             self.emit("store_unreachable", {"error": str(err)})
         if self._elastic and self.workers is not None and self.generation is not None and self.node_id in self.generation.members:
             self._send_state_before_leaving()
-        self._stop_workers("planned departure")
+        # As torchrun does, workers get the signal the agent got (SIGUSR1 of a Slurm preemption, say).
+        self._stop_workers("planned departure", self.signal_received or signal.SIGTERM)
         code = self._departure_exit_code()
         try:
             self.store.delete(f"nodes/{self.node_id}")
