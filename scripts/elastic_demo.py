@@ -173,7 +173,7 @@ def run_scenario(parallel: str, nproc: int, steps: int, step_delay: float, work:
                  extra_script_args: list[str] | None = None, wait_migrations: bool = True,
                  agent_args: list[str] | None = None, initial_agents: int = 2, event_steps: list[int] | None = None,
                  stop_after: int | None = None, min_nodes: int | None = None, event_after_text: str | None = None,
-                 sidecar: bool = False, module: str = "etc_agent.examples.gpt") -> dict:
+                 sidecar: bool = False, module: str = "etc_agent.examples.gpt", gap_before: dict[str, int] | None = None) -> dict:
     """Run the elastic scenario; return losses, migration records and exit codes.
 
     ``wait_migrations=False``: do not wait for a migration after each event (a run expected to fail).
@@ -182,7 +182,11 @@ def run_scenario(parallel: str, nproc: int, steps: int, step_delay: float, work:
     ``min_nodes`` (default ``initial_agents``): ``--nnodes`` MIN; below ``initial_agents`` (so that a
     leave does not drop the job below it), the events wait until a generation runs with all the
     initial agents, and only the migrations after that are returned. ``event_after_text``: before each
-    event, also wait until an agent's output has a line containing it (e.g. a checkpoint written)."""
+    event, also wait until an agent's output has a line containing it (e.g. a checkpoint written).
+    ``gap_before``: event -> steps that must be trained after the previous event's migration resumed
+    before it comes (a join takes effect seconds after its agent starts, which on a busy machine can
+    be most of ``event_steps``' spacing; a kill right after a layout change would find no periodic
+    checkpoint of the new layout yet)."""
     loss_log = work / "loss.jsonl"
     state_file = work / "state.pt"
     script_args = ["--steps", str(steps), "--parallel", parallel, "--step-delay", str(step_delay),
@@ -215,7 +219,13 @@ def run_scenario(parallel: str, nproc: int, steps: int, step_delay: float, work:
             expected = skipped = len(migrations(cluster))
         step_marks = iter(event_steps or range(steps // 5, steps, max(1, steps // 5)))
         for event in events:
-            at_step(next(step_marks))
+            gap = (gap_before or {}).get(event, 0)
+            resumed = max((m["step"] for m in migrations(cluster)), default=-1)
+            mark = max(next(step_marks), resumed + gap if gap and expected else 0)
+            if mark >= steps:
+                raise RuntimeError(f"event {event!r} would come at step {mark}, after the last step ({steps - 1}): "
+                                   f"the previous migration resumed at step {resumed}\n" + cluster.tail())
+            at_step(mark)
             if event_after_text is not None:
                 cluster.wait_for(lambda: any(event_after_text in line for lines in cluster.outputs for line in list(lines)), 300,
                                  f"a line with {event_after_text!r}")

@@ -84,7 +84,7 @@ def multi_gpu(num_gpus: int) -> dict:
 
         crossings, mismatches = compare_digests(digests)
         records = result["migrations"]
-        return {"ok": crossings == 1 and not mismatches and len(records) == 1, "crossings": crossings, "mismatches": mismatches,
+        return {"ok": len(crossings) == 1 and not mismatches and len(records) == 1, "crossings": crossings, "mismatches": mismatches,
                 "migration": {k: records[0].get(k) for k in ("old_config", "new_config", "bytes_moved", "total_stall_s")} if records else None,
                 "steps": len(result["losses"])}
 

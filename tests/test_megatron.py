@@ -263,7 +263,7 @@ def test_megatron_gpt_trains_through_join_leave_reconfigure_and_crash_under_etcr
     from elastic_demo import reference_losses, run_scenario
 
     module = "etc_agent.examples.megatron_gpt"
-    steps = 36
+    steps = 48
     work = tmp_path / "elastic"
     work.mkdir()
     digests = work / "digests.jsonl"
@@ -271,7 +271,8 @@ def test_megatron_gpt_trains_through_join_leave_reconfigure_and_crash_under_etcr
     rdzv = ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", f"megatron-{uuid.uuid4().hex[:6]}"]
     events = ("join", "leave", "reconfigure:tp=1,pp=2,dp=auto", "kill")
     result = run_scenario("tp=2,pp=1,dp=auto", 2, steps, 0.2, work, echo=False, rdzv=rdzv, events=events, extra_script_args=script,
-                          agent_args=["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-interval", "3"], module=module)
+                          agent_args=["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-interval", "3"], module=module,
+                          event_steps=[3, 10, 17, 24], gap_before={"kill": 7})
     logs = result["cluster"].tail(60)
     assert result["codes"] == [0] * len(result["codes"]), f"agents exited {result['codes']}\n{logs}"
     assert sorted(result["losses"]) == list(range(steps)), logs
@@ -293,7 +294,12 @@ def test_megatron_gpt_trains_through_join_leave_reconfigure_and_crash_under_etcr
     # Lossless: the state entering each step equals the state the previous step left, in any layout.
     crossings, mismatches = megatron_gpt.compare_digests(digests)
     assert mismatches == [], mismatches
-    assert crossings == 3, f"{crossings} layout changes seen between two digests"
+    # Each layout change was crossed between two logged steps. A restore from a periodic checkpoint
+    # taken before the reconfigure trains those steps again in the new layout: one more crossing
+    # (still checked above), depending on where the kill lands.
+    changes = [("tp=2,pp=1,dp=2,zero=0", "tp=2,pp=1,dp=3,zero=0"), ("tp=2,pp=1,dp=3,zero=0", "tp=2,pp=1,dp=2,zero=0"),
+               ("tp=2,pp=1,dp=2,zero=0", "tp=1,pp=2,dp=2,zero=0")]
+    assert list(dict.fromkeys(crossings)) == changes and len(crossings) <= len(changes) + 1, crossings
 
     reference, _ = reference_losses(steps, work, ["--global-batch", "12"], module=module)
     worst = max(abs(result["losses"][s] - reference[s]) / abs(reference[s]) for s in range(steps))

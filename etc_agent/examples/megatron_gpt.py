@@ -198,18 +198,22 @@ def _log_digest(args: argparse.Namespace, job, step: int, when: str) -> None:
         _append(args.digest_log, {"step": step, "when": when, "digest": state_digest(full), "layout": job.ctx.config.short()})
 
 
-def compare_digests(path: str | os.PathLike) -> tuple[int, list[str]]:
-    """Read a ``--digest-log``: ``(layout changes seen between two steps, mismatches)``, where a mismatch
-    is a step whose state on entry differs from the state the step before left (it names both layouts)."""
+def compare_digests(path: str | os.PathLike) -> tuple[list[tuple[str, str]], list[str]]:
+    """Read a ``--digest-log``: ``(layout changes seen between two steps, mismatches)``. A change is
+    ``(layout the step before ended in, layout the step began in)``, in log order; steps trained
+    again after a restore from a checkpoint count again. A mismatch is a step whose state on entry
+    differs from the state the step before left (it names both layouts)."""
     after: dict[int, dict] = {}
-    crossings, mismatches = 0, []
+    crossings: list[tuple[str, str]] = []
+    mismatches: list[str] = []
     for line in Path(path).read_text().splitlines():
         record = json.loads(line)
         if record["when"] == "after":
             after[record["step"]] = record
         elif record["step"] - 1 in after:
             before = after[record["step"] - 1]
-            crossings += before["layout"] != record["layout"]
+            if before["layout"] != record["layout"]:
+                crossings.append((before["layout"], record["layout"]))
             if before["digest"] != record["digest"]:
                 mismatches.append(f"step {record['step']}: state differs from the end of the step before "
                                   f"({before['layout']} -> {record['layout']})")
