@@ -1,7 +1,8 @@
 """``etcrun`` keeps torchrun's contract: what a script, a scheduler or an operator relies on.
 
 torch's own argument parser is the reference for the options; the scripts are plain torchrun
-scripts (no worker API). Each test here failed before the change it covers.
+scripts (no worker API). Run against the code before the changes they cover, 17 of these 18 tests
+failed; the etcd-v3 backend's state contract passed (it had no test before).
 """
 
 from __future__ import annotations
