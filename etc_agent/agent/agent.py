@@ -27,7 +27,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Literal, TypeVar
+from typing import Callable, Literal, Sequence, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -267,9 +267,20 @@ class Agent:
         current = self._parse(GenerationRecord, kv)
         if current is None or current.status != "running" or not current.members:
             return False
-        states = {skv.key.rsplit("/", 1)[-1]: status.state for skv in self.store.get_prefix(f"generations/{current.number}/status/")
-                  if (status := self._parse(NodeStatus, skv)) is not None}
-        return all(states.get(n) == "succeeded" for n in current.members)
+        return self._all_succeeded(current, self._statuses(current.number))
+
+    def _statuses(self, generation: int) -> dict[str, NodeStatus]:
+        """Node id -> the status its agent reported for ``generation`` (foreign values left out)."""
+        statuses = {}
+        for skv in self.store.get_prefix(f"generations/{generation}/status/"):
+            status = self._parse(NodeStatus, skv)
+            if status is not None:
+                statuses[skv.key.rsplit("/", 1)[-1]] = status
+        return statuses
+
+    @staticmethod
+    def _all_succeeded(gen: GenerationRecord, statuses: dict[str, NodeStatus]) -> bool:
+        return bool(gen.members) and all(n in statuses and statuses[n].state == "succeeded" for n in gen.members)
 
     def _on_leader_event(self, event: WatchEvent) -> None:
         if event.key.startswith("nodes/") or "/status/" in event.key or "/abandoned/" in event.key:
@@ -312,11 +323,7 @@ class Agent:
                                                    "world_size": record.world_size, "reason": record.reason})
 
         if current and current.status == "running":
-            statuses = {}
-            for skv in self.store.get_prefix(f"generations/{current.number}/status/"):
-                status = self._parse(NodeStatus, skv)
-                if status is not None:
-                    statuses[skv.key.rsplit("/", 1)[-1]] = status
+            statuses = self._statuses(current.number)
             abandoned = [r for r in (self._parse(AbandonRecord, akv) for akv in self.store.get_prefix(f"generations/{current.number}/abandoned/"))
                          if r is not None]
             failed = [n for n, s in statuses.items() if s.state == "failed" and n in current.members]
@@ -333,7 +340,7 @@ class Agent:
                 reason = f"worker failure on {', '.join(failed)} (restart {restart_count}/{self.config.max_restarts})"
             elif abandoned:
                 reason = f"generation {current.number} abandoned: {abandoned[0].reason}"
-            elif current.members and all(statuses.get(n) and statuses[n].state == "succeeded" for n in current.members):
+            elif self._all_succeeded(current, statuses):
                 publish(current.model_copy(update={"number": number, "status": "succeeded", "reason": "all workers exited 0"}))
                 return
         else:
@@ -1023,7 +1030,7 @@ class _Superseded(Exception):
     """A newer generation appeared while this one was being set up."""
 
 
-def install_signal_handlers(agent: Agent, signals: list[signal.Signals] = (signal.SIGTERM, signal.SIGINT)) -> None:
+def install_signal_handlers(agent: Agent, signals: Sequence[signal.Signals] = (signal.SIGTERM, signal.SIGINT)) -> None:
     """Each of ``signals`` (etcrun: ``--signals-to-handle``): planned departure; a second one: stop now
     (a store host stops serving too). The first one is remembered: a job that did not finish then
     ends with torchrun's exit code for a signal, not 0."""

@@ -93,6 +93,8 @@ class WorkerGroup:
             return None
         path = self.attempt_dir / f"filtered_{stream}.log"
         if stream not in self._filtered or self._filtered[stream].path != path:
+            if stream in self._filtered:
+                self._filtered[stream].close()  # a restart moved on to a new attempt directory
             self._filtered[stream] = _FilteredLog(path, filters)
         return self._filtered[stream]
 
@@ -201,7 +203,7 @@ class WorkerGroup:
         observed (an error file's own timestamp where the worker wrote one)."""
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-        failures = {}
+        failures: list[tuple[int, float, int, ProcessFailure]] = []
         for w in self.workers:
             code = w.proc.poll()
             if code in (None, 0):
@@ -215,12 +217,12 @@ class WorkerGroup:
                 failure.timestamp = int(w.exited_at or time.time())
             if w.killed_because:
                 failure.message = f"{failure.message}; killed by the agent: {w.killed_because}"
-            failures[w.global_rank] = failure
+            failures.append((failure.timestamp, w.exited_at or 0.0, w.global_rank, failure))
         if not failures:
             return ""
-        # Equal timestamps (one-second resolution) go in the order the agent saw the exits.
-        order = sorted(failures, key=lambda r: (failures[r].timestamp, next(w.exited_at or 0 for w in self.workers if w.global_rank == r)))
-        return ChildFailedError(name, {rank: failures[rank] for rank in order}).format_msg()
+        # torch's root cause is the first of the smallest timestamp: equal ones (one-second
+        # resolution) go in the order the agent saw the exits.
+        return ChildFailedError(name, {rank: failure for _, _, rank, failure in sorted(failures, key=lambda f: f[:3])}).format_msg()
 
     def failure_summary(self, host: str) -> str:
         """One line per failed worker (what the store's status record carries)."""
