@@ -62,7 +62,7 @@ def run_once(t: BenchTransition, method: str, model_args: list[str], steps: int,
     # Long enough never to end before the change; killed two steps after it (the record is what counts).
     result = run_scenario(t.parallel, 2, 10_000, 0.0, work, echo=False, events=(t.event,), extra_script_args=model_args,
                           agent_args=agent_args, initial_agents=t.initial_agents, event_steps=[1], stop_after=2,
-                          min_nodes=min(t.initial_agents, 2), module=module)
+                          min_nodes=min(t.initial_agents, 2), module=module, slow_during_events=None)
     records = [m for m in result["migrations"] if m.get("method", "live") == method]
     if len(records) != 1:
         raise RuntimeError(f"{t.name} / {method}: expected one migration record, got {len(records)}")

@@ -42,7 +42,8 @@ def run_once(method: str, model_args: list[str], work: Path) -> dict:
         agent_args += ["--migration", "checkpoint"]
     # The kill comes once the first checkpoint is complete, a step or two after it.
     result = run_scenario(PARALLEL, 2, 10_000, 0.0, work, echo=False, events=("kill",), extra_script_args=model_args,
-                          agent_args=agent_args, event_steps=[INTERVAL + 1], stop_after=2, event_after_text='"etc_checkpoint"')
+                          agent_args=agent_args, event_steps=[INTERVAL + 1], stop_after=2, event_after_text='"etc_checkpoint"',
+                          slow_during_events=None)
     killed = result["events"][0]
     records = [json.loads(line) for line in (work / "loss.jsonl").read_text().splitlines()]
     after = [r for r in records if r["wall"] > killed["wall"] and r["generation"] > 0]

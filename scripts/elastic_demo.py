@@ -173,7 +173,8 @@ def run_scenario(parallel: str, nproc: int, steps: int, step_delay: float, work:
                  extra_script_args: list[str] | None = None, wait_migrations: bool = True,
                  agent_args: list[str] | None = None, initial_agents: int = 2, event_steps: list[int] | None = None,
                  stop_after: int | None = None, min_nodes: int | None = None, event_after_text: str | None = None,
-                 sidecar: bool = False, module: str = "etc_agent.examples.gpt", gap_before: dict[str, int] | None = None) -> dict:
+                 sidecar: bool = False, module: str = "etc_agent.examples.gpt", gap_before: dict[str, int] | None = None,
+                 slow_during_events: float | None = 4.0) -> dict:
     """Run the elastic scenario; return losses, migration records and exit codes.
 
     ``wait_migrations=False``: do not wait for a migration after each event (a run expected to fail).
@@ -186,11 +187,19 @@ def run_scenario(parallel: str, nproc: int, steps: int, step_delay: float, work:
     ``gap_before``: event -> steps that must be trained after the previous event's migration resumed
     before it comes (a join takes effect seconds after its agent starts, which on a busy machine can
     be most of ``event_steps``' spacing; a kill right after a layout change would find no periodic
-    checkpoint of the new layout yet)."""
+    checkpoint of the new layout yet). ``slow_during_events``: seconds per step, from each event until
+    its migration is seen, for the last steps of the run (3 per event still to come; the example's
+    ``--slow-while``), so that however long a busy machine takes to start a joining agent or notice a
+    crash, the run does not reach its end first, and a quick one costs nothing; ``None`` keeps the
+    ``step_delay`` pace throughout (benchmarks, whose runs are long and whose records time the switch,
+    not the steps)."""
     loss_log = work / "loss.jsonl"
     state_file = work / "state.pt"
+    slow_file = work / "slow-steps"
     script_args = ["--steps", str(steps), "--parallel", parallel, "--step-delay", str(step_delay),
                    "--loss-log", str(loss_log), "--dump-state", str(state_file), *(extra_script_args or [])]
+    if slow_during_events is not None:
+        script_args += ["--slow-while", str(slow_file), "--slow-step-delay", str(slow_during_events)]
     rdzv = rdzv or ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", f"demo-{uuid.uuid4().hex[:6]}"]
     # The job starts once the initial agents are all in, so no extra generation precedes the events.
     cluster = Cluster(rdzv, nproc, parallel, script_args, work, echo, extra=agent_args, min_nodes=min_nodes or initial_agents,
@@ -231,6 +240,8 @@ def run_scenario(parallel: str, nproc: int, steps: int, step_delay: float, work:
                                  f"a line with {event_after_text!r}")
             t = time.monotonic() - started
             wall = time.time()
+            if slow_during_events is not None:
+                slow_file.write_text(str(steps - 3 * (len(events) - len(events_done))))
             if event == "join":
                 cluster.add_agent()
             elif event in ("leave", "leave-crash"):
@@ -264,6 +275,7 @@ def run_scenario(parallel: str, nproc: int, steps: int, step_delay: float, work:
             events_done.append({"event": event, "at_s": round(t, 1), "wall": wall, "step": max(read_losses(loss_log), default=-1)})
             if wait_migrations:
                 migrated(expected)
+            slow_file.unlink(missing_ok=True)
         if stop_after is not None:
             resumed = max(read_losses(loss_log), default=-1)
             at_step(resumed + stop_after)
@@ -273,6 +285,7 @@ def run_scenario(parallel: str, nproc: int, steps: int, step_delay: float, work:
         else:
             codes = cluster.finish(timeout=600 if wait_migrations else 180)
     finally:
+        slow_file.unlink(missing_ok=True)
         for a in [*cluster.agents, *(p for p in cluster.launchers if p is not None)]:
             if a.poll() is None:
                 a.kill()

@@ -369,9 +369,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="sharded: this file's AdamW (ZeRO-1 capable); torch: torch.optim.AdamW (zero=0 only).")
     ap.add_argument("--elementwise", action="store_true", help="Layout-independent update (for bitwise state checks).")
     ap.add_argument("--step-delay", type=float, default=0.0, help="Seconds to sleep per step (to watch a run).")
+    ap.add_argument("--slow-while", default=None, metavar="FILE",
+                    help="While FILE exists, the steps from the number it holds on sleep --slow-step-delay instead (a "
+                         "test keeps the run from ending before a membership event has taken effect, however long a "
+                         "busy machine takes).")
+    ap.add_argument("--slow-step-delay", type=float, default=4.0)
     ap.add_argument("--loss-log", default=None, help="Append {step, loss, ...} JSON lines here.")
     ap.add_argument("--dump-state", default=None, help="At the end, save the full unsharded state here (torch.save).")
     return ap.parse_args(argv)
+
+
+def pace(args: argparse.Namespace, step: int) -> None:
+    time.sleep(args.slow_step_delay if slowed(args.slow_while, step) else args.step_delay)
+
+
+def slowed(slow_file: str | None, step: int) -> bool:
+    """Whether ``--slow-while`` holds this step back."""
+    if not slow_file:
+        return False
+    try:
+        with open(slow_file) as f:
+            return step >= int(f.read().strip() or 0)
+    except (FileNotFoundError, ValueError):
+        return False  # absent, or caught mid-write: the next step reads it again
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -397,8 +417,7 @@ def main(argv: list[str] | None = None) -> None:
             if args.loss_log:
                 with open(args.loss_log, "a") as f:
                     f.write(json.dumps(record) + "\n")
-        if args.step_delay:
-            time.sleep(args.step_delay)
+        pace(args, step)
     full = job.gather_state()
     if full is not None and args.dump_state:
         torch.save(full, args.dump_state)

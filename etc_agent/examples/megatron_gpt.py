@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 import etc_agent
+from etc_agent.examples.gpt import slowed
 from etc_agent.integrations import megatron as etc_megatron
 
 
@@ -50,6 +51,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="replicate the optimizer state across dp instead of sharding it")
     parser.add_argument("--parallel", default=None, help="default parallel spec when etcrun gives none (tp=1,pp=1,dp=auto)")
     parser.add_argument("--step-delay", type=float, default=0.0, help="seconds to sleep per step (tests pace membership events)")
+    parser.add_argument("--slow-while", default=None, metavar="FILE",
+                        help="while FILE exists, the steps from the number it holds on sleep --slow-step-delay instead "
+                             "(a test keeps the run from ending before a membership event has taken effect)")
+    parser.add_argument("--slow-step-delay", type=float, default=4.0)
     parser.add_argument("--loss-log", default=None, help="rank 0 appends {step, loss, layout} JSON lines here")
     parser.add_argument("--dump-state", default=None, help="rank 0 saves the whole state, unsharded, here after the last step")
     parser.add_argument("--digest-log", default=None,
@@ -241,8 +246,7 @@ def main(argv: list[str] | None = None) -> None:
             _append(args.loss_log, record)
         if args.digest_log:
             _log_digest(args, job, step, "after")
-        if args.step_delay:
-            time.sleep(args.step_delay)
+        time.sleep(args.slow_step_delay if slowed(args.slow_while, step) else args.step_delay)
     full = job.gather_state()
     if full is not None and args.dump_state:
         torch.save(full, args.dump_state)
