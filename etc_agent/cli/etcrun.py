@@ -18,7 +18,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from etc_agent.agent.agent import Agent, AgentConfig, install_signal_handlers
+from etc_agent.agent.agent import Agent, install_signal_handlers
+from etc_agent.agent.config import AgentConfig
 from etc_agent.cli._entry import run_app
 from etc_agent.agent.workers import WorkerSpec, parse_std_spec
 from etc_agent.rendezvous.embedded import EmbeddedStore, EmbeddedStoreServer
