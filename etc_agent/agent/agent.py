@@ -25,28 +25,21 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Sequence
 
 from etc_agent.agent.config import AgentConfig
-from etc_agent.agent.control import (CONTROL_REQUEST, AssignmentQuery, Attach, ControlRequest, Exiting, Fatal, Finished, GenerationQuery,
+from etc_agent.agent.control import (CONTROL_REQUEST, Assignment, AssignmentQuery, AssignmentReply, HelloReply, Attach, ControlRequest, Exiting, Fatal, Finished, GenerationQuery,
                                      Heartbeat, Hello, Migration, SwitchFailed, Trained)
+from etc_agent.agent.leader import Leader
+from etc_agent.agent.protocol import RESTART_EXIT, Phase, PhaseTracker
+from etc_agent.agent.records import RecordReader
 from etc_agent.agent.workers import AttachedWorkers, Attachments, WorkerGroup, WorkerSpec
-from etc_agent.layout.config import ParallelSpec
-from etc_agent.rendezvous.records import AbandonRecord, GenerationRecord, LeaderRecord, MasterRecord, MigrationRecord, NodeRecord, NodeStatus, Record
-from etc_agent.rendezvous.store import KeyValue, LeaseExpired, MembershipStore, StoreError, WatchEvent
+from etc_agent.rendezvous.records import AbandonRecord, GenerationRecord, MasterRecord, NodeRecord, NodeStatus
+from etc_agent.rendezvous.store import LeaseExpired, MembershipStore, StoreError
 from etc_agent.utils.jsonline import JsonLineServer, parse_address
 
-R = TypeVar("R", bound=Record)
-
 log = logging.getLogger("etc_agent.agent")
-
-
-@dataclass
-class _Event:
-    kind: str
-    data: dict
 
 
 class Agent:
@@ -73,8 +66,6 @@ class Agent:
         """The first signal that asked this node to leave (reported when that ends an unfinished job)."""
         self._wake = threading.Event()
         self._lease = None
-        self._is_leader = False
-        self._leader_dirty = threading.Event()
         self._reported: tuple[int, str] | None = None
         self._log_root = Path(spec.log_dir) if spec.log_dir else Path(tempfile.mkdtemp(prefix="etcrun-"))
         self._run_dir = self._log_root / f"{config.run_id}_{self.node_id}"
@@ -93,21 +84,18 @@ class Agent:
         self._served_generation: dict[int, int] = {}
         """Local rank -> the newest generation whose assignment its process asked for (sidecar: where a
         replacement of that process starts looking)."""
-        self._assignments: dict[int, dict] = {}
+        self._assignments: dict[int, Assignment] = {}
         """What each local worker is in the generation this node serves (rank, group, store address)."""
         self._stores: list = []
-        self._spec = ParallelSpec.parse(config.parallel) if config.parallel else None
-        self._model = None
-        if config.model:
-            from etc_agent.layout.model import ModelSpec
-
-            self._model = ModelSpec.from_yaml(config.model)
         self._ready = True
         self._standby_hellos: set[int] = set()
-        self._rejected: set[tuple[str, int]] = set()
-        """(key, revision) of store values already logged as rejected."""
         self._finished_cache: tuple[float, bool] = (0.0, False)
         """(when checked, whether the store's ``finished`` marker exists), read at most every 0.5 s."""
+        self.reader = RecordReader(self.emit)
+        self.leader = Leader(store, config, self.node_id, self.emit, self.reader, self.leaving, self.stop_requested,
+                             lease=lambda: self._lease, latest=lambda: self._latest)
+        self.phase = PhaseTracker(f"agent {self.node_id}")
+        """This node's phase in the generation it serves (the protocol's state table)."""
 
     # ---- logging --------------------------------------------------------------------
     def _log_event(self, event: str, fields: dict) -> None:
@@ -116,19 +104,6 @@ class Agent:
         else:
             detail = " ".join(f"{k}={v}" for k, v in fields.items())
             log.info("[%s] %s %s", self.node_id, event, detail)
-
-    def _parse(self, cls: type[R], kv: KeyValue) -> R | None:
-        """``cls.loads(kv.value)``, or None for a foreign or malformed value, logged once per key revision."""
-        try:
-            return cls.loads(kv.value)
-        except ValueError as err:
-            self._reject(kv, str(err))
-            return None
-
-    def _reject(self, kv: KeyValue, reason: str) -> None:
-        if (kv.key, kv.mod_revision) not in self._rejected:
-            self._rejected.add((kv.key, kv.mod_revision))
-            self.emit("rejected_record", {"key": kv.key, "reason": reason})
 
     # ---- membership ----------------------------------------------------------------
     def _node_record(self) -> NodeRecord:
@@ -156,241 +131,6 @@ class Agent:
             except StoreError as err:
                 self.emit("store_unreachable", {"error": str(err)})
 
-    def _elect(self) -> None:
-        """Try to become leader whenever there is none; lead while holding the key."""
-        while not self.stop_requested.is_set():
-            try:
-                current = self.store.get("leader")
-                if not self.leaving.is_set():
-                    record = LeaderRecord(node_id=self.node_id).dumps()
-                    won = False
-                    holder = self._parse(LeaderRecord, current) if current is not None else None
-                    if current is None:
-                        won = self.store.create("leader", record, lease=self._lease)
-                    elif holder is None:
-                        # Not a leader's record (it would have been written with a lease): take the key over.
-                        won = self.store.compare_and_set("leader", record, current.version, lease=self._lease)
-                    elif holder.node_id == self.node_id:
-                        won = True  # still ours (leading stopped on a store error): lead again
-                    if won:
-                        self._is_leader = True
-                        self.emit("leader_elected", {})
-                        self._lead()
-                        self._is_leader = False
-            except StoreError as err:
-                self.emit("store_unreachable", {"error": str(err)})
-            except Exception as err:  # noqa: BLE001 - the election must outlive any bug in one decision
-                self._is_leader = False
-                self.emit("leader_error", {"error": f"{type(err).__name__}: {err}", "where": _where(err)})
-                log.exception("leader loop failed; standing for election again")
-            self.stop_requested.wait(max(0.2, self.config.lease_ttl / 5))
-
-    # ---- leader ---------------------------------------------------------------------
-    def _lead(self) -> None:
-        watch = self.store.watch_prefix("", lambda e: self._on_leader_event(e))
-        try:
-            self._leader_dirty.set()
-            last_decision = 0.0
-            while not self.stop_requested.is_set() and not self.leaving.is_set():
-                if self._leader_dirty.wait(0.1):
-                    # Debounce: decide once nothing changed for reconfig_delay, unless no later change can
-                    # alter the decision.
-                    while not self.stop_requested.is_set():
-                        self._leader_dirty.clear()
-                        if self._settled() or not self._leader_dirty.wait(self.config.reconfig_delay):
-                            break
-                    self._decide()
-                    last_decision = time.monotonic()
-                elif time.monotonic() - last_decision > 1.0:
-                    self._decide()  # also without events: a watch may have missed one
-                    last_decision = time.monotonic()
-                leader = self.store.get("leader")
-                record = self._parse(LeaderRecord, leader) if leader is not None else None
-                if record is None or record.node_id != self.node_id:
-                    self.emit("leadership_lost", {})
-                    return
-        finally:
-            watch.cancel()
-            if self.leaving.is_set():
-                try:
-                    self.store.delete("leader")
-                except StoreError:
-                    pass
-
-    def _settled(self) -> bool:
-        """Whether the next decision needs no ``--reconfig-delay`` of quiet first: the first generation
-        once every node ``--nnodes`` allows has registered (no other can join), and the end of a job
-        whose members all reported success."""
-        kv = self.store.get("generation")
-        if kv is None:
-            return len(self._members_now()) >= self.config.max_nodes
-        current = self._parse(GenerationRecord, kv)
-        if current is None or current.status != "running" or not current.members:
-            return False
-        return self._all_succeeded(current, self._statuses(current.number))
-
-    def _statuses(self, generation: int) -> dict[str, NodeStatus]:
-        """Node id -> the status its agent reported for ``generation`` (foreign values left out)."""
-        statuses = {}
-        for skv in self.store.get_prefix(f"generations/{generation}/status/"):
-            status = self._parse(NodeStatus, skv)
-            if status is not None:
-                statuses[skv.key.rsplit("/", 1)[-1]] = status
-        return statuses
-
-    @staticmethod
-    def _all_succeeded(gen: GenerationRecord, statuses: dict[str, NodeStatus]) -> bool:
-        return bool(gen.members) and all(n in statuses and statuses[n].state == "succeeded" for n in gen.members)
-
-    def _on_leader_event(self, event: WatchEvent) -> None:
-        if event.key.startswith("nodes/") or "/status/" in event.key or "/abandoned/" in event.key:
-            self._leader_dirty.set()
-
-    def _members_now(self, include_leaving: bool = False) -> list[NodeRecord]:
-        nodes = []
-        for kv in self.store.get_prefix("nodes/"):
-            record = self._parse(NodeRecord, kv)
-            if record is None:
-                continue
-            if (include_leaving or not record.leaving) and record.ready:
-                nodes.append((record, kv.mod_revision))
-        # Group order: --node-rank hints first, then by time of registration.
-        nodes.sort(key=lambda item: (item[0].node_rank_hint if item[0].node_rank_hint is not None else 1 << 30, item[1], item[0].node_id))
-        return [n for n, _ in nodes]
-
-    def _decide(self) -> None:
-        kv = self.store.get("generation")
-        current = self._parse(GenerationRecord, kv) if kv else None
-        version = kv.version if kv else 0
-        if current and current.status in ("failed", "succeeded"):
-            return
-        alive = self._members_now()
-        alive_ids = [n.node_id for n in alive]
-        number = (current.number + 1) if current else 0
-        restart_count = current.restart_count if current else 0
-        started = bool(current and (current.started or current.status == "running"))
-        if kv is not None and current is None:
-            # Overwritten by something foreign: continue after every number the job has used, so no
-            # agent ever sees an old number again; the state of the job is unknown, so say it started.
-            used = [int(k.key.split("/")[1]) for k in self.store.get_prefix("generations/") if k.key.split("/")[1].isdigit()]
-            number = max([*used, self._latest.number if self._latest else -1]) + 1
-            started = True
-        reason: str | None = None
-
-        def publish(record: GenerationRecord) -> None:
-            if self.store.compare_and_set("generation", record.dumps(), version):
-                self.emit("generation_published", {"generation": record.number, "status": record.status, "members": len(record.members),
-                                                   "world_size": record.world_size, "reason": record.reason})
-
-        if current and current.status == "running":
-            statuses = self._statuses(current.number)
-            abandoned = [r for r in (self._parse(AbandonRecord, akv) for akv in self.store.get_prefix(f"generations/{current.number}/abandoned/"))
-                         if r is not None]
-            failed = [n for n, s in statuses.items() if s.state == "failed" and n in current.members]
-            fatal = [s.message for n, s in statuses.items() if s.state == "failed" and s.fatal]
-            if fatal:
-                publish(current.model_copy(update={"number": number, "status": "failed", "reason": fatal[0]}))
-                return
-            if failed:
-                if restart_count >= self.config.max_restarts:
-                    publish(current.model_copy(update={"number": number, "status": "failed",
-                                                       "reason": f"worker failure on {', '.join(failed)}; {restart_count}/{self.config.max_restarts} restarts used"}))
-                    return
-                restart_count += 1
-                reason = f"worker failure on {', '.join(failed)} (restart {restart_count}/{self.config.max_restarts})"
-            elif abandoned:
-                reason = f"generation {current.number} abandoned: {abandoned[0].reason}"
-            elif self._all_succeeded(current, statuses):
-                publish(current.model_copy(update={"number": number, "status": "succeeded", "reason": "all workers exited 0"}))
-                return
-        else:
-            reason = "start" if current is None else "enough nodes"
-        # Keep surviving members in their order, then newcomers.
-        ordered = [n for n in (current.members if current else []) if n in alive_ids] + [n for n in alive_ids if not current or n not in current.members]
-        ordered = ordered[: self.config.max_nodes]
-        devices = {n.node_id: n.num_devices for n in alive}
-        parallel = None
-        spec = self._requested_spec() or self._spec
-        if spec is not None and len(ordered) >= self.config.min_nodes:
-            # The longest prefix of the members whose devices the parallel config uses exactly;
-            # nodes after it wait as spares.
-            from etc_agent.planner.policy import resolve_parallel
-
-            for count in range(len(ordered), self.config.min_nodes - 1, -1):
-                config = resolve_parallel(spec, [devices[n] for n in ordered[:count]], self._model) if count else None
-                if config is not None:
-                    ordered, parallel = ordered[:count], config.short()
-                    break
-            else:
-                total = sum(devices[n] for n in ordered)
-                if not (current and current.status == "waiting" and current.members == ordered):
-                    publish(GenerationRecord(number=number, status="waiting", members=ordered, num_devices=[devices[n] for n in ordered],
-                                             restart_count=restart_count, started=started, published_at=time.time(),
-                                             reason=f"--parallel {spec.short()} fits no group of the {len(ordered)} nodes ({total} devices)"))
-                return
-        if current and current.status == "running" and reason is None and ordered == current.members:
-            if parallel == current.parallel:
-                return  # nothing to do
-            reason = f"reconfigured to {parallel}"
-        if reason is None:
-            joined = [n for n in ordered if n not in current.members]
-            left = [n for n in current.members if n not in ordered]
-            reason = ", ".join(p for p in (f"{len(left)} left" if left else "", f"{len(joined)} joined" if joined else "") if p) or "membership"
-        if len(ordered) < self.config.min_nodes:
-            if current and current.status == "waiting" and current.members == ordered:
-                return
-            publish(GenerationRecord(number=number, status="waiting", members=ordered, num_devices=[devices[n] for n in ordered],
-                                     restart_count=restart_count, started=started, published_at=time.time(),
-                                     reason=f"{len(ordered)} of at least {self.config.min_nodes} nodes"))
-            return
-        # Departing members that are still alive send their state before they exit.
-        # So do members left out as spares (the layout uses fewer devices): they may hold the only
-        # surviving copy of some state (a node failure took the other), and go idle after sending.
-        leaving = {n.node_id: n for n in self._members_now(include_leaving=True) if n.leaving}
-        sender_devices = {n: leaving[n].num_devices if n in leaving else devices.get(n) for n in (current.members if current else [])}
-        senders = [n for n in (current.members if current else [])
-                   if n not in ordered and (n in leaving or (n in alive_ids and self.config.migration == "live"))]
-        placement = self._place(parallel, ordered, devices, current)
-        gaps = []
-        if placement is not None:
-            from etc_agent.layout.config import ParallelConfig
-            from etc_agent.planner.placement import resilience_gaps
-
-            gaps = resilience_gaps(ParallelConfig.parse(parallel), placement)
-        publish(GenerationRecord(number=number, status="running", members=ordered, num_devices=[devices[n] for n in ordered],
-                                 restart_count=restart_count, reason=reason, parallel=parallel, senders=senders,
-                                 sender_devices=[sender_devices[n] for n in senders], started=started,
-                                 published_at=time.time(), placement=placement, not_resilient=gaps))
-        if gaps:
-            self.emit("not_resilient", {"generation": number, "placement": self.config.placement, "gaps": "; ".join(gaps)})
-
-    def _place(self, parallel: str | None, ordered: list[str], devices: dict[str, int], current: GenerationRecord | None) -> list[str] | None:
-        """Training rank -> device for a new generation (``--placement``), from the previous placement."""
-        if parallel is None:
-            return None
-        from etc_agent.layout.config import ParallelConfig
-        from etc_agent.planner.placement import live_placement
-
-        previous, previous_config = None, None
-        if current is not None and current.parallel and current.status == "running":
-            previous_config = ParallelConfig.parse(current.parallel)
-            order = current.placement or [f"{n}:{d}" for n, k in zip(current.members, current.num_devices) for d in range(k)]
-            previous = {device: rank for rank, device in enumerate(order)}
-        names = [f"{n}:{d}" for n in ordered for d in range(devices[n])]
-        return live_placement(ParallelConfig.parse(parallel), names, previous, previous_config,
-                              "resilience" if self.config.placement == "resilient" else "cost")
-
-    def _requested_spec(self) -> ParallelSpec | None:
-        """A layout asked for at run time (``etc-agent reconfigure``), which wins over ``--parallel``."""
-        kv = self.store.get("parallel")
-        if kv is None:
-            return None
-        try:
-            return ParallelSpec.parse(json.loads(kv.value)["spec"])
-        except (ValueError, KeyError, TypeError) as err:
-            self._reject(kv, f"{type(err).__name__}: {err}")
-            return None
-
     # ---- this node's part of a generation -------------------------------------------
     def _master(self, gen: GenerationRecord) -> MasterRecord:
         key = f"generations/{gen.number}/master"
@@ -413,7 +153,7 @@ class Agent:
         deadline = time.monotonic() + self.config.join_timeout
         while time.monotonic() < deadline and not self.stop_requested.is_set():
             kv = self.store.get(key)
-            master = self._parse(MasterRecord, kv) if kv else None
+            master = self.reader.parse(MasterRecord, kv) if kv else None
             if master is not None:
                 return master
             newer = self._read_generation()
@@ -450,13 +190,11 @@ class Agent:
         return env
 
     def _worker_env(self, gen: GenerationRecord, master: MasterRecord, local_rank: int) -> dict[str, str]:
-        index = gen.members.index(self.node_id)
-        offset = sum(gen.num_devices[:index])
-        rank = gen.placement.index(f"{self.node_id}:{local_rank}") if gen.placement else offset + local_rank
+        rank = gen.training_rank(self.node_id, local_rank)
         env = {
             **self._node_env(local_rank, gen.number),
             "RANK": str(rank),
-            "GROUP_RANK": str(index),
+            "GROUP_RANK": str(gen.members.index(self.node_id)),
             "ROLE_RANK": str(rank),
             "WORLD_SIZE": str(gen.world_size),
             "GROUP_WORLD_SIZE": str(len(gen.members)),
@@ -472,38 +210,31 @@ class Agent:
         return env
 
     def _prepare_assignments(self, gen: GenerationRecord, master: MasterRecord) -> None:
-        """What each local worker is in ``gen``: served to elastic workers over the control channel.
-
-        Transport ranks: members' devices in member order (their training ranks), then the senders'.
-        """
-        devices = [f"{n}:{d}" for n, k in zip(gen.members, gen.num_devices) for d in range(k)]
+        """What each local worker is in ``gen``: served to elastic workers over the control channel
+        (transport and training ranks from the record's helpers, the same ones the env uses)."""
         trained = False
         if gen.started:
             try:
                 trained = self.store.get("trained") is not None
             except StoreError:
                 trained = True  # unknown: never start fresh over state that may exist
-        if self.config.migration == "live":  # checkpoint mode: departing workers saved and exited already
-            devices += [f"{n}:{d}" for n, k in zip(gen.senders, gen.sender_devices) for d in range(k)]
-        if self.node_id in gen.members:
-            offset, leaving = sum(gen.num_devices[: gen.members.index(self.node_id)]), False
-        else:
-            offset, leaving = gen.world_size + sum(gen.sender_devices[: gen.senders.index(self.node_id)]), True
-        rank_of = {device: rank for rank, device in enumerate(gen.placement)} if gen.placement else {}
+        # Checkpoint mode: departing workers saved and exited already, they send nothing.
+        live = self.config.migration == "live"
+        devices = gen.transport_devices(with_senders=live)
+        leaving = self.node_id not in gen.members
         self._assignments = {
-            local: {
-                "generation": gen.number, "pg_rank": offset + local, "pg_world_size": len(devices),
-                "rank": None if leaving else rank_of.get(f"{self.node_id}:{local}", offset + local), "world_size": gen.world_size, "parallel": gen.parallel,
-                "store_addr": master.addr, "store_port": master.port, "devices": devices, "leaving": leaving,
-                "started": gen.started, "trained": trained, "reason": gen.reason, "published_at": gen.published_at, "node_id": self.node_id,
-            }
+            local: Assignment(
+                generation=gen.number, pg_rank=gen.transport_rank(self.node_id, local), pg_world_size=len(devices),
+                rank=None if leaving else gen.training_rank(self.node_id, local), world_size=gen.world_size, parallel=gen.parallel,
+                store_addr=master.addr, store_port=master.port, devices=devices, leaving=leaving, started=gen.started,
+                trained=trained, reason=gen.reason, published_at=gen.published_at, node_id=self.node_id)
             for local in range(self.config.nproc_per_node)
         }
 
     def _start_workers(self, gen: GenerationRecord) -> None:
         index = gen.members.index(self.node_id)
         master = self._master(gen)
-        offset = sum(gen.num_devices[:index])
+        offset = gen.transport_rank(self.node_id, 0)
         nproc = self.config.nproc_per_node
         envs = [self._worker_env(gen, master, local_rank) for local_rank in range(nproc)]
         self._prepare_assignments(gen, master)
@@ -514,7 +245,7 @@ class Agent:
         self.emit("workers_started", {"generation": gen.number, "group_rank": index, "world_size": gen.world_size,
                                       "ranks": f"{offset}-{offset + nproc - 1}", "restart_count": gen.restart_count})
 
-    def _continue_workers(self, gen: GenerationRecord) -> None:
+    def _continue_workers(self, gen: GenerationRecord, role: str) -> None:
         """Elastic workers stay alive into ``gen``; dead ones are started again (they join as receivers).
 
         With ``--migration checkpoint`` the workers save and exit (code ``RESTART_EXIT``) at the agreed
@@ -535,7 +266,7 @@ class Agent:
         self._reported = None
         self._report(gen, NodeStatus(state="running"))
         self.emit("workers_continue", {"generation": gen.number, "world_size": gen.world_size, "parallel": gen.parallel,
-                                       "role": "member" if self.node_id in gen.members else "sender",
+                                       "role": role,
                                        "restarted_local_ranks": restarted, "reason": gen.reason})
 
     def _stop_workers(self, why: str, sig: signal.Signals = signal.SIGTERM) -> None:
@@ -559,7 +290,7 @@ class Agent:
 
     def _read_generation(self) -> GenerationRecord | None:
         kv = self.store.get("generation")
-        return self._parse(GenerationRecord, kv) if kv is not None else None
+        return self.reader.parse(GenerationRecord, kv) if kv is not None else None
 
     # ---- main loop ------------------------------------------------------------------
     def run(self) -> int:
@@ -575,7 +306,7 @@ class Agent:
                                   "note": f"workers attach with ETC_AGENT_ADDR={self._control.address} and LOCAL_RANK"})
         self._join_warm()
         self._register()
-        for target in (self._keepalive, self._elect):
+        for target in (self._keepalive, self.leader.run_election):
             t = threading.Thread(target=target, name=f"etc-{target.__name__}", daemon=True)
             t.start()
             self._threads.append(t)
@@ -601,78 +332,89 @@ class Agent:
         :mod:`etc_agent.agent.control` (one model per ``op``), JSON replies."""
         if getattr(req, "local_rank", 0) >= self.config.nproc_per_node:
             raise ValueError(f"local_rank {req.local_rank} is not a worker of this node (--nproc-per-node {self.config.nproc_per_node})")
-        if isinstance(req, (Hello, Heartbeat)):
-            # A new process under a local rank another process already served replaces it (sidecar: the
-            # other launcher restarted it); it joins the generation after the one its predecessor ran.
-            replacement = isinstance(req, Hello) and self._worker_pid.get(req.local_rank) not in (None, req.pid)
-            self._worker_seen[req.local_rank] = time.monotonic()
-            if isinstance(req, Hello) and req.pid is not None:
-                self._worker_pid[req.local_rank] = req.pid
-            if isinstance(req, Hello) and req.elastic:
-                if not self._elastic:
-                    try:
-                        self.store.put("elastic", json.dumps({"node": self.node_id}))
-                    except StoreError:
-                        pass
-                self._elastic = True
-                self._standby_hellos.add(req.local_rank)
-            reply = {"node_id": self.node_id, "generation": self.generation.number if self.generation else None}
-            if self.config.sidecar and isinstance(req, Hello):
-                # What etcrun would have put in its children's environment.
-                number = self.generation.number if self.generation else 0
-                if replacement and req.local_rank in self._served_generation:
-                    # Its predecessor last saw that generation: the replacement joins a later one.
-                    number = self._served_generation.pop(req.local_rank) + 1
-                node_env = self._node_env(req.local_rank, number)
-                reply.update(sidecar=True, env={k: v for k, v in node_env.items() if k not in ("LOCAL_RANK", "ETC_AGENT_LOCAL_RANK", "OMP_NUM_THREADS")})
-            return reply
-        if isinstance(req, Attach):
-            if not self.config.sidecar:
-                raise ValueError("attach is for workers of an etc-agent sidecar; this agent starts its own workers")
-            return {"ok": True, "hold": True}
-        if isinstance(req, Exiting):
-            self._attachments.report_exit(req.local_rank, req.pid, req.code)
-            return {"ok": True}
-        if isinstance(req, AssignmentQuery):
-            self._worker_seen[req.local_rank] = time.monotonic()
-            latest = self._latest
-            served = self._assignments.get(req.local_rank)
-            if served is not None:
-                self._served_generation[req.local_rank] = served["generation"]
-            return {
-                "latest": latest.number if latest else None,
-                "latest_status": latest.status if latest else None,
-                "assignment": self._assignments.get(req.local_rank),
-                "finished": self._job_finished(),
-                "standby": not self._assignments,
-                "stop": self._attachments.stop_requested(req.local_rank),
-            }
-        if isinstance(req, SwitchFailed):
-            self._abandon(req.generation, f"{self.node_id} local_rank {req.local_rank}: {req.reason[:300]}")
-            return {"ok": True}
-        if isinstance(req, Fatal):
-            gen = self.generation
-            if gen is not None:
-                self._report(gen, NodeStatus(state="failed", message=req.reason, fatal=True))
-            self.emit("fatal", {"reason": req.reason[:500]})
-            return {"ok": True}
-        if isinstance(req, Finished):
-            # The training ranks completed the last step: processes still on their way into a
-            # generation (a late joiner) exit instead of waiting for peers that are gone.
-            self._put_or_say("finished", json.dumps({"step": req.step, "generation": req.generation}), "finished marker")
-            self._finished_cache = (time.monotonic(), True)
-            self.emit("training_finished", {"step": req.step, "generation": req.generation})
-            return {"ok": True}
-        if isinstance(req, Trained):
-            self._put_or_say("trained", json.dumps({"step": req.step, "node": self.node_id}), "trained marker")
-            return {"ok": True}
-        if isinstance(req, Migration):
-            record = req.record
-            if self._put_or_say(f"generations/{record.generation}/migration", record.dumps(), "migration record"):
-                self._put_or_say("last_migration", record.dumps(), "migration record")
-            self.emit("migration", record.model_dump(exclude={"schema_version"}))
-            return {"ok": True}
-        assert isinstance(req, GenerationQuery), req
+        handler = {Hello: self._on_hello, Heartbeat: self._on_hello, Attach: self._on_attach, Exiting: self._on_exiting,
+                   AssignmentQuery: self._on_assignment_query, SwitchFailed: self._on_switch_failed, Fatal: self._on_fatal,
+                   Finished: self._on_finished, Trained: self._on_trained, Migration: self._on_migration,
+                   GenerationQuery: self._on_generation_query}[type(req)]
+        return handler(req)
+
+    def _on_hello(self, req: Hello | Heartbeat) -> dict:
+        # A new process under a local rank another process already served replaces it (sidecar: the
+        # other launcher restarted it); it joins the generation after the one its predecessor ran.
+        replacement = isinstance(req, Hello) and self._worker_pid.get(req.local_rank) not in (None, req.pid)
+        self._worker_seen[req.local_rank] = time.monotonic()
+        if isinstance(req, Hello) and req.pid is not None:
+            self._worker_pid[req.local_rank] = req.pid
+        if isinstance(req, Hello) and req.elastic:
+            if not self._elastic:
+                try:
+                    self.store.put("elastic", json.dumps({"node": self.node_id}))
+                except StoreError:
+                    pass
+            self._elastic = True
+            self._standby_hellos.add(req.local_rank)
+        reply = HelloReply(node_id=self.node_id, generation=self.generation.number if self.generation else None)
+        if self.config.sidecar and isinstance(req, Hello):
+            # What etcrun would have put in its children's environment.
+            number = self.generation.number if self.generation else 0
+            if replacement and req.local_rank in self._served_generation:
+                # Its predecessor last saw that generation: the replacement joins a later one.
+                number = self._served_generation.pop(req.local_rank) + 1
+            node_env = self._node_env(req.local_rank, number)
+            env = {k: v for k, v in node_env.items() if k not in ("LOCAL_RANK", "ETC_AGENT_LOCAL_RANK", "OMP_NUM_THREADS")}
+            reply = reply.model_copy(update={"sidecar": True, "env": env})
+        return reply.model_dump()
+
+    def _on_attach(self, req: Attach) -> dict:
+        if not self.config.sidecar:
+            raise ValueError("attach is for workers of an etc-agent sidecar; this agent starts its own workers")
+        return {"ok": True, "hold": True}
+
+    def _on_exiting(self, req: Exiting) -> dict:
+        self._attachments.report_exit(req.local_rank, req.pid, req.code)
+        return {"ok": True}
+
+    def _on_assignment_query(self, req: AssignmentQuery) -> dict:
+        self._worker_seen[req.local_rank] = time.monotonic()
+        latest = self._latest
+        served = self._assignments.get(req.local_rank)
+        if served is not None:
+            self._served_generation[req.local_rank] = served.generation
+        return AssignmentReply(latest=latest.number if latest else None, latest_status=latest.status if latest else None,
+                               assignment=served, finished=self._job_finished(), standby=not self._assignments,
+                               stop=self._attachments.stop_requested(req.local_rank)).model_dump()
+
+    def _on_switch_failed(self, req: SwitchFailed) -> dict:
+        self._abandon(req.generation, f"{self.node_id} local_rank {req.local_rank}: {req.reason[:300]}")
+        return {"ok": True}
+
+    def _on_fatal(self, req: Fatal) -> dict:
+        gen = self.generation
+        if gen is not None:
+            self._report(gen, NodeStatus(state="failed", message=req.reason, fatal=True))
+        self.emit("fatal", {"reason": req.reason[:500]})
+        return {"ok": True}
+
+    def _on_finished(self, req: Finished) -> dict:
+        # The training ranks completed the last step: processes still on their way into a
+        # generation (a late joiner) exit instead of waiting for peers that are gone.
+        self._put_or_say("finished", json.dumps({"step": req.step, "generation": req.generation}), "finished marker")
+        self._finished_cache = (time.monotonic(), True)
+        self.emit("training_finished", {"step": req.step, "generation": req.generation})
+        return {"ok": True}
+
+    def _on_trained(self, req: Trained) -> dict:
+        self._put_or_say("trained", json.dumps({"step": req.step, "node": self.node_id}), "trained marker")
+        return {"ok": True}
+
+    def _on_migration(self, req: Migration) -> dict:
+        record = req.record
+        if self._put_or_say(f"generations/{record.generation}/migration", record.dumps(), "migration record"):
+            self._put_or_say("last_migration", record.dumps(), "migration record")
+        self.emit("migration", record.model_dump(exclude={"schema_version"}))
+        return {"ok": True}
+
+    def _on_generation_query(self, req: GenerationQuery) -> dict:
         latest = self._latest
         return {
             "node_id": self.node_id,
@@ -804,38 +546,59 @@ class Agent:
             self._wake.clear()
 
     def _on_generation(self, gen: GenerationRecord) -> int | None:
+        """Act on a newly read generation: its status, and this node's role in it (computed once here)."""
         previous = self.generation
         self.generation = gen
         self.emit("generation_seen", {"generation": gen.number, "status": gen.status, "members": len(gen.members), "reason": gen.reason})
-        if gen.status == "succeeded":
-            self._stop_workers("job succeeded")
-            return 0
-        if gen.status == "failed":
-            self._stop_workers("job failed")
-            self.emit("job_failed", {"reason": gen.reason})
-            return 1
-        if self._elastic and self.workers is not None and gen.status in ("running", "waiting"):
+        if gen.status in ("succeeded", "failed"):
+            self._stop_workers(f"job {gen.status}")
+            self._move(Phase.FINISHED if gen.status == "succeeded" else Phase.FAILED, gen.number)
+            if gen.status == "failed":
+                self.emit("job_failed", {"reason": gen.reason})
+            return 0 if gen.status == "succeeded" else 1
+        role = gen.role_of(self.node_id, with_senders=self.config.migration == "live")
+        if self._elastic and self.workers is not None:
             if gen.status == "waiting":
+                if self.phase.phase == Phase.RUNNING:
+                    self._move(Phase.PENDING, gen.number)
                 return None  # workers hold their state at a step boundary until enough nodes return
-            if self.node_id in gen.members or (self.node_id in gen.senders and self.config.migration == "live"):
-                # A member's workers go on; a spare's send what they hold, then exit (the node stays, idle).
+            if role != "spare":
+                # A member's workers go on; a sender's send what they hold, then exit (the node stays, idle).
+                self._move(Phase.MIGRATING, gen.number)
                 try:
-                    self._continue_workers(gen)
+                    self._continue_workers(gen, role)
                 except _Superseded:
                     self.generation = previous
+                    return None
+                self._move(Phase.RUNNING if role == "member" else Phase.DEPARTING, gen.number)
                 return None
             if not self._assignments:
                 self.emit("spare", {"generation": gen.number, "members": len(gen.members), "workers": "warm, waiting"})
                 return None  # warm standby workers of a node not (yet) in the job keep waiting
         self._stop_workers(f"generation {gen.number}" if previous else "start")
-        if gen.status == "running" and self.node_id in gen.members:
+        if gen.status == "running" and role == "member":
+            self._move(Phase.MIGRATING, gen.number)
             try:
                 self._start_workers(gen)
             except _Superseded:
                 self.generation = previous
-        elif gen.status == "running":
-            self.emit("spare", {"generation": gen.number, "members": len(gen.members)})
+                return None
+            self._move(Phase.RUNNING, gen.number)
+        else:
+            self._move(Phase.SPARE, gen.number)
+            if gen.status == "running":
+                self.emit("spare", {"generation": gen.number, "members": len(gen.members)})
         return None
+
+    def _move(self, phase: Phase, generation: int) -> None:
+        """This node's phase for ``generation``; leaving RUNNING for anything but a failure or the end
+        goes through PENDING (a newer generation was seen), as the state table has it."""
+        current = self.phase.phase
+        if current in (Phase.FINISHED, Phase.FAILED):
+            return  # the node's workers are done; the store's final record only confirms it
+        if current == Phase.RUNNING and phase not in (Phase.RUNNING, Phase.RECOVERING, Phase.DEPARTING, Phase.FINISHED, Phase.FAILED):
+            self.phase.to(Phase.PENDING, generation)
+        self.phase.to(phase, generation)
 
     def _kill_hung_workers(self, gen: GenerationRecord) -> None:
         """A worker-API process that stopped talking (frozen, deadlocked with the GIL held) is killed so
@@ -863,6 +626,8 @@ class Agent:
         if failed and self._elastic:
             # The others keep their state and recover in the next generation; only the dead restart.
             summary = self.workers.failure_summary(self.host)
+            if self.node_id in gen.members:
+                self._move(Phase.RECOVERING, gen.number)
             if self._reported != (gen.number, "failed"):
                 self.emit("workers_failed", {"generation": gen.number, "exit_codes": failed, "action": "restart as joiners"})
                 log.error("worker failure (generation %d):\n%s", gen.number, self.workers.failure_report(self._script_name()))
@@ -870,6 +635,7 @@ class Agent:
         elif failed:
             summary = self.workers.failure_summary(self.host)
             self.emit("workers_failed", {"generation": gen.number, "exit_codes": failed})
+            self._move(Phase.RECOVERING, gen.number)
             group = self.workers
             self._stop_workers("a local worker failed")
             # After the stop, as torchrun does: the workers stopped because of the failure are listed too.
@@ -880,9 +646,11 @@ class Agent:
             self.workers = None
             if self.node_id not in gen.members:
                 # A spare whose workers sent their state: it waits, without workers, for a generation that needs it.
+                self._move(Phase.SPARE, gen.number)
                 self.emit("spare", {"generation": gen.number, "members": len(gen.members), "workers": "state sent, exited"})
                 return
             self._report(gen, NodeStatus(state="succeeded", exit_codes=codes))
+            self._move(Phase.FINISHED, gen.number)
             self.emit("workers_succeeded", {"generation": gen.number})
 
     def _script_name(self) -> str:
@@ -899,6 +667,7 @@ class Agent:
 
     def _depart(self) -> int:
         self.emit("departing", {"shutdown_timeout": self.config.shutdown_timeout})
+        self._move(Phase.DEPARTING, self.generation.number if self.generation else -1)
         try:
             self.store.put(f"nodes/{self.node_id}", self._node_record().dumps(), lease=self._lease)
         except StoreError as err:
@@ -921,7 +690,7 @@ class Agent:
         try:
             latest = self._read_generation()
             finished = self._job_finished() or (latest is not None and latest.status == "succeeded")
-            others = [] if finished else [r.node_id for r in (self._parse(NodeRecord, kv) for kv in self.store.get_prefix("nodes/"))
+            others = [] if finished else [r.node_id for r in (self.reader.parse(NodeRecord, kv) for kv in self.store.get_prefix("nodes/"))
                                           if r is not None and r.node_id != self.node_id and not r.leaving]
         except StoreError as err:
             self.emit("store_unreachable", {"error": str(err), "pending": "whether other nodes go on"})
@@ -948,7 +717,7 @@ class Agent:
                     return
                 self._latest = gen
                 try:
-                    self._continue_workers(gen)
+                    self._continue_workers(gen, "sender")
                 except _Superseded:
                     continue
                 self.generation = gen
@@ -972,18 +741,6 @@ class Agent:
             if all(code is not None for code in self.workers.poll().values()):
                 return
             time.sleep(0.05)
-
-
-RESTART_EXIT = 75
-"""A worker's exit code after it saved its state for a checkpoint-based switch (EX_TEMPFAIL)."""
-
-
-def _where(err: BaseException) -> str:
-    """file:line of the innermost frame of ``err`` (for one-line logs)."""
-    tb = err.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return f"{os.path.basename(tb.tb_frame.f_code.co_filename)}:{tb.tb_lineno}" if tb else "?"
 
 
 class _Superseded(Exception):

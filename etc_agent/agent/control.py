@@ -116,3 +116,63 @@ ControlRequest = Annotated[
     Field(discriminator="op"),
 ]
 CONTROL_REQUEST: TypeAdapter[ControlRequest] = TypeAdapter(ControlRequest)
+
+
+# ---- replies --------------------------------------------------------------------------------
+class _Reply(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Assignment(_Reply):
+    """What one worker is in the generation its node serves: everything the switch needs to know of it.
+
+    Transport ranks number the migration group: the members' devices in member order, then (live
+    migration) the senders'. A sender has no training rank.
+    """
+
+    generation: int = Field(ge=0)
+    pg_rank: int = Field(ge=0, description="This worker's transport rank in the generation's migration group.")
+    pg_world_size: int = Field(ge=1, description="Processes in the migration group (members' and senders' devices).")
+    rank: int | None = Field(description="Training rank in the new world; None: a sender, which exits after sending.")
+    world_size: int = Field(ge=0, description="Training ranks of the generation.")
+    parallel: str | None = Field(description="The generation's layout (None: the script's default resolves it).")
+    store_addr: str = Field(description="Host of the generation's TCPStore (the first member hosts it).")
+    store_port: int = Field(ge=0, le=65535)
+    devices: list[str] = Field(description="``node:local_rank`` of each transport rank.")
+    leaving: bool = Field(description="This node is a sender of the generation.")
+    started: bool = Field(description="An earlier generation ran: training state may exist somewhere.")
+    trained: bool = Field(description="An optimizer step was committed: a state nobody holds is lost, not built again.")
+    reason: str = ""
+    published_at: float = Field(description="When the leader published the generation (wall clock).")
+    node_id: str
+
+    @property
+    def device(self) -> str:
+        return self.devices[self.pg_rank]
+
+    @property
+    def member_devices(self) -> list[str]:
+        """The training ranks' devices in member order (what a migration record lists)."""
+        return self.devices[: self.world_size]
+
+    @property
+    def sender_devices(self) -> list[str]:
+        return self.devices[self.world_size:]
+
+
+class HelloReply(_Reply):
+    node_id: str
+    generation: int | None
+    sidecar: bool = False
+    env: dict[str, str] = Field(default_factory=dict, description="Sidecar: what etcrun puts in its children's environment.")
+
+
+class AssignmentReply(_Reply):
+    """The worker's poll: the newest generation and its own part in the one its node serves."""
+
+    latest: int | None
+    latest_status: str | None
+    assignment: Assignment | None
+    finished: bool = Field(description="Training rank 0 reported the last step done.")
+    standby: bool = Field(description="The node serves no generation yet (a warm joiner waits as long as its node does).")
+    stop: bool = Field(False, description="Sidecar: the agent asks this worker to stop.")

@@ -82,6 +82,37 @@ class GenerationRecord(Record):
     def world_size(self) -> int:
         return sum(self.num_devices)
 
+    def member_devices(self) -> list[str]:
+        """``node:local_rank`` of every member's devices, in member order (the group order)."""
+        return [f"{n}:{d}" for n, k in zip(self.members, self.num_devices) for d in range(k)]
+
+    def sender_device_names(self) -> list[str]:
+        """``node:local_rank`` of every sender's devices, in sender order."""
+        return [f"{n}:{d}" for n, k in zip(self.senders, self.sender_devices) for d in range(k)]
+
+    def transport_devices(self, with_senders: bool) -> list[str]:
+        """The migration group's devices by transport rank: the members', then (live) the senders'."""
+        return self.member_devices() + (self.sender_device_names() if with_senders else [])
+
+    def role_of(self, node_id: str, with_senders: bool) -> Literal["member", "sender", "spare"]:
+        """A node's part in this generation (``with_senders``: senders take part, i.e. live migration)."""
+        if node_id in self.members:
+            return "member"
+        return "sender" if with_senders and node_id in self.senders else "spare"
+
+    def transport_rank(self, node_id: str, local_rank: int) -> int:
+        """Transport rank of a member's or a sender's device (see :meth:`transport_devices`)."""
+        if node_id in self.members:
+            return sum(self.num_devices[: self.members.index(node_id)]) + local_rank
+        return self.world_size + sum(self.sender_devices[: self.senders.index(node_id)]) + local_rank
+
+    def training_rank(self, node_id: str, local_rank: int) -> int:
+        """Training rank of a member's device: its place in :attr:`placement`, or member order."""
+        device = f"{node_id}:{local_rank}"
+        if self.placement and device in self.placement:
+            return self.placement.index(device)
+        return self.transport_rank(node_id, local_rank)
+
 
 class MasterRecord(Record):
     addr: str

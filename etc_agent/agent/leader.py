@@ -1,0 +1,322 @@
+"""The leader: store-based election, and the decision of each next generation.
+
+One agent holds the ``leader`` key (under its lease). It watches the members and the workers'
+statuses and, once nothing changed for ``--reconfig-delay`` (or no later change could alter the
+decision), publishes the next :class:`GenerationRecord` with compare-and-set on ``generation``.
+The decision reads the store only; every agent then acts on what it reads back
+(:mod:`etc_agent.agent.agent`). See ``docs/protocol.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from etc_agent.agent.config import AgentConfig
+from etc_agent.agent.records import RecordReader, where
+from etc_agent.layout.config import ParallelSpec
+from etc_agent.rendezvous.records import AbandonRecord, GenerationRecord, LeaderRecord, NodeRecord, NodeStatus
+from etc_agent.rendezvous.store import Lease, MembershipStore, StoreError, WatchEvent
+
+log = logging.getLogger("etc_agent.agent")
+
+
+@dataclass
+class _Basis:
+    """What the next generation is decided from: the current one as read, and what carries over."""
+
+    current: GenerationRecord | None
+    version: int
+    number: int
+    restart_count: int
+    started: bool
+
+
+class Leader:
+    """Election and decisions of one agent (``run_election`` is that agent's election thread)."""
+
+    def __init__(self, store: MembershipStore, config: AgentConfig, node_id: str, emit: Callable[[str, dict], None],
+                 reader: RecordReader, leaving: threading.Event, stop_requested: threading.Event,
+                 lease: Callable[[], Lease], latest: Callable[[], GenerationRecord | None]):
+        """``lease``: the agent's current lease (it changes when the agent registers again);
+        ``latest``: the newest generation the agent read (numbers are never reused)."""
+        self.store, self.config, self.node_id, self.emit, self.reader = store, config, node_id, emit, reader
+        self.leaving, self.stop_requested = leaving, stop_requested
+        self._lease, self._latest = lease, latest
+        self.is_leader = False
+        self._dirty = threading.Event()
+        self._spec = ParallelSpec.parse(config.parallel) if config.parallel else None
+        self._model = None
+        if config.model:
+            from etc_agent.layout.model import ModelSpec
+
+            self._model = ModelSpec.from_yaml(config.model)
+
+    # ---- election --------------------------------------------------------------------
+    def run_election(self) -> None:
+        """Try to become leader whenever there is none; lead while holding the key."""
+        while not self.stop_requested.is_set():
+            try:
+                if not self.leaving.is_set() and self._win():
+                    self.is_leader = True
+                    self.emit("leader_elected", {})
+                    self._lead()
+                    self.is_leader = False
+            except StoreError as err:
+                self.emit("store_unreachable", {"error": str(err)})
+            except Exception as err:  # noqa: BLE001 - the election must outlive any bug in one decision
+                self.is_leader = False
+                self.emit("leader_error", {"error": f"{type(err).__name__}: {err}", "where": where(err)})
+                log.exception("leader loop failed; standing for election again")
+            self.stop_requested.wait(max(0.2, self.config.lease_ttl / 5))
+
+    def _win(self) -> bool:
+        current = self.store.get("leader")
+        record = LeaderRecord(node_id=self.node_id).dumps()
+        holder = self.reader.parse(LeaderRecord, current) if current is not None else None
+        if current is None:
+            return self.store.create("leader", record, lease=self._lease())
+        if holder is None:
+            # Not a leader's record (it would have been written with a lease): take the key over.
+            return self.store.compare_and_set("leader", record, current.version, lease=self._lease())
+        return holder.node_id == self.node_id  # still ours (leading stopped on a store error): lead again
+
+    def _lead(self) -> None:
+        watch = self.store.watch_prefix("", self._on_event)
+        try:
+            self._dirty.set()
+            last_decision = 0.0
+            while not self.stop_requested.is_set() and not self.leaving.is_set():
+                if self._dirty.wait(0.1):
+                    self._quiet()
+                    self.decide()
+                    last_decision = time.monotonic()
+                elif time.monotonic() - last_decision > 1.0:
+                    self.decide()  # also without events: a watch may have missed one
+                    last_decision = time.monotonic()
+                leader = self.store.get("leader")
+                record = self.reader.parse(LeaderRecord, leader) if leader is not None else None
+                if record is None or record.node_id != self.node_id:
+                    self.emit("leadership_lost", {})
+                    return
+        finally:
+            watch.cancel()
+            if self.leaving.is_set():
+                try:
+                    self.store.delete("leader")
+                except StoreError:
+                    pass
+
+    def _quiet(self) -> None:
+        """Debounce: return once nothing changed for ``--reconfig-delay``, or at once when no later
+        change can alter the decision."""
+        while not self.stop_requested.is_set():
+            self._dirty.clear()
+            if self._settled() or not self._dirty.wait(self.config.reconfig_delay):
+                return
+
+    def _on_event(self, event: WatchEvent) -> None:
+        if event.key.startswith("nodes/") or "/status/" in event.key or "/abandoned/" in event.key:
+            self._dirty.set()
+
+    def _settled(self) -> bool:
+        """Whether the next decision needs no ``--reconfig-delay`` of quiet first: the first generation
+        once every node ``--nnodes`` allows has registered (no other can join), and the end of a job
+        whose members all reported success."""
+        kv = self.store.get("generation")
+        if kv is None:
+            return len(self.members_now()) >= self.config.max_nodes
+        current = self.reader.parse(GenerationRecord, kv)
+        if current is None or current.status != "running" or not current.members:
+            return False
+        return all_succeeded(current, self.statuses(current.number))
+
+    # ---- reading the store ------------------------------------------------------------
+    def statuses(self, generation: int) -> dict[str, NodeStatus]:
+        """Node id -> the status its agent reported for ``generation`` (foreign values left out)."""
+        statuses = {}
+        for skv in self.store.get_prefix(f"generations/{generation}/status/"):
+            status = self.reader.parse(NodeStatus, skv)
+            if status is not None:
+                statuses[skv.key.rsplit("/", 1)[-1]] = status
+        return statuses
+
+    def members_now(self, include_leaving: bool = False) -> list[NodeRecord]:
+        """The registered, ready nodes in group order: ``--node-rank`` hints first, then by registration."""
+        nodes = []
+        for kv in self.store.get_prefix("nodes/"):
+            record = self.reader.parse(NodeRecord, kv)
+            if record is None:
+                continue
+            if (include_leaving or not record.leaving) and record.ready:
+                nodes.append((record, kv.mod_revision))
+        nodes.sort(key=lambda item: (item[0].node_rank_hint if item[0].node_rank_hint is not None else 1 << 30, item[1], item[0].node_id))
+        return [n for n, _ in nodes]
+
+    def _requested_spec(self) -> ParallelSpec | None:
+        """A layout asked for at run time (``etc-agent reconfigure``), which wins over ``--parallel``."""
+        kv = self.store.get("parallel")
+        if kv is None:
+            return None
+        try:
+            return ParallelSpec.parse(json.loads(kv.value)["spec"])
+        except (ValueError, KeyError, TypeError) as err:
+            self.reader.reject(kv, f"{type(err).__name__}: {err}")
+            return None
+
+    # ---- the decision -----------------------------------------------------------------
+    def decide(self) -> None:
+        """Publish the next generation if the store says one is due (at most one compare-and-set)."""
+        basis = self._basis()
+        if basis is None:
+            return
+        current = basis.current
+        if current and current.status == "running":
+            final, reason, basis.restart_count = self._after_running(basis)
+            if final is not None:
+                self._publish(final, basis.version)
+                return
+        else:
+            reason = "start" if current is None else "enough nodes"
+        alive = self.members_now()
+        alive_ids = [n.node_id for n in alive]
+        # Keep surviving members in their order, then newcomers.
+        ordered = [n for n in (current.members if current else []) if n in alive_ids] + [
+            n for n in alive_ids if not current or n not in current.members]
+        ordered = ordered[: self.config.max_nodes]
+        devices = {n.node_id: n.num_devices for n in alive}
+        fitted = self._fit(basis, ordered, devices)
+        if fitted is None:
+            return
+        ordered, parallel = fitted
+        if current and current.status == "running" and reason is None and ordered == current.members:
+            if parallel == current.parallel:
+                return  # nothing to do
+            reason = f"reconfigured to {parallel}"
+        if reason is None:
+            joined = [n for n in ordered if n not in current.members]
+            left = [n for n in current.members if n not in ordered]
+            reason = ", ".join(p for p in (f"{len(left)} left" if left else "", f"{len(joined)} joined" if joined else "") if p) or "membership"
+        if len(ordered) < self.config.min_nodes:
+            if not (current and current.status == "waiting" and current.members == ordered):
+                self._publish_waiting(basis, ordered, devices, f"{len(ordered)} of at least {self.config.min_nodes} nodes")
+            return
+        self._publish_running(basis, ordered, devices, alive_ids, parallel, reason)
+
+    def _basis(self) -> _Basis | None:
+        """The current generation and what the next one inherits; None once the job is over."""
+        kv = self.store.get("generation")
+        current = self.reader.parse(GenerationRecord, kv) if kv else None
+        if current and current.status in ("failed", "succeeded"):
+            return None
+        basis = _Basis(current=current, version=kv.version if kv else 0, number=(current.number + 1) if current else 0,
+                       restart_count=current.restart_count if current else 0,
+                       started=bool(current and (current.started or current.status == "running")))
+        if kv is not None and current is None:
+            # Overwritten by something foreign: continue after every number the job has used, so no
+            # agent ever sees an old number again; the state of the job is unknown, so say it started.
+            used = [int(k.key.split("/")[1]) for k in self.store.get_prefix("generations/") if k.key.split("/")[1].isdigit()]
+            latest = self._latest()
+            basis.number = max([*used, latest.number if latest else -1]) + 1
+            basis.started = True
+        return basis
+
+    def _after_running(self, basis: _Basis) -> tuple[GenerationRecord | None, str | None, int]:
+        """What the statuses of a running generation call for: (a final record to publish, or None;
+        the reason for a next running one, or None for a membership/layout change; the restart count)."""
+        current, number, restart_count = basis.current, basis.number, basis.restart_count
+        statuses = self.statuses(current.number)
+        abandoned = [r for r in (self.reader.parse(AbandonRecord, akv)
+                                 for akv in self.store.get_prefix(f"generations/{current.number}/abandoned/")) if r is not None]
+        failed = [n for n, s in statuses.items() if s.state == "failed" and n in current.members]
+        fatal = [s.message for n, s in statuses.items() if s.state == "failed" and s.fatal]
+        if fatal:
+            return current.model_copy(update={"number": number, "status": "failed", "reason": fatal[0]}), None, restart_count
+        if failed:
+            if restart_count >= self.config.max_restarts:
+                why = f"worker failure on {', '.join(failed)}; {restart_count}/{self.config.max_restarts} restarts used"
+                return current.model_copy(update={"number": number, "status": "failed", "reason": why}), None, restart_count
+            restart_count += 1
+            return None, f"worker failure on {', '.join(failed)} (restart {restart_count}/{self.config.max_restarts})", restart_count
+        if abandoned:
+            return None, f"generation {current.number} abandoned: {abandoned[0].reason}", restart_count
+        if all_succeeded(current, statuses):
+            return current.model_copy(update={"number": number, "status": "succeeded", "reason": "all workers exited 0"}), None, restart_count
+        return None, None, restart_count
+
+    def _fit(self, basis: _Basis, ordered: list[str], devices: dict[str, int]) -> tuple[list[str], str | None] | None:
+        """The longest prefix of the members whose devices the layout uses exactly, and that layout
+        (nodes after it wait as spares); None when it fits no group (a waiting generation says so)."""
+        spec = self._requested_spec() or self._spec
+        if spec is None or len(ordered) < self.config.min_nodes:
+            return ordered, None
+        from etc_agent.planner.policy import resolve_parallel
+
+        for count in range(len(ordered), self.config.min_nodes - 1, -1):
+            config = resolve_parallel(spec, [devices[n] for n in ordered[:count]], self._model) if count else None
+            if config is not None:
+                return ordered[:count], config.short()
+        current = basis.current
+        if not (current and current.status == "waiting" and current.members == ordered):
+            total = sum(devices[n] for n in ordered)
+            self._publish_waiting(basis, ordered, devices, f"--parallel {spec.short()} fits no group of the {len(ordered)} nodes ({total} devices)")
+        return None
+
+    def _publish_waiting(self, basis: _Basis, ordered: list[str], devices: dict[str, int], reason: str) -> None:
+        self._publish(GenerationRecord(number=basis.number, status="waiting", members=ordered, num_devices=[devices[n] for n in ordered],
+                                       restart_count=basis.restart_count, started=basis.started, published_at=time.time(),
+                                       reason=reason), basis.version)
+
+    def _publish_running(self, basis: _Basis, ordered: list[str], devices: dict[str, int], alive_ids: list[str],
+                         parallel: str | None, reason: str) -> None:
+        current = basis.current
+        # Departing members that are still alive send their state before they exit.
+        # So do members left out as spares (the layout uses fewer devices): they may hold the only
+        # surviving copy of some state (a node failure took the other), and go idle after sending.
+        leaving = {n.node_id: n for n in self.members_now(include_leaving=True) if n.leaving}
+        previous = current.members if current else []
+        sender_devices = {n: leaving[n].num_devices if n in leaving else devices.get(n) for n in previous}
+        senders = [n for n in previous if n not in ordered and (n in leaving or (n in alive_ids and self.config.migration == "live"))]
+        placement = self._place(parallel, ordered, devices, current)
+        gaps = []
+        if placement is not None:
+            from etc_agent.layout.config import ParallelConfig
+            from etc_agent.planner.placement import resilience_gaps
+
+            gaps = resilience_gaps(ParallelConfig.parse(parallel), placement)
+        self._publish(GenerationRecord(number=basis.number, status="running", members=ordered, num_devices=[devices[n] for n in ordered],
+                                       restart_count=basis.restart_count, reason=reason, parallel=parallel, senders=senders,
+                                       sender_devices=[sender_devices[n] for n in senders], started=basis.started,
+                                       published_at=time.time(), placement=placement, not_resilient=gaps), basis.version)
+        if gaps:
+            self.emit("not_resilient", {"generation": basis.number, "placement": self.config.placement, "gaps": "; ".join(gaps)})
+
+    def _publish(self, record: GenerationRecord, version: int) -> None:
+        if self.store.compare_and_set("generation", record.dumps(), version):
+            self.emit("generation_published", {"generation": record.number, "status": record.status, "members": len(record.members),
+                                               "world_size": record.world_size, "reason": record.reason})
+
+    def _place(self, parallel: str | None, ordered: list[str], devices: dict[str, int], current: GenerationRecord | None) -> list[str] | None:
+        """Training rank -> device for a new generation (``--placement``), from the previous placement."""
+        if parallel is None:
+            return None
+        from etc_agent.layout.config import ParallelConfig
+        from etc_agent.planner.placement import live_placement
+
+        previous, previous_config = None, None
+        if current is not None and current.parallel and current.status == "running":
+            previous_config = ParallelConfig.parse(current.parallel)
+            order = current.placement or current.member_devices()
+            previous = {device: rank for rank, device in enumerate(order)}
+        names = [f"{n}:{d}" for n in ordered for d in range(devices[n])]
+        return live_placement(ParallelConfig.parse(parallel), names, previous, previous_config,
+                              "resilience" if self.config.placement == "resilient" else "cost")
+
+
+def all_succeeded(gen: GenerationRecord, statuses: dict[str, NodeStatus]) -> bool:
+    """Every member of ``gen`` reported success."""
+    return bool(gen.members) and all(n in statuses and statuses[n].state == "succeeded" for n in gen.members)
