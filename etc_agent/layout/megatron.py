@@ -1,6 +1,6 @@
 """The Megatron-LM layout of a GPT / Llama model's training state for a :class:`ParallelConfig`.
 
-Conventions (see DESIGN.md):
+Conventions (see docs/design.md, "Layout conventions"):
 
 - QKV and FC1 are column-parallel (split on the output dim), the attention projection and FC2 are
   row-parallel (split on the input dim, bias replicated), norms are replicated across TP, the word

@@ -1,6 +1,6 @@
 """The migration planner: old layout on old devices + new layout + new devices -> ``MigrationPlan``.
 
-Pure: takes descriptions, returns data. Steps (DESIGN.md, "Planner"):
+Pure: takes descriptions, returns data. Steps (docs/planner.md, "How the planner decides"):
 
 1. Key groups: keys whose shards sit in the same places in both layouts are planned together.
 2. Cost matrix over (device, new rank): ``U`` = bytes of the rank's new shards not resident on the
