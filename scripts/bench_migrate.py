@@ -104,7 +104,7 @@ def worker(rank, port, args, queue):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    from etc_agent.baselines.checkpoint import load_shards, save_shards
+    from etc_agent.worker.baseline import load_shards, save_shards
     from etc_agent.layout import DeviceSet, ModelSpec, ParallelConfig, model_layout
     from etc_agent.migrate import describe_state, migrate_state
     from etc_agent.planner import plan_model_migration

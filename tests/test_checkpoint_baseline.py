@@ -8,7 +8,7 @@ from conftest import MODELS
 from dist_harness import run_workers
 from test_migrate import _bases, _values
 
-from etc_agent.baselines.checkpoint import load_shards, save_shards
+from etc_agent.worker.baseline import load_shards, save_shards
 from etc_agent.layout import ModelSpec, ParallelConfig, model_layout
 from etc_agent.migrate import BoxedTensor, describe_state
 from etc_agent.migrate.executor import TORCH_DTYPES

@@ -251,7 +251,7 @@ def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def materialize_optimizer_state(optimizer: Any, zero: bool) -> None:
     """Create the Adam state of every main parameter now (Megatron creates it at the first step)."""
-    from etc_agent.worker.appstate import materialize_optimizer_state as materialize
+    from etc_agent.utils.plainstate import materialize_optimizer_state as materialize
 
     for opt in _inner_optimizers(optimizer):
         inner = getattr(opt, "optimizer", None)
@@ -276,7 +276,7 @@ def wrap_step(optimizer: Any, before: Callable[[], None] | None, after: Callable
 
 def optimizer_plain(optimizer: Any, path: str) -> dict:
     """The small state of a Megatron optimizer: param-group settings, the step count, the loss scale."""
-    from etc_agent.worker.appstate import to_json
+    from etc_agent.utils.plainstate import to_json
 
     groups, steps = [], set()
     for i, opt in enumerate(_inner_optimizers(optimizer)):
@@ -305,7 +305,7 @@ def _jsonable(value: Any) -> bool:
 
 
 def load_optimizer_plain(optimizer: Any, plain: Mapping[str, Any]) -> None:
-    from etc_agent.worker.appstate import from_json, load_param_group
+    from etc_agent.utils.plainstate import from_json, load_param_group
 
     optimizers = _inner_optimizers(optimizer)
     if len(optimizers) != len(plain["optimizers"]):
@@ -346,10 +346,7 @@ def initialize_model_parallel(ctx: Any, seed: int | None = None, **kwargs: Any) 
         if kwargs.get(name, 1) != 1:
             raise ValueError(f"{name}={kwargs[name]}: etc_agent lays out tp, pp and dp only")
     destroy_model_parallel()
-    from etc_agent.worker.job import current
-
-    job = current()
-    timeout_s = job.timeout_s if job is not None else 1800.0
+    timeout_s = getattr(ctx, "timeout_s", None) or 1800.0
     kwargs.setdefault("distributed_timeout_minutes", max(1, math.ceil(timeout_s / 60)))
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=ctx.tp, pipeline_model_parallel_size=ctx.pp, **kwargs)
     found = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank(),

@@ -9,7 +9,7 @@ from etc_agent.utils.lazy import lazy_exports
 _EXPORTS = {
     "ParallelContext": "etc_agent.worker.context",
     "Job": "etc_agent.worker.job",
-    "JobError": "etc_agent.worker.job",
+    "JobError": "etc_agent.worker.errors",
     "init": "etc_agent.worker.job",
 }
 __getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -39,6 +39,9 @@ class ParallelContext:
     restoring: bool = False
     """True when the state ``build`` returns will be overwritten (a migration or a checkpoint load
     follows): ``build`` may skip expensive initialisation and only allocate."""
+    timeout_s: float | None = None
+    """The bound on every collective of the mesh's groups (``ETC_AGENT_TIMEOUT``); groups a script
+    makes itself (Megatron's) should use it too."""
 
     # Groups are looked up through the mesh rather than held: after a failure the job drops the
     # mesh's groups so their connections close and peers blocked on this process fail at once,
@@ -89,4 +92,5 @@ def make_context(config: ParallelConfig, rank: int, generation: int, device: tor
     return ParallelContext(
         config=config, rank=rank, world_size=config.world_size, tp_rank=coord.tp, pp_rank=coord.pp, dp_rank=coord.dp,
         mesh=mesh, device=device, generation=generation, restoring=restoring,
+        timeout_s=timeout.total_seconds() if timeout is not None else None,
     )

@@ -1,0 +1,137 @@
+"""The worker's side of its agent's control channel (``ETC_AGENT_ADDR``), polled in a thread.
+
+Requests are the models of :mod:`etc_agent.agent.control`; replies are parsed into its reply
+models (:class:`~etc_agent.agent.control.Assignment` above all), so the switch reads typed fields.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+from etc_agent.agent.control import Assignment, AssignmentReply, HelloReply
+from etc_agent.utils.jsonline import JsonLineError, parse_address, request
+from etc_agent.worker.errors import JobError, JobFinished
+
+log = logging.getLogger("etc_agent.worker")
+
+
+class AgentLink:
+    """Polls the agent for the newest generation and this worker's assignment; sends its reports."""
+
+    def __init__(self, address: str, local_rank: int, poll_interval: float = 0.1):
+        self.address = parse_address(address)
+        self.local_rank = local_rank
+        self.poll_interval = poll_interval
+        self.latest: int = -1
+        """The newest generation number the agent has seen."""
+        self.reply: AssignmentReply | None = None
+        self.error: str | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._changed = threading.Condition(self._lock)
+        self._stopping = False
+        hello = request(self.address, {"op": "hello", "local_rank": local_rank, "pid": os.getpid(), "elastic": True}, timeout=10)
+        self.hello = HelloReply.model_validate(hello)
+        self._attachment: socket.socket | None = None
+        if self.hello.sidecar:
+            self._attach()
+        self._thread = threading.Thread(target=self._poll, name="etc-agent-link", daemon=True)
+        self._thread.start()
+
+    @property
+    def finished(self) -> bool:
+        """Training rank 0 reported the last step done."""
+        reply = self.reply
+        return reply is not None and reply.finished
+
+    def _attach(self) -> None:
+        """Sidecar mode: hold a connection to the agent for as long as this process lives; the agent is
+        not our parent, and that connection closing is how it learns we are gone."""
+        sock = socket.create_connection(self.address, timeout=10)
+        sock.sendall((json.dumps({"op": "attach", "local_rank": self.local_rank, "pid": os.getpid()}) + "\n").encode())
+        reply = b""
+        while not reply.endswith(b"\n"):
+            chunk = sock.recv(4096)
+            if not chunk:
+                raise JobError(f"the agent at {self.address[0]}:{self.address[1]} closed the attach connection")
+            reply += chunk
+        answer = json.loads(reply)
+        if "error" in answer:
+            raise JobError(f"the agent at {self.address[0]}:{self.address[1]} refused the attachment: {answer['error']}")
+        sock.settimeout(None)
+        self._attachment = sock
+
+    def _poll(self) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                reply = AssignmentReply.model_validate(request(self.address, {"op": "assignment", "local_rank": self.local_rank}, timeout=10))
+                failures = 0
+                if reply.stop and not self._stopping:
+                    # Sidecar mode: the agent cannot signal a process it did not start; it asks instead.
+                    self._stopping = True
+                    print(f"[etc_agent] local_rank {self.local_rank}: the agent asks this worker to stop", file=sys.stderr, flush=True)
+                    os.kill(os.getpid(), signal.SIGTERM)
+                with self._changed:
+                    self.reply = reply
+                    if reply.latest is not None:
+                        self.latest = max(self.latest, reply.latest)
+                    self.error = None
+                    self._changed.notify_all()
+            except (OSError, JsonLineError, ValueError) as err:
+                failures += 1
+                if failures >= 3:
+                    with self._changed:
+                        self.error = f"agent at {self.address[0]}:{self.address[1]} unreachable: {err}"
+                        self._changed.notify_all()
+            self._stop.wait(self.poll_interval)
+
+    def assignment(self, at_least: int, timeout_s: float, why: str) -> Assignment:
+        """The newest assignment for a generation >= ``at_least`` (waiting for the agent to prepare it)."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while True:
+                reply = self.reply
+                if reply is not None:
+                    if reply.assignment is not None and reply.assignment.generation >= at_least:
+                        return reply.assignment
+                    if reply.latest_status in ("failed", "succeeded") and (reply.latest or -1) >= at_least:
+                        raise JobError(f"the job {reply.latest_status} while this worker waited for generation {at_least}")
+                    if reply.finished:
+                        raise JobFinished()
+                    if reply.standby:
+                        deadline = time.monotonic() + timeout_s  # a warm joiner waits as long as its node does
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    detail = f"; last error: {self.error}" if self.error else ""
+                    raise JobError(f"no generation >= {at_least} from the agent within {timeout_s:.0f} s ({why}){detail}")
+                self._changed.wait(min(remaining, 0.5))
+
+    def newer_than(self, generation: int) -> Assignment | None:
+        with self._lock:
+            reply = self.reply
+            current = reply.assignment if reply is not None else None
+            return current if current is not None and current.generation > generation else None
+
+    def send(self, req: dict[str, Any]) -> None:
+        try:
+            request(self.address, req, timeout=10)
+        except (OSError, JsonLineError) as err:
+            log.warning("could not send %s to the agent: %s", req.get("op"), err)
+
+    def close(self, exit_code: int = 0) -> None:
+        """Stop polling; a sidecar's worker reports ``exit_code`` and detaches."""
+        self._stop.set()
+        self._thread.join(timeout=2)
+        if self._attachment is not None:
+            self.send({"op": "exiting", "local_rank": self.local_rank, "pid": os.getpid(), "code": exit_code})
+            self._attachment.close()
+            self._attachment = None

@@ -1,0 +1,109 @@
+"""The migration record: each process's phase times gathered, new rank 0 builds one
+:class:`~etc_agent.rendezvous.records.MigrationRecord` (validated here, before it is sent).
+
+Call sequence: every process of the generation (members and senders) calls :func:`live_record` or
+:func:`checkpoint_record` after its part of the switch (one ``all_gather_object`` over the
+migration group); only new rank 0 gets a record back.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from math import prod
+
+from etc_agent.agent.control import Assignment
+from etc_agent.layout.config import ParallelConfig
+from etc_agent.migrate.describe import describe_state
+from etc_agent.migrate.executor import MigrationResult
+from etc_agent.migrate.transport import Transport
+from etc_agent.rendezvous.records import MigrationRecord
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """When this process stopped training (both clocks: wall for across processes, perf for durations)."""
+
+    wall: float
+    perf: float
+
+    @classmethod
+    def now(cls) -> Stopped:
+        return cls(time.time(), time.perf_counter())
+
+
+@dataclass
+class Clocks:
+    """``perf_counter`` marks of one process's switch: started, group formed, state built, data moved."""
+
+    started: float
+    grouped: float
+    built: float
+    migrated: float = 0.0
+
+
+def live_record(transport: Transport, assignment: Assignment, new_config: str, step: int, source_config: str | None,
+                result: MigrationResult | None, lost: list[str], stopped: Stopped | None, clocks: Clocks, failure: bool,
+                restored_from: str | None, redone: int) -> MigrationRecord | None:
+    """A live migration's record (collective; new rank 0 gets it, None elsewhere or when nothing migrated)."""
+    now = time.perf_counter()
+    mine = {
+        "stop_wall": stopped.wall if stopped else None,
+        "stall": (now - stopped.perf) if stopped else None,
+        "agree": (clocks.grouped - stopped.perf) if stopped else None,
+        "rebuild": clocks.built - clocks.grouped,
+        "plan": result.metrics.plan_s if result else 0.0,
+        "transfer": result.metrics.transfer_phase_s if result else 0.0,
+        "kept": (result.metrics.bytes_reused + result.metrics.bytes_copied_locally) if result else 0,
+    }
+    everyone = transport.all_gather_object(mine)
+    if result is None or assignment.rank != 0:
+        return None
+    stops = [e["stop_wall"] for e in everyone if e["stop_wall"] is not None]
+    published = assignment.published_at
+    detect = (max(stops) - published if not failure else published - min(stops)) if stops else 0.0
+    plan = result.plan
+
+    def worst(name: str) -> float:
+        values = [e[name] for e in everyone if e[name] is not None]
+        return max(values) if values else 0.0
+
+    return MigrationRecord(
+        generation=assignment.generation, old_config=source_config, new_config=new_config,
+        old_world_size=ParallelConfig.parse(source_config).world_size, new_world_size=assignment.world_size,
+        devices=assignment.member_devices, senders=assignment.sender_devices, lost=lost, reason=assignment.reason, step=step,
+        bytes_moved=plan.bytes_moved, bytes_moved_intra_node=plan.bytes_moved - plan.bytes_moved_inter_node,
+        bytes_moved_inter_node=plan.bytes_moved_inter_node, bytes_reused=sum(e["kept"] for e in everyone),
+        state_bytes=plan.state_bytes, checkpoint_bytes=plan.checkpoint_bytes, bytes_restored=plan.bytes_restored,
+        restored_from=restored_from, redone_steps=redone, detect_s=round(max(detect, 0.0), 4), agree_s=round(worst("agree"), 4),
+        rebuild_s=round(worst("rebuild"), 4), plan_s=round(worst("plan"), 4), transfer_s=round(worst("transfer"), 4),
+        total_stall_s=round(worst("stall"), 4),
+    )
+
+
+def checkpoint_record(transport: Transport, assignment: Assignment, new_config: str, step: int, meta: dict, clocks: Clocks,
+                      new_tensors: dict) -> MigrationRecord | None:
+    """The baseline's record: stall from the old workers' stop to this resume (one clock: one machine
+    here; across machines the wall clocks must agree). Collective over the new world."""
+    shards = describe_state(new_tensors)
+    read = sum(s.tensor.numel() * s.tensor.element_size() for s in shards)
+    sizes = {s.shard.key: prod(s.shard.global_shape) * s.tensor.element_size() for s in shards}
+    mine = {"read": read, "sizes": sizes, "load": meta["load_s"], "rebuild": clocks.built - clocks.grouped,
+            "group_wall": time.time() - (time.perf_counter() - clocks.grouped)}
+    everyone = transport.all_gather_object(mine)
+    if assignment.rank != 0:
+        return None
+    stopped = meta["stopped_at"]
+    moved = meta["written_bytes"] + sum(e["read"] for e in everyone)
+    unique = sum({k: v for e in everyone for k, v in e["sizes"].items()}.values())
+    return MigrationRecord(
+        generation=assignment.generation, method="checkpoint", old_config=meta["config"], new_config=new_config,
+        old_world_size=ParallelConfig.parse(meta["config"]).world_size, new_world_size=assignment.world_size,
+        devices=assignment.member_devices, reason=assignment.reason, step=step, bytes_moved=moved, bytes_moved_intra_node=0,
+        bytes_moved_inter_node=moved, state_bytes=unique, checkpoint_bytes=moved, bytes_restored=sum(e["read"] for e in everyone),
+        restored_from=str(meta.get("path")) if meta.get("path") else None,
+        detect_s=round(max(stopped - assignment.published_at, 0.0), 4),
+        agree_s=round(max(e["group_wall"] for e in everyone) - stopped - meta["save_s"], 4),
+        rebuild_s=round(max(e["rebuild"] for e in everyone), 4), plan_s=0.0,
+        transfer_s=round(meta["save_s"] + max(e["load"] for e in everyone), 4), total_stall_s=round(time.time() - stopped, 4),
+    )
