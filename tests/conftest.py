@@ -1,17 +1,95 @@
+import re
+import shutil
+import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 MODELS = ROOT / "configs" / "models"
 
+# Every test is in exactly one layer (markers registered in pyproject.toml; docs/development.md):
+#   unit       in this process: no subprocess, no agents, no etcd. The fast layer: python -m pytest -m unit
+#   multiproc  starts Python processes of its own: torch.distributed workers over gloo
+#              (dist_harness.run_workers), fresh interpreters
+#   e2e        runs the package's commands in a subprocess (etcrun, etc-agent, the examples), agents,
+#              or a real etcd server
+# A file's layer, then the tests of that file that belong to another one. A pattern is a test's name,
+# which takes in all its parametrizations, or its name with the [id]; * stands for any characters.
+# A test marked @pytest.mark.unit/multiproc/e2e in its file keeps that mark.
+TEST_LAYERS: dict[str, tuple[str, dict[str, list[str]]]] = {
+    "test_checkpoint_baseline.py": ("multiproc", {}),
+    "test_cli.py": ("e2e", {}),  # etc-agent plan in a subprocess, about 2 s each
+    "test_dependencies.py": ("unit", {}),
+    "test_elastic.py": ("e2e", {}),
+    "test_etcd_auth.py": ("e2e", {}),
+    "test_etcd_tls.py": ("e2e", {}),
+    "test_etcrun.py": ("e2e", {"unit": ["test_the_example_job_configs_are_valid"]}),
+    "test_faults.py": ("e2e", {}),
+    "test_k8s.py": ("e2e", {}),  # etcrun --help in a subprocess
+    "test_layers.py": ("unit", {}),
+    "test_layout.py": ("unit", {}),
+    "test_megatron.py": (
+        "multiproc",
+        {
+            "unit": [
+                "test_layer_numbers_go_into_the_key_and_swiglu_boxes_fold_into_one",
+                "test_megatron_parallel_state_takes_tp_and_pp_from_the_job_only",
+            ],
+            "e2e": ["test_megatron_gpt_trains_through_join_leave_reconfigure_and_crash_under_etcrun"],
+        },
+    ),
+    "test_migrate.py": ("multiproc", {"unit": ["test_case_matrix_covers_the_required_transitions"]}),
+    "test_migrate_module.py": ("multiproc", {}),
+    "test_planner.py": ("unit", {"multiproc": ["test_plan_hash_is_the_same_in_fresh_processes"]}),
+    "test_restore.py": ("multiproc", {}),
+    "test_sim.py": (
+        "unit",
+        {"e2e": ["test_simulate_bench_suite_json_and_comparison", "test_simulate_bad_input_is_one_line_and_exit_2"]},
+    ),
+    "test_store.py": ("unit", {"e2e": ["*[etcd]"]}),  # the embedded store serves from a thread of this process
+    "test_torchrun_conformance.py": (
+        "e2e",
+        {"unit": ["test_every_torchrun_option_is_an_etcrun_option_read_from_its_PET_variable"]},
+    ),
+    "test_worker.py": ("unit", {"e2e": ["test_plain_python_runs_the_example_as_a_world_of_one"]}),
+}
+LAYER_MARKS = ("unit", "multiproc", "e2e")
 
-import shutil
-import socket
-import subprocess
-import time
 
-import pytest
+def _matches(pattern: str, item: pytest.Item) -> bool:
+    regex = ".*".join(re.escape(part) for part in pattern.split("*"))
+    return any(re.fullmatch(regex, name) for name in (item.name, getattr(item, "originalname", item.name)))
+
+
+def layer_of_test(item: pytest.Item) -> str:
+    """The layer ``item`` belongs to by ``TEST_LAYERS``; a usage error for a file the table lacks."""
+    relative = item.path.relative_to(Path(__file__).resolve().parent).as_posix()
+    if relative not in TEST_LAYERS:
+        raise pytest.UsageError(
+            f"{relative} is in no test layer: add it to TEST_LAYERS in tests/conftest.py "
+            f"({', '.join(LAYER_MARKS)}; see docs/development.md)"
+        )
+    layer, overrides = TEST_LAYERS[relative]
+    for other, patterns in overrides.items():
+        if any(_matches(pattern, item) for pattern in patterns):
+            return other
+    return layer
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by these marks
+def pytest_collection_modifyitems(config, items):
+    for relative, (layer, overrides) in TEST_LAYERS.items():
+        unknown = {layer, *overrides} - set(LAYER_MARKS)
+        if unknown:
+            raise pytest.UsageError(f"TEST_LAYERS[{relative!r}] names {sorted(unknown)}; the layers are {LAYER_MARKS}")
+    for item in items:
+        if not any(item.get_closest_marker(mark) for mark in LAYER_MARKS):
+            item.add_marker(getattr(pytest.mark, layer_of_test(item)))
 
 
 def _free_port() -> int:
