@@ -264,14 +264,105 @@ def test_compat_mode_gives_up_after_max_restarts(job):
         (["--standalone", "--parallel", "auto", "--model", str(ROOT / "tests" / "bad_model.yaml"), "x.py"], "bad_model.yaml"),
         (["--standalone", "--worker-heartbeat-timeout", "-1", "x.py"], "--worker-heartbeat-timeout"),
         (["--standalone", "--checkpoint-interval", "5", "x.py"], "--checkpoint-interval needs --checkpoint-dir"),
-        (["--standalone", "--checkpoint-interval", "-2", "--checkpoint-dir", "/tmp", "x.py"], "--checkpoint-interval must be >= 0"),
+        (["--standalone", "--checkpoint-interval", "-2", "--checkpoint-dir", "/tmp", "x.py"],
+         "--checkpoint-interval: Input should be greater than or equal to 0"),
     ],
 )
 def test_bad_flags_are_one_line_and_exit_2(args, message):
     p = subprocess.run([sys.executable, "-m", "etc_agent.cli.etcrun", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2, p.stderr
-    lines = [l for l in p.stderr.strip().splitlines() if l]
+    lines = [line for line in p.stderr.strip().splitlines() if line]
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (["--max-restarts", "-1"], {}, "--max-restarts: Input should be greater than or equal to 0"),
+    (["--reconfig-delay", "-1"], {}, "--reconfig-delay: Input should be greater than or equal to 0"),
+    (["--monitor-interval", "nan"], {}, "--monitor-interval: Input should be a finite number"),
+    (["--lease-ttl", "inf"], {}, "--lease-ttl: Input should be a finite number"),
+    (["--log-format", "xml"], {}, "--log-format: Input should be 'text' or 'json'"),
+    (["--placement", "tidy"], {}, "--placement: Input should be 'fast' or 'resilient'"),
+    (["--checkpoint-keep", "0", "--checkpoint-dir", "/tmp"], {}, "--checkpoint-keep: Input should be greater than or equal to 1"),
+    (["--nproc-per-node", "0"], {}, "--nproc-per-node: Input should be greater than or equal to 1"),
+    (["--control-addr", "nowhere"], {}, "--control-addr: bad address 'nowhere': expected host:port"),
+    (["--rdzv-conf", "lease_ttl=0"], {}, "--rdzv-conf lease_ttl: Input should be greater than 0"),
+    (["--rdzv-conf", "join_timeout=soon"], {}, "--rdzv-conf join_timeout: Input should be a valid number"),
+    ([], {"PET_MAX_RESTARTS": "-1"}, "PET_MAX_RESTARTS: Input should be greater than or equal to 0"),
+    ([], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "soon"}, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT: Input should be a valid number"),
+])
+def test_a_rejected_agent_setting_is_one_line_naming_the_flag(args, env, message):
+    """AgentConfig checks the settings; etcrun names the flag (or variable) the value came from, not the field."""
+    p = subprocess.run([sys.executable, "-m", "etc_agent.cli.etcrun", "--standalone", *args, "x.py"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60, env={**os.environ, **env})
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"etcrun: error: {message}"), p.stderr
+    assert "Traceback" not in p.stderr and "validation error for" not in p.stderr, p.stderr
+
+
+def test_a_rejected_etcd_setting_names_its_rdzv_conf_key():
+    p = subprocess.run([sys.executable, "-m", "etc_agent.cli.etcrun", "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1",
+                        "--rdzv-conf", "read_timeout=0", "x.py"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stderr == "etcrun: error: --rdzv-conf read_timeout: Input should be greater than 0\n", p.stderr
+
+
+@pytest.mark.parametrize("content, message", [
+    ("max_restarts: -1\n", "max_restarts: Input should be greater than or equal to 0"),
+    ("monitor_interval: .nan\n", "monitor_interval: Input should be a finite number"),
+    ("rdzv_conf: lease_ttl=0\n", "rdzv_conf lease_ttl: Input should be greater than 0"),
+])
+def test_a_rejected_agent_setting_from_a_job_config_names_the_file_and_key(tmp_path, content, message):
+    config = tmp_path / "job.yaml"
+    config.write_text("standalone: true\n" + content)
+    p = subprocess.run([sys.executable, "-m", "etc_agent.cli.etcrun", "--config", str(config), "x.py"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stderr == f"etcrun: error: --config {config}: {message}\n", p.stderr
+
+    # The same setting given as a flag wins over the file, and is the one named.
+    p = subprocess.run([sys.executable, "-m", "etc_agent.cli.etcrun", "--config", str(config), "--max-restarts", "-2", "x.py"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stderr == "etcrun: error: --max-restarts: Input should be greater than or equal to 0\n", p.stderr
+
+
+def test_agent_settings_help_is_agent_config_s_field_description():
+    """One text per setting: the flag's help is AgentConfig's field description (and its default the field's)."""
+    import typer
+
+    from etc_agent.agent.config import AgentConfig
+    from etc_agent.cli.etcrun import SETTING_FLAGS, SHARED_FLAG_PARAMS, app
+
+    fields = AgentConfig.model_fields
+    assert all(field.description and field.description.strip() for field in fields.values())
+    assert set(SETTING_FLAGS) | set(SHARED_FLAG_PARAMS) == set(fields)
+    params = {param.name: param for param in typer.main.get_command(app).params}
+    by_flag = {opt: param for param in params.values() for opt in param.opts}
+    for field, flag in SETTING_FLAGS.items():
+        assert by_flag[flag].help == fields[field].description, flag
+        if field not in ("run_id", "node_rank", "shutdown_timeout"):  # etcrun's defaults: "none", 0 (static), the variable or 30
+            assert by_flag[flag].default == fields[field].default, flag
+    for field, param in SHARED_FLAG_PARAMS.items():  # one flag, several values: the help names each field's meaning
+        assert fields[field].description in params[param].help, (field, param)
+    p = subprocess.run([sys.executable, "-m", "etc_agent.cli.etcrun", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    shown = "".join(p.stdout.split())  # as printed, wrapped lines joined
+    for field, flag in SETTING_FLAGS.items():
+        assert "".join(fields[field].description.split()) in shown, flag
+
+
+def test_agent_config_checks_its_settings_without_etcrun():
+    """What etcrun checked before building AgentConfig, AgentConfig now checks for any caller."""
+    from pydantic import ValidationError
+
+    from etc_agent.agent.config import AgentConfig
+
+    assert AgentConfig(run_id="j", nproc_per_node=2, parallel="tp=2,dp=auto").parallel == "tp=2,pp=1,dp=auto,zero=0"
+    assert AgentConfig(run_id="j", parallel="").parallel is None
+    for values in (dict(min_nodes=3, max_nodes=1), dict(migration="checkpoint"), dict(checkpoint_interval=5),
+                   dict(monitor_interval=float("nan")), dict(join_timeout=float("inf")), dict(log_format="xml"),
+                   dict(placement="tidy"), dict(control_addr="nowhere"), dict(parallel="auto"),
+                   dict(parallel="tp=2,dp=auto"), dict(parallel="tp=2,pp=1,dp=2", nproc_per_node=2),
+                   dict(model="/nope.yaml"), dict(model=str(ROOT / "tests" / "bad_model.yaml"))):
+        with pytest.raises(ValidationError):
+            AgentConfig(run_id="j", **values)
 
 
 def test_help_lists_torchrun_flags():

@@ -1,46 +1,120 @@
-"""One agent's settings: what ``etcrun`` flags (and a job config file) set, validated once here."""
+"""One agent's settings: what ``etcrun`` flags (and a job config file) set, validated once here.
+
+Each field's description is the help text of the etcrun flag that sets it, and every check of a
+setting lives here (ranges, choices, what needs what): etcrun maps its flags to these fields and
+turns a rejected value into one line naming the flag (``etc_agent.cli.etcrun``).
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+_SHARED_DIR = "(a directory every node can reach)"
 
 
 class AgentConfig(BaseModel):
     """One agent's settings (from ``etcrun`` flags)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
-    run_id: str = Field(description="Job id shared by all agents (--rdzv-id).")
-    min_nodes: int = Field(1, ge=1, description="Fewer members than this: the job waits.")
-    max_nodes: int = Field(1, ge=1, description="At most this many members; more agents wait as spares.")
-    nproc_per_node: int = Field(1, ge=1, description="Workers per agent.")
+    run_id: str = Field(description="Job id shared by all nodes.")
+    min_nodes: int = Field(1, ge=1, description="The fewest nodes the job runs on; with fewer it waits.")
+    max_nodes: int = Field(1, ge=1, description="The most nodes the job uses; more agents wait as spares.")
+    nproc_per_node: int = Field(1, ge=1, description="Workers per node.")
     max_restarts: int = Field(0, ge=0, description="Worker-failure restarts before the job fails (torchrun's count).")
     monitor_interval: float = Field(0.1, gt=0, description="Seconds between checks of the workers.")
     worker_heartbeat_timeout: float = Field(
         30.0, ge=0, description="Seconds without a word from a worker-API process (its control thread polls every 0.1 s) "
         "before it counts as hung: killed and handled as a crash. 0: never.")
-    reconfig_delay: float = Field(1.0, ge=0, description="Quiet time collecting joins/leaves into one generation.")
-    lease_ttl: float = Field(5.0, gt=0, description="A node whose lease is not refreshed for this long is dead.")
-    join_timeout: float = Field(600.0, gt=0, description="How long the job may wait for --nnodes MIN members.")
-    shutdown_timeout: float = Field(30.0, ge=0, description="Grace between SIGTERM and SIGKILL for workers.")
-    local_addr: str | None = Field(None, description="Address other nodes use for this node (default: this host's name).")
-    node_rank: int | None = Field(None, description="Fixed position in the group order (--node-rank), if given.")
-    log_format: str = Field("text", description="'json': one JSON line per agent event.")
-    parallel: str | None = Field(None, description="--parallel spec (e.g. tp=2,pp=1,dp=auto); the leader resolves it per world.")
-    model: str | None = Field(None, description="--model spec YAML: the policy picks auto tp/pp from it.")
-    migration: str = Field("live", pattern="^(live|checkpoint)$", description="live: workers stay and state moves device to device; "
-                           "checkpoint: workers save with DCP, exit, and new workers load with resharding (the baseline).")
-    checkpoint_dir: str | None = Field(None, description="Directory shared by all nodes for --migration checkpoint and periodic checkpoints.")
-    checkpoint_interval: int = Field(0, ge=0, description="Steps between periodic asynchronous checkpoints (0: none); "
-                                     "what a failure leaves without a live copy is restored from the last one.")
-    checkpoint_keep: int = Field(2, ge=1, description="Complete periodic checkpoints kept.")
-    placement: Literal["fast", "resilient"] = Field("fast", description="fast: the least state moved, DP replicas spread over "
-                                                   "nodes where that moves nothing more (the first generation, ties); resilient: the DP "
-                                                   "replicas of every pipeline stage on different nodes where the devices allow, then the "
-                                                   "least state moved. A layout one node's loss would lose state in is named in the record.")
-    sidecar: bool = Field(False, description="Run beside workers that another launcher starts (``etc-agent sidecar``): they attach "
-                          "over the control channel instead of being this agent's children.")
-    control_addr: str | None = Field(None, description="host:port of the control channel workers reach (ETC_AGENT_ADDR); "
-                                     "default 127.0.0.1 on a free port, or 127.0.0.1:29401 for a sidecar.")
+    reconfig_delay: float = Field(1.0, ge=0, description="Seconds of quiet that close one generation's membership changes "
+                                  "(joins and leaves within it make one generation).")
+    lease_ttl: float = Field(5.0, gt=0, description="Seconds after which a node whose lease is not refreshed counts as dead.")
+    join_timeout: float = Field(600.0, gt=0, description="Seconds the job may wait for --nnodes MIN members before it fails.")
+    shutdown_timeout: float = Field(30.0, ge=0, description="Seconds between SIGTERM and SIGKILL for workers "
+                                    "(default TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30).")
+    local_addr: str | None = Field(None, description="Address other nodes use to reach this node (default: this host's name).")
+    node_rank: int | None = Field(None, description="This node's rank (static rendezvous; a position hint otherwise).")
+    log_format: Literal["text", "json"] = Field("text", description="text, or json: one JSON line per agent event.")
+    model: str | None = Field(None, description="Model spec YAML for the --parallel auto policy (it picks tp/pp from it).")
+    parallel: str | None = Field(None, description="Initial parallel config for worker-API scripts: tp=..,pp=..,dp=.. "
+                                 "(each a number or auto), or auto; the leader resolves it for each membership.")
+    migration: Literal["live", "checkpoint"] = Field(
+        "live", description="live: workers stay and state moves device to device; checkpoint: workers save with DCP, exit, "
+        "and new workers load with resharding (the baseline).")
+    checkpoint_dir: str | None = Field(None, description="Directory every node can reach: --migration checkpoint saves there; "
+                                       "with --checkpoint-interval, periodic checkpoints.")
+    checkpoint_interval: int = Field(0, ge=0, description="Every N steps, an asynchronous DCP checkpoint in --checkpoint-dir; "
+                                     "state that a failure leaves without any live copy is restored from it (only that "
+                                     "state), and the steps since are trained again. 0: none.")
+    checkpoint_keep: int = Field(2, ge=1, description="Complete periodic checkpoints kept (older ones are deleted).")
+    placement: Literal["fast", "resilient"] = Field(
+        "fast", description="fast: move the least state, with the DP replicas of a stage on different nodes where that "
+        "costs nothing (first generation, ties); resilient: the DP replicas of every pipeline stage on different nodes "
+        "where the devices allow (a node loss then loses no state), then the least state moved. A generation where one "
+        "node's loss would lose state says so in its record and log.")
+    sidecar: bool = Field(False, description="Start no workers: run beside --nproc-per-node worker-API processes that another "
+                          "launcher starts with ETC_AGENT_ADDR and LOCAL_RANK (what `etc-agent sidecar` runs).")
+    control_addr: str | None = Field(None, description="host:port the workers reach this agent on (ETC_AGENT_ADDR); default "
+                                     "127.0.0.1 on a free port, or 127.0.0.1:29401 with --sidecar.")
+
+    @field_validator("max_nodes")
+    @classmethod
+    def _not_below_min(cls, value: int, info: ValidationInfo) -> int:
+        low = info.data.get("min_nodes")
+        if low is not None and value < low:
+            raise ValueError(f"MAX ({value}) is below MIN ({low})")
+        return value
+
+    @field_validator("model")
+    @classmethod
+    def _model_spec_loads(cls, value: str | None) -> str | None:
+        if value is not None:
+            from etc_agent.layout.model import ModelSpec
+
+            if not Path(value).exists():
+                raise ValueError(f"{value}: no such file")
+            ModelSpec.from_yaml(value)  # a bad spec fails here, not in the leader later
+        return value
+
+    @field_validator("parallel")
+    @classmethod
+    def _parallel_fits(cls, value: str | None, info: ValidationInfo) -> str | None:
+        """The spec in its short form; what no membership can ever satisfy fails now rather than after join_timeout."""
+        if not value:
+            return None
+        from etc_agent.layout.config import ParallelSpec
+
+        try:
+            spec = ParallelSpec.parse(value)
+        except ValueError as err:  # its text names --parallel already, as does etcrun's line
+            raise ValueError(str(err).replace("bad --parallel ", "", 1)) from None
+        nproc, nodes = info.data.get("nproc_per_node"), info.data.get("max_nodes")
+        if (spec.tp is None or spec.pp is None) and info.data.get("model") is None:
+            raise ValueError(f"{value}: tp/pp auto needs --model (a model spec YAML for the policy)")
+        if spec.tp is not None and nproc is not None and spec.tp > nproc:
+            raise ValueError(f"{value}: a TP group stays inside one node, and nodes run {nproc} workers (--nproc-per-node)")
+        if spec.fully_fixed and nproc is not None and nodes is not None and spec.tp * spec.pp * spec.dp > nodes * nproc:
+            raise ValueError(f"{value} needs {spec.tp * spec.pp * spec.dp} workers; --nnodes MAX {nodes} x --nproc-per-node "
+                             f"{nproc} allows at most {nodes * nproc}")
+        return spec.short()
+
+    @field_validator("control_addr")
+    @classmethod
+    def _address(cls, value: str | None) -> str | None:
+        if value is not None:
+            from etc_agent.utils.jsonline import parse_address
+
+            parse_address(value)
+        return value
+
+    @model_validator(mode="after")
+    def _checkpoints_have_a_directory(self) -> AgentConfig:
+        if self.checkpoint_dir is None:
+            if self.migration == "checkpoint":
+                raise ValueError(f"--migration checkpoint needs --checkpoint-dir {_SHARED_DIR}")
+            if self.checkpoint_interval:
+                raise ValueError(f"--checkpoint-interval needs --checkpoint-dir {_SHARED_DIR}")
+        return self

@@ -2,6 +2,11 @@
 
     etcrun --nnodes 1:4 --nproc-per-node 8 --rdzv-backend etcd-v3 --rdzv-endpoint etcd:2379 \\
            --rdzv-id job42 train.py --lr 3e-4
+
+The flags become a WorkerSpec (how this node's workers start), the rendezvous (how the nodes find
+each other) and an AgentConfig, which owns the agent settings' checks and help texts: etcrun maps
+each setting's flag to its field (SETTING_FLAGS) and turns a rejected value into one line naming
+the flag, --rdzv-conf key, variable or --config key it came from.
 """
 
 from __future__ import annotations
@@ -13,15 +18,18 @@ import signal
 import socket
 import sys
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Optional
+from types import SimpleNamespace
+from typing import Annotated, Any
 
 import typer
 
 from etc_agent.agent.agent import Agent, install_signal_handlers
 from etc_agent.agent.config import AgentConfig
-from etc_agent.cli._entry import run_app
 from etc_agent.agent.workers import WorkerSpec, parse_std_spec
+from etc_agent.cli._entry import run_app
+from etc_agent.cli.options import build_model
 from etc_agent.rendezvous.embedded import EmbeddedStore, EmbeddedStoreServer
 from etc_agent.rendezvous.etcd import EtcdOptions, EtcdStore
 from etc_agent.rendezvous.store import StoreError
@@ -32,7 +40,27 @@ EMBEDDED_BACKENDS = {"embedded", "c10d", "static"}
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
 
 
+SETTING_FLAGS: dict[str, str] = {
+    "run_id": "--rdzv-id", "max_restarts": "--max-restarts", "monitor_interval": "--monitor-interval",
+    "local_addr": "--local-addr", "node_rank": "--node-rank", "shutdown_timeout": "--shutdown-timeout",
+    "migration": "--migration", "checkpoint_dir": "--checkpoint-dir", "checkpoint_interval": "--checkpoint-interval",
+    "checkpoint_keep": "--checkpoint-keep", "parallel": "--parallel", "model": "--model", "reconfig_delay": "--reconfig-delay",
+    "lease_ttl": "--lease-ttl", "log_format": "--log-format", "worker_heartbeat_timeout": "--worker-heartbeat-timeout",
+    "placement": "--placement", "sidecar": "--sidecar", "control_addr": "--control-addr",
+}
+"""AgentConfig field -> the flag that sets it (and nothing else): the flag's help is the field's description."""
+SHARED_FLAG_PARAMS = {"min_nodes": "nnodes", "max_nodes": "nnodes", "nproc_per_node": "nproc_per_node", "join_timeout": "rdzv_conf"}
+"""AgentConfig field -> the etcrun parameter of a flag that sets it among other things (its help names the field)."""
+RDZV_CONF_SETTINGS = ("join_timeout", "lease_ttl")
+"""--rdzv-conf keys that are AgentConfig fields (the others, is_host and read_timeout, go to the store)."""
+SHUTDOWN_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+WORKERS, RDZV = "[workers]", "[rendezvous]"
+"""The end of the help of a flag that goes to how this node's workers start, or to how nodes find each other."""
+
+
 def parse_nnodes(text: str) -> tuple[int, int]:
+    """torchrun's ``N`` or ``MIN:MAX``. The range is checked here as well as in AgentConfig:
+    --standalone replaces it before AgentConfig sees it, and torchrun rejects it even then."""
     lo, sep, hi = text.partition(":")
     try:
         low = int(lo)
@@ -60,7 +88,7 @@ def parse_nproc(text: str) -> int:
         if not torch.cuda.is_available():
             raise ValueError("--nproc-per-node gpu: no CUDA device here")
         return torch.cuda.device_count()
-    if not text.isdigit() or int(text) < 1:
+    if not text.isdigit():  # 0 is AgentConfig's to reject
         raise ValueError(f"--nproc-per-node {text!r}: expected a positive integer, auto, cpu or gpu")
     return int(text)
 
@@ -171,183 +199,226 @@ def open_static_store(master_addr: str, master_port: int, node_rank: int, run_id
     return EmbeddedStore(endpoint, run_id, connect_timeout_s=wait_s), None, None
 
 
+def _describe(field: str) -> str:
+    return AgentConfig.model_fields[field].description or ""
+
+
+def _torchrun(flag: str, *short: str, help: str) -> Any:
+    """A torchrun option: also spelled with underscores (--max_restarts) and read from its PET_* variable."""
+    dest = flag.removeprefix("--").replace("-", "_")
+    names = [*short, flag, *([f"--{dest}"] if "_" in dest else [])]
+    return typer.Option(*names, envvar=f"PET_{dest.upper()}", show_envvar=False, help=help)
+
+
+def _setting(field: str, torchrun: bool = False) -> Any:
+    """The option of the AgentConfig setting ``field``: its flag from SETTING_FLAGS, its help the field's description."""
+    if torchrun:
+        return _torchrun(SETTING_FLAGS[field], help=_describe(field))
+    return typer.Option(SETTING_FLAGS[field], help=_describe(field))
+
+
 @app.command(
     context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]},
     help="Launch a training script on this node like torchrun, with live re-configuration when nodes come and go. "
-         "Every torchrun option can also be set by its PET_* environment variable (PET_NPROC_PER_NODE=2); a flag wins over it.",
+         "Every torchrun option can also be set by its PET_* environment variable (PET_NPROC_PER_NODE=2); a flag wins over it. "
+         f"Options marked {WORKERS} shape how this node's workers start, {RDZV} how the nodes find each other; "
+         "the others are the agent's settings.",
 )
 def etcrun(
     ctx: typer.Context,
-    training_script: Annotated[Optional[str], typer.Argument(help="Script to run (or module with -m, executable with --no-python).")] = None,
-    training_script_args: Annotated[Optional[list[str]], typer.Argument(help="Arguments for the script.")] = None,
-    nnodes: Annotated[str, typer.Option("--nnodes", envvar="PET_NNODES", show_envvar=False, help="Number of nodes, or MIN:MAX for an elastic job.")] = "1:1",
-    nproc_per_node: Annotated[str, typer.Option("--nproc-per-node", "--nproc_per_node", envvar="PET_NPROC_PER_NODE", show_envvar=False, help="Workers per node: N, auto, cpu or gpu.")] = "1",
-    rdzv_backend: Annotated[str, typer.Option("--rdzv-backend", "--rdzv_backend", envvar="PET_RDZV_BACKEND", show_envvar=False, help="etcd-v3 (etcd), or embedded (c10d, static): a store hosted by one agent.")] = "static",
-    rdzv_endpoint: Annotated[str, typer.Option("--rdzv-endpoint", "--rdzv_endpoint", envvar="PET_RDZV_ENDPOINT", show_envvar=False, help="host:port of etcd or of the embedded store.")] = "",
-    rdzv_id: Annotated[str, typer.Option("--rdzv-id", "--rdzv_id", envvar="PET_RDZV_ID", show_envvar=False, help="Job id shared by all nodes.")] = "none",
-    rdzv_conf: Annotated[str, typer.Option("--rdzv-conf", "--rdzv_conf", envvar="PET_RDZV_CONF", show_envvar=False, help="key=value,...: join_timeout, lease_ttl, is_host.")] = "",
-    standalone: Annotated[bool, typer.Option("--standalone", envvar="PET_STANDALONE", show_envvar=False, help="One node, embedded store on a free local port, random run id.")] = False,
-    max_restarts: Annotated[int, typer.Option("--max-restarts", "--max_restarts", envvar="PET_MAX_RESTARTS", show_envvar=False, help="Worker-failure restarts before the job fails.")] = 0,
-    monitor_interval: Annotated[float, typer.Option("--monitor-interval", "--monitor_interval", envvar="PET_MONITOR_INTERVAL", show_envvar=False, help="Seconds between worker checks.")] = 0.1,
-    start_method: Annotated[str, typer.Option("--start-method", "--start_method", envvar="PET_START_METHOD", show_envvar=False, help="Accepted for compatibility; workers are always separate processes.")] = "spawn",
-    role: Annotated[str, typer.Option("--role", envvar="PET_ROLE", show_envvar=False, help="Worker role name (ROLE_NAME).")] = "default",
-    module: Annotated[bool, typer.Option("-m", "--module", envvar="PET_MODULE", show_envvar=False, help="Run the script as a Python module.")] = False,
-    no_python: Annotated[bool, typer.Option("--no-python", "--no_python", envvar="PET_NO_PYTHON", show_envvar=False, help="Run the script directly, not through python.")] = False,
-    run_path: Annotated[bool, typer.Option("--run-path", "--run_path", envvar="PET_RUN_PATH", show_envvar=False, help="Run the script as a path (the default way here).")] = False,
-    log_dir: Annotated[Optional[Path], typer.Option("--log-dir", "--log_dir", envvar="PET_LOG_DIR", show_envvar=False, help="Directory for worker logs and error files.")] = None,
-    redirects: Annotated[str, typer.Option("-r", "--redirects", envvar="PET_REDIRECTS", show_envvar=False, help="Workers' std streams to files in --log-dir: 0-3 or rank:value,...")] = "0",
-    tee: Annotated[str, typer.Option("-t", "--tee", envvar="PET_TEE", show_envvar=False, help="Like --redirects but also to the console.")] = "0",
-    local_ranks_filter: Annotated[str, typer.Option("--local-ranks-filter", "--local_ranks_filter", envvar="PET_LOCAL_RANKS_FILTER", show_envvar=False, help="Only these local ranks' output on the console, e.g. 0,1.")] = "",
-    node_rank: Annotated[int, typer.Option("--node-rank", "--node_rank", envvar="PET_NODE_RANK", show_envvar=False, help="This node's rank (static rendezvous; a position hint otherwise).")] = 0,
-    master_addr: Annotated[str, typer.Option("--master-addr", "--master_addr", envvar="PET_MASTER_ADDR", show_envvar=False, help="Static rendezvous: address of node rank 0.")] = "127.0.0.1",
-    master_port: Annotated[int, typer.Option("--master-port", "--master_port", envvar="PET_MASTER_PORT", show_envvar=False, help="Static rendezvous: port on node rank 0.")] = 29500,
-    local_addr: Annotated[Optional[str], typer.Option("--local-addr", "--local_addr", envvar="PET_LOCAL_ADDR", show_envvar=False, help="Address other nodes use to reach this node.")] = None,
-    shutdown_timeout: Annotated[Optional[int], typer.Option("--shutdown-timeout", "--shutdown_timeout", envvar="PET_SHUTDOWN_TIMEOUT", show_envvar=False, help="Seconds between SIGTERM and SIGKILL for workers (default 30).")] = None,
-    event_log_handler: Annotated[str, typer.Option("--event-log-handler", "--event_log_handler", envvar="PET_EVENT_LOG_HANDLER", show_envvar=False, help="Accepted for compatibility: torch's event handlers are not called; the agent's events go to its log (--log-format json for one JSON line each).")] = "null",
-    duplicate_stdout_filters: Annotated[str, typer.Option("--duplicate-stdout-filters", "--duplicate_stdout_filters", envvar="PET_DUPLICATE_STDOUT_FILTERS", show_envvar=False, help="Comma-separated substrings: workers' stdout lines containing any of them are also written to filtered_stdout.log in the attempt's log directory (',,' is a literal comma).")] = "",
-    duplicate_stderr_filters: Annotated[str, typer.Option("--duplicate-stderr-filters", "--duplicate_stderr_filters", envvar="PET_DUPLICATE_STDERR_FILTERS", show_envvar=False, help="Like --duplicate-stdout-filters, for stderr (filtered_stderr.log).")] = "",
-    logs_specs: Annotated[Optional[str], typer.Option("--logs-specs", "--logs_specs", envvar="PET_LOGS_SPECS", show_envvar=False, help="torchrun.logs_specs entry point: only the default layout is supported (log files under --log-dir).")] = None,
-    numa_binding: Annotated[Optional[str], typer.Option("--numa-binding", "--numa_binding", envvar="PET_NUMA_BINDING", show_envvar=False, help="node, socket, exclusive or core-complex: not supported (CPU affinity is left to the system); rejected rather than ignored.")] = None,
-    signals_to_handle: Annotated[str, typer.Option("--signals-to-handle", "--signals_to_handle", envvar="PET_SIGNALS_TO_HANDLE", show_envvar=False, help="Signals that end this node's part of the job (planned departure; a second one stops at once), comma-separated.")] = "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
-    virtual_local_rank: Annotated[bool, typer.Option("--virtual-local-rank", "--virtual_local_rank", envvar="PET_VIRTUAL_LOCAL_RANK", show_envvar=False, help="LOCAL_RANK=0 in every worker, CUDA_VISIBLE_DEVICES narrowed to its own device (index 0).")] = False,
-    migration: Annotated[str, typer.Option("--migration", help="live (device to device) or checkpoint (DCP save, restart, load: the baseline).")] = "live",
-    checkpoint_dir: Annotated[Optional[Path], typer.Option("--checkpoint-dir", help="Directory every node can reach: --migration checkpoint saves there; with --checkpoint-interval, periodic checkpoints.")] = None,
-    checkpoint_interval: Annotated[int, typer.Option("--checkpoint-interval", help="Every N steps, an asynchronous DCP checkpoint in --checkpoint-dir; state that a failure leaves without any live copy is restored from it (only that state), and the steps since are trained again. 0: none.")] = 0,
-    checkpoint_keep: Annotated[int, typer.Option("--checkpoint-keep", help="Complete periodic checkpoints kept (older ones are deleted).")] = 2,
-    parallel: Annotated[Optional[str], typer.Option("--parallel", help="Initial parallel config (tp=..,pp=..,dp=..) or auto, for worker-API scripts.")] = None,
-    model: Annotated[Optional[Path], typer.Option("--model", help="Model spec YAML for the --parallel auto policy.")] = None,
-    etcd_ca_cert: Annotated[Optional[str], typer.Option("--etcd-ca-cert", help="CA bundle for etcd TLS.")] = None,
-    etcd_cert: Annotated[Optional[str], typer.Option("--etcd-cert", help="Client certificate for etcd mutual TLS.")] = None,
-    etcd_key: Annotated[Optional[str], typer.Option("--etcd-key", help="Client key for etcd mutual TLS.")] = None,
-    etcd_user: Annotated[Optional[str], typer.Option("--etcd-user", help="etcd user name.")] = None,
-    etcd_password: Annotated[Optional[str], typer.Option("--etcd-password", help="etcd password (or ETC_AGENT_ETCD_PASSWORD).", envvar="ETC_AGENT_ETCD_PASSWORD")] = None,
-    reconfig_delay: Annotated[float, typer.Option("--reconfig-delay", help="Seconds of quiet that close one generation's membership changes.")] = 1.0,
-    lease_ttl: Annotated[float, typer.Option("--lease-ttl", help="Seconds after which a silent node counts as dead.")] = 5.0,
-    log_format: Annotated[str, typer.Option("--log-format", help="text or json (one JSON line per agent event).")] = "text",
-    worker_heartbeat_timeout: Annotated[float, typer.Option("--worker-heartbeat-timeout", help="Seconds a worker-API process may stay "
-                                                            "silent before it counts as hung (killed, handled as a crash); 0: never.")] = 30.0,
-    placement: Annotated[str, typer.Option("--placement", help="fast: move the least state, with the DP replicas of a stage on "
-                                           "different nodes where that costs nothing (first generation, ties; a generation where one "
-                                           "node's loss would lose state says so in its record and log); resilient: put them on "
-                                           "different nodes first (a node loss then loses no state), then move the least.")] = "fast",
-    sidecar: Annotated[bool, typer.Option("--sidecar", help="Start no workers: run beside --nproc-per-node worker-API processes that "
-                                          "another launcher starts with ETC_AGENT_ADDR and LOCAL_RANK (what `etc-agent sidecar` runs).")] = False,
-    control_addr: Annotated[Optional[str], typer.Option("--control-addr", help="host:port the workers reach this agent on "
-                                                        "(ETC_AGENT_ADDR); default 127.0.0.1, a free port, or 127.0.0.1:29401 with --sidecar.")] = None,
-    config: Annotated[Optional[Path], typer.Option("--config", help="Job YAML (configs/jobs/*.yaml): etcrun's options by name, "
+    training_script: Annotated[str | None, typer.Argument(help="Script to run (or module with -m, executable with --no-python).")] = None,
+    training_script_args: Annotated[list[str] | None, typer.Argument(help="Arguments for the script.")] = None,
+    nnodes: Annotated[str, _torchrun("--nnodes", help=f"N, or MIN:MAX for an elastic job. MIN: {_describe('min_nodes')} "
+                                     f"MAX: {_describe('max_nodes')}")] = "1:1",
+    nproc_per_node: Annotated[str, _torchrun("--nproc-per-node", help=f"{_describe('nproc_per_node')} N, auto (the GPUs, else "
+                                             "the CPUs), cpu or gpu.")] = "1",
+    rdzv_backend: Annotated[str, _torchrun("--rdzv-backend", help=f"etcd-v3 (etcd), or embedded (c10d, static): a store hosted by one agent. {RDZV}")] = "static",
+    rdzv_endpoint: Annotated[str, _torchrun("--rdzv-endpoint", help=f"host:port of etcd or of the embedded store. {RDZV}")] = "",
+    rdzv_id: Annotated[str, _setting("run_id", torchrun=True)] = "none",
+    rdzv_conf: Annotated[str, _torchrun("--rdzv-conf", help=f"key=value,... Agent settings: join_timeout: {_describe('join_timeout')} "
+                                        f"lease_ttl: as --lease-ttl (wins over it). Store options {RDZV}: is_host: 1 if this agent "
+                                        "hosts the embedded store, 0 if not; read_timeout: seconds per etcd request.")] = "",
+    standalone: Annotated[bool, _torchrun("--standalone", help=f"One node, embedded store on a free local port, random run id. {RDZV}")] = False,
+    max_restarts: Annotated[int, _setting("max_restarts", torchrun=True)] = 0,
+    monitor_interval: Annotated[float, _setting("monitor_interval", torchrun=True)] = 0.1,
+    start_method: Annotated[str, _torchrun("--start-method", help=f"Accepted for compatibility; workers are always separate processes. {WORKERS}")] = "spawn",
+    role: Annotated[str, _torchrun("--role", help=f"Worker role name (ROLE_NAME). {WORKERS}")] = "default",
+    module: Annotated[bool, _torchrun("--module", "-m", help=f"Run the script as a Python module. {WORKERS}")] = False,
+    no_python: Annotated[bool, _torchrun("--no-python", help=f"Run the script directly, not through python. {WORKERS}")] = False,
+    run_path: Annotated[bool, _torchrun("--run-path", help=f"Run the script as a path (the default way here). {WORKERS}")] = False,
+    log_dir: Annotated[Path | None, _torchrun("--log-dir", help=f"Directory for worker logs and error files. {WORKERS}")] = None,
+    redirects: Annotated[str, _torchrun("--redirects", "-r", help=f"Workers' std streams to files in --log-dir: 0-3 or rank:value,... {WORKERS}")] = "0",
+    tee: Annotated[str, _torchrun("--tee", "-t", help=f"Like --redirects but also to the console. {WORKERS}")] = "0",
+    local_ranks_filter: Annotated[str, _torchrun("--local-ranks-filter", help=f"Only these local ranks' output on the console, e.g. 0,1. {WORKERS}")] = "",
+    node_rank: Annotated[int, _setting("node_rank", torchrun=True)] = 0,
+    master_addr: Annotated[str, _torchrun("--master-addr", help=f"Static rendezvous: address of node rank 0. {RDZV}")] = "127.0.0.1",
+    master_port: Annotated[int, _torchrun("--master-port", help=f"Static rendezvous: port on node rank 0. {RDZV}")] = 29500,
+    local_addr: Annotated[str | None, _setting("local_addr", torchrun=True)] = None,
+    shutdown_timeout: Annotated[int | None, _setting("shutdown_timeout", torchrun=True)] = None,
+    event_log_handler: Annotated[str, _torchrun("--event-log-handler", help="Accepted for compatibility: torch's event handlers are not called; the agent's events go to its log (--log-format json for one JSON line each).")] = "null",
+    duplicate_stdout_filters: Annotated[str, _torchrun("--duplicate-stdout-filters", help="Comma-separated substrings: workers' stdout lines containing any of them are also written to filtered_stdout.log in the attempt's log directory (',,' is a literal comma). " + WORKERS)] = "",
+    duplicate_stderr_filters: Annotated[str, _torchrun("--duplicate-stderr-filters", help=f"Like --duplicate-stdout-filters, for stderr (filtered_stderr.log). {WORKERS}")] = "",
+    logs_specs: Annotated[str | None, _torchrun("--logs-specs", help=f"torchrun.logs_specs entry point: only the default layout is supported (log files under --log-dir). {WORKERS}")] = None,
+    numa_binding: Annotated[str | None, _torchrun("--numa-binding", help=f"node, socket, exclusive or core-complex: not supported (CPU affinity is left to the system); rejected rather than ignored. {WORKERS}")] = None,
+    signals_to_handle: Annotated[str, _torchrun("--signals-to-handle", help="Signals that end this node's part of the job (planned departure; a second one stops at once), comma-separated.")] = "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+    virtual_local_rank: Annotated[bool, _torchrun("--virtual-local-rank", help=f"LOCAL_RANK=0 in every worker, CUDA_VISIBLE_DEVICES narrowed to its own device (index 0). {WORKERS}")] = False,
+    migration: Annotated[str, _setting("migration")] = "live",
+    checkpoint_dir: Annotated[Path | None, _setting("checkpoint_dir")] = None,
+    checkpoint_interval: Annotated[int, _setting("checkpoint_interval")] = 0,
+    checkpoint_keep: Annotated[int, _setting("checkpoint_keep")] = 2,
+    parallel: Annotated[str | None, _setting("parallel")] = None,
+    model: Annotated[Path | None, _setting("model")] = None,
+    etcd_ca_cert: Annotated[str | None, typer.Option("--etcd-ca-cert", help=f"CA bundle for etcd TLS. {RDZV}")] = None,
+    etcd_cert: Annotated[str | None, typer.Option("--etcd-cert", help=f"Client certificate for etcd mutual TLS. {RDZV}")] = None,
+    etcd_key: Annotated[str | None, typer.Option("--etcd-key", help=f"Client key for etcd mutual TLS. {RDZV}")] = None,
+    etcd_user: Annotated[str | None, typer.Option("--etcd-user", help=f"etcd user name. {RDZV}")] = None,
+    etcd_password: Annotated[str | None, typer.Option("--etcd-password", help=f"etcd password (or ETC_AGENT_ETCD_PASSWORD). {RDZV}", envvar="ETC_AGENT_ETCD_PASSWORD")] = None,
+    reconfig_delay: Annotated[float, _setting("reconfig_delay")] = 1.0,
+    lease_ttl: Annotated[float, _setting("lease_ttl")] = 5.0,
+    log_format: Annotated[str, _setting("log_format")] = "text",
+    worker_heartbeat_timeout: Annotated[float, _setting("worker_heartbeat_timeout")] = 30.0,
+    placement: Annotated[str, _setting("placement")] = "fast",
+    sidecar: Annotated[bool, _setting("sidecar")] = False,
+    control_addr: Annotated[str | None, _setting("control_addr")] = None,
+    config: Annotated[Path | None, typer.Option("--config", help="Job YAML (configs/jobs/*.yaml): etcrun's options by name, "
                                                    "script and script_args; flags given here win.")] = None,
 ) -> None:
+    flags = SimpleNamespace(**locals())  # parse the flags -> WorkerSpec and AgentConfig (a rejected value: one line) -> run
     # Compared by name: click's ParameterSource lives in typer's vendored copy of click, not in an importable package.
     if _source(ctx, "training_script") == "COMMANDLINE" and _source(ctx, "training_script_args") == "DEFAULT_MAP":
-        training_script_args = None  # a script named on the command line comes with its own arguments
-    if logs_specs is not None:
-        raise ValueError(f"--logs-specs {logs_specs}: custom LogsSpecs are not supported; worker logs go under --log-dir "
-                         "(<run>_<node>/attempt_<n>/<local_rank>/stdout.log)")
-    if numa_binding is not None:
-        raise ValueError(f"--numa-binding {numa_binding}: not supported by etcrun (set CPU affinity with numactl or your scheduler)")
-    handled_signals = parse_signals(signals_to_handle)
-    if sidecar and training_script is not None:
-        raise ValueError(f"--sidecar starts no workers: remove the training script ({training_script}); start it with "
-                         "`etc-agent workers` or your own launcher, ETC_AGENT_ADDR pointing here")
-    if not sidecar and training_script is None:
-        raise ValueError("the training script is missing (or use --sidecar / `etc-agent sidecar` to run beside workers started elsewhere)")
-    if control_addr is not None:
-        from etc_agent.utils.jsonline import parse_address
+        flags.training_script_args = None  # a script named on the command line comes with its own arguments
+    _refuse_what_cannot_be_honoured(flags)
+    handled_signals = parse_signals(flags.signals_to_handle)
+    rdzv = _rendezvous(flags)
+    agent_config = build_model(AgentConfig, _settings(ctx, flags, rdzv), names=_setting_names(ctx, flags, rdzv.conf))
+    spec = _worker_spec(flags, agent_config.nproc_per_node)
+    raise typer.Exit(_run(agent_config, spec, rdzv, flags, handled_signals))
 
-        parse_address(control_addr)
-    low, high = parse_nnodes(nnodes)
-    nproc = parse_nproc(nproc_per_node)
-    conf = parse_rdzv_conf(rdzv_conf)
-    if module and no_python:
+
+def _source(ctx: typer.Context, name: str) -> str:
+    source = ctx.get_parameter_source(name)
+    return source.name if source is not None else ""
+
+
+def _refuse_what_cannot_be_honoured(f: SimpleNamespace) -> None:
+    if f.logs_specs is not None:
+        raise ValueError(f"--logs-specs {f.logs_specs}: custom LogsSpecs are not supported; worker logs go under --log-dir "
+                         "(<run>_<node>/attempt_<n>/<local_rank>/stdout.log)")
+    if f.numa_binding is not None:
+        raise ValueError(f"--numa-binding {f.numa_binding}: not supported by etcrun (set CPU affinity with numactl or your scheduler)")
+    if f.sidecar and f.training_script is not None:
+        raise ValueError(f"--sidecar starts no workers: remove the training script ({f.training_script}); start it with "
+                         "`etc-agent workers` or your own launcher, ETC_AGENT_ADDR pointing here")
+    if not f.sidecar and f.training_script is None:
+        raise ValueError("the training script is missing (or use --sidecar / `etc-agent sidecar` to run beside workers started elsewhere)")
+    if f.module and f.no_python:
         raise ValueError("-m/--module and --no-python cannot be used together")
-    if log_format not in ("text", "json"):
-        raise ValueError(f"--log-format {log_format!r}: use text or json")
-    if monitor_interval <= 0:
-        raise ValueError("--monitor-interval must be positive")
-    if worker_heartbeat_timeout < 0:
-        raise ValueError("--worker-heartbeat-timeout must be 0 (never) or positive")
-    backend = rdzv_backend.strip().lower()
-    if backend not in ETCD_BACKENDS | EMBEDDED_BACKENDS:
-        raise ValueError(f"--rdzv-backend {rdzv_backend!r}: use etcd-v3 or embedded (c10d, static)")
-    run_id = rdzv_id
+
+
+@dataclass
+class Rendezvous:
+    """How this node finds the others: the --rdzv-*, --master-*, --etcd-* and --standalone flags, resolved."""
+
+    backend: str
+    endpoint: str
+    run_id: str
+    conf: dict[str, str]
     host_store: bool | None = None
-    if standalone:
-        low = high = 1
-        backend, run_id, host_store = "embedded", f"standalone-{uuid.uuid4().hex[:8]}", True
+    etcd: EtcdOptions | None = None
+
+
+ETCD_OPTION_FLAGS = {"endpoint": "--rdzv-endpoint", "ca_cert": "--etcd-ca-cert", "cert_key": "--etcd-key", "cert_cert": "--etcd-cert",
+                     "user": "--etcd-user", "password": "--etcd-password", "timeout_s": "--rdzv-conf read_timeout"}
+
+
+def _rendezvous(f: SimpleNamespace) -> Rendezvous:
+    backend = f.rdzv_backend.strip().lower()
+    if backend not in ETCD_BACKENDS | EMBEDDED_BACKENDS:
+        raise ValueError(f"--rdzv-backend {f.rdzv_backend!r}: use etcd-v3 or embedded (c10d, static)")
+    rdzv = Rendezvous(backend, f.rdzv_endpoint, f.rdzv_id, parse_rdzv_conf(f.rdzv_conf))
+    if f.standalone:
+        rdzv.backend, rdzv.run_id, rdzv.host_store = "embedded", f"standalone-{uuid.uuid4().hex[:8]}", True
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            rdzv_endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+            rdzv.endpoint = f"127.0.0.1:{s.getsockname()[1]}"
     elif backend == "static":
-        rdzv_endpoint = f"{master_addr}:{master_port}"
-        host_store = node_rank == 0
-    elif not rdzv_endpoint:
-        raise ValueError(f"--rdzv-endpoint is required with --rdzv-backend {rdzv_backend}")
-    if "is_host" in conf:
-        host_store = conf["is_host"].lower() in ("1", "true", "yes")
-    shutdown = float(shutdown_timeout if shutdown_timeout is not None else os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30))
-    join_timeout = float(conf.get("join_timeout", 600))
-    etcd = None
-    if backend in ETCD_BACKENDS:
-        etcd = EtcdOptions(endpoint=rdzv_endpoint, ca_cert=etcd_ca_cert, cert_key=etcd_key, cert_cert=etcd_cert,
-                           user=etcd_user, password=etcd_password, timeout_s=float(conf.get("read_timeout", 5)))
-    filter_ranks = {int(r) for r in local_ranks_filter.split(",") if r.strip()} if local_ranks_filter.strip() else None
+        rdzv.endpoint, rdzv.host_store = f"{f.master_addr}:{f.master_port}", f.node_rank == 0
+    elif not rdzv.endpoint:
+        raise ValueError(f"--rdzv-endpoint is required with --rdzv-backend {f.rdzv_backend}")
+    if "is_host" in rdzv.conf:
+        rdzv.host_store = rdzv.conf["is_host"].lower() in ("1", "true", "yes")
+    if rdzv.backend in ETCD_BACKENDS:
+        rdzv.etcd = build_model(EtcdOptions, dict(
+            endpoint=rdzv.endpoint, ca_cert=f.etcd_ca_cert, cert_key=f.etcd_key, cert_cert=f.etcd_cert, user=f.etcd_user,
+            password=f.etcd_password, timeout_s=rdzv.conf.get("read_timeout", 5)), names=ETCD_OPTION_FLAGS)
+    return rdzv
+
+
+def _settings(ctx: typer.Context, f: SimpleNamespace, rdzv: Rendezvous) -> dict[str, Any]:
+    """AgentConfig's fields from the flags, as given: checking them is AgentConfig's part."""
+    low, high = parse_nnodes(f.nnodes)
+    values = {name: getattr(f, name) for name in (
+        "max_restarts", "monitor_interval", "reconfig_delay", "log_format", "parallel", "migration", "checkpoint_interval",
+        "checkpoint_keep", "worker_heartbeat_timeout", "sidecar", "control_addr", "placement")}
+    values.update(
+        run_id=rdzv.run_id, min_nodes=1 if f.standalone else low, max_nodes=1 if f.standalone else high,
+        nproc_per_node=parse_nproc(f.nproc_per_node), lease_ttl=f.lease_ttl,
+        shutdown_timeout=f.shutdown_timeout if f.shutdown_timeout is not None else os.environ.get(SHUTDOWN_ENV, 30),
+        local_addr=f.local_addr or ("127.0.0.1" if f.standalone else None),
+        node_rank=f.node_rank if rdzv.backend == "static" or _source(ctx, "node_rank") != "DEFAULT" else None,
+        model=str(f.model) if f.model is not None else None,
+        checkpoint_dir=str(f.checkpoint_dir.resolve()) if f.checkpoint_dir else None,
+    )
+    values.update({key: rdzv.conf[key] for key in RDZV_CONF_SETTINGS if key in rdzv.conf})
+    return values
+
+
+def _setting_names(ctx: typer.Context, f: SimpleNamespace, conf: dict[str, str]) -> dict[str, str]:
+    """AgentConfig field -> how the user set it, for the one line that rejects its value: the flag
+    (with its --rdzv-conf key), its PET_* variable, or the --config file and key."""
+    names, envvars = {}, {param.name: param.envvar for param in ctx.command.params}
+    for field in AgentConfig.model_fields:
+        if field in RDZV_CONF_SETTINGS and field in conf:
+            param, key = "rdzv_conf", f" {field}"
+        else:
+            param, key = SHARED_FLAG_PARAMS.get(field) or SETTING_FLAGS[field].removeprefix("--").replace("-", "_"), ""
+        source = _source(ctx, param)
+        if source == "DEFAULT_MAP":
+            names[field] = f"--config {f.config}: {param}{key}"
+        elif source == "ENVIRONMENT":
+            names[field] = f"{envvars[param]}{key}"
+        elif field == "shutdown_timeout" and f.shutdown_timeout is None:
+            names[field] = SHUTDOWN_ENV
+        else:
+            names[field] = "--" + param.replace("_", "-") + key
+    return names
+
+
+def _worker_spec(f: SimpleNamespace, nproc: int) -> WorkerSpec:
+    filter_ranks = {int(r) for r in f.local_ranks_filter.split(",") if r.strip()} if f.local_ranks_filter.strip() else None
     spec = WorkerSpec(
-        entrypoint=[training_script, *(training_script_args or [])] if training_script else [],
-        module=module, no_python=no_python, role=role, log_dir=log_dir,
-        redirects=parse_std_spec(redirects, nproc), tee=parse_std_spec(tee, nproc), local_ranks_filter=filter_ranks,
-        duplicate_filters={"stdout": parse_filters(duplicate_stdout_filters), "stderr": parse_filters(duplicate_stderr_filters)},
-        virtual_local_rank=virtual_local_rank,
+        entrypoint=[f.training_script, *(f.training_script_args or [])] if f.training_script else [],
+        module=f.module, no_python=f.no_python, role=f.role, log_dir=f.log_dir,
+        redirects=parse_std_spec(f.redirects, nproc), tee=parse_std_spec(f.tee, nproc), local_ranks_filter=filter_ranks,
+        duplicate_filters={"stdout": parse_filters(f.duplicate_stdout_filters), "stderr": parse_filters(f.duplicate_stderr_filters)},
+        virtual_local_rank=f.virtual_local_rank,
     )
-    parallel_spec = None
-    if parallel:
-        from etc_agent.layout.config import ParallelSpec
-
-        parallel_spec = ParallelSpec.parse(parallel)
-        if (parallel_spec.tp is None or parallel_spec.pp is None) and model is None:
-            raise ValueError(f"--parallel {parallel}: tp/pp auto needs --model (a model spec YAML for the policy)")
-        # What no membership can ever satisfy fails now rather than after --rdzv-conf join_timeout.
-        if parallel_spec.tp is not None and parallel_spec.tp > nproc:
-            raise ValueError(f"--parallel {parallel}: a TP group stays inside one node, and nodes run {nproc} workers (--nproc-per-node)")
-        if parallel_spec.fully_fixed and parallel_spec.tp * parallel_spec.pp * parallel_spec.dp > high * nproc:
-            raise ValueError(f"--parallel {parallel} needs {parallel_spec.tp * parallel_spec.pp * parallel_spec.dp} workers; "
-                             f"--nnodes {nnodes} x --nproc-per-node {nproc} allows at most {high * nproc}")
-    if placement not in ("fast", "resilient"):
-        raise ValueError(f"--placement {placement!r}: use fast or resilient")
-    if migration not in ("live", "checkpoint"):
-        raise ValueError(f"--migration {migration!r}: use live or checkpoint")
-    if migration == "checkpoint" and checkpoint_dir is None:
-        raise ValueError("--migration checkpoint needs --checkpoint-dir (a directory every node can reach)")
-    if checkpoint_interval < 0 or checkpoint_keep < 1:
-        raise ValueError(f"--checkpoint-interval must be >= 0 and --checkpoint-keep >= 1 (got {checkpoint_interval}, {checkpoint_keep})")
-    if checkpoint_interval and checkpoint_dir is None:
-        raise ValueError("--checkpoint-interval needs --checkpoint-dir (a directory every node can reach)")
-    if model is not None:
-        from etc_agent.layout.model import ModelSpec
-
-        if not model.exists():
-            raise ValueError(f"--model {model}: no such file")
-        ModelSpec.from_yaml(model)  # a bad spec is a one-line error now, not in the leader later
-    if (any(spec.redirects.values()) or any(spec.tee.values())) and log_dir is None:
+    if (any(spec.redirects.values()) or any(spec.tee.values())) and f.log_dir is None:
         raise ValueError("--redirects/--tee need --log-dir")
-    config = AgentConfig(
-        run_id=run_id, min_nodes=low, max_nodes=high, nproc_per_node=nproc, max_restarts=max_restarts,
-        monitor_interval=monitor_interval, reconfig_delay=reconfig_delay, lease_ttl=float(conf.get("lease_ttl", lease_ttl)),
-        join_timeout=join_timeout, shutdown_timeout=shutdown, local_addr=local_addr or ("127.0.0.1" if standalone else None),
-        node_rank=node_rank if backend == "static" or "--node-rank" in sys.argv or "--node_rank" in sys.argv else None,
-        log_format=log_format, parallel=parallel_spec.short() if parallel_spec else None,
-        model=str(model) if model is not None and parallel_spec is not None else None,
-        migration=migration, checkpoint_dir=str(checkpoint_dir.resolve()) if checkpoint_dir else None,
-        checkpoint_interval=checkpoint_interval, checkpoint_keep=checkpoint_keep,
-        worker_heartbeat_timeout=worker_heartbeat_timeout, sidecar=sidecar, control_addr=control_addr, placement=placement,
-    )
-    if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
+    return spec
+
+
+def _run(config: AgentConfig, spec: WorkerSpec, rdzv: Rendezvous, f: SimpleNamespace, handled_signals: list[signal.Signals]) -> int:
+    """Open the stores, run the agent until the job ends for this node; its exit code."""
+    if config.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = "1"
     logging.basicConfig(level=logging.INFO, format="%(asctime)s etcrun %(levelname)s %(message)s", stream=sys.stderr)
     workers_store = None
-    if backend == "static" and "is_host" not in conf:
-        store, server, workers_store = open_static_store(master_addr, master_port, node_rank, run_id, wait_s=min(join_timeout, 60.0))
+    wait_s = min(config.join_timeout, 60.0)
+    if rdzv.backend == "static" and "is_host" not in rdzv.conf:
+        store, server, workers_store = open_static_store(f.master_addr, f.master_port, f.node_rank, rdzv.run_id, wait_s=wait_s)
     else:
-        store, server = open_store(backend, rdzv_endpoint, run_id, host_store, etcd, wait_s=min(join_timeout, 60.0))
+        store, server = open_store(rdzv.backend, rdzv.endpoint, rdzv.run_id, rdzv.host_store, rdzv.etcd, wait_s=wait_s)
     agent = Agent(config, spec, store, workers_store=workers_store)
     install_signal_handlers(agent, handled_signals)
     try:
@@ -358,12 +429,7 @@ def etcrun(
         store.close()
         if server is not None:
             server.stop()
-    raise typer.Exit(code)
-
-
-def _source(ctx: typer.Context, name: str) -> str:
-    source = ctx.get_parameter_source(name)
-    return source.name if source is not None else ""
+    return code
 
 
 def _keep_serving_store(store, agent: Agent) -> None:
@@ -396,7 +462,7 @@ def _with_job_config(argv: list[str]) -> tuple[list[str], dict]:
     path, argv = split_config_flag(argv, value_options)
     if path is None:
         return argv, {}
-    return argv, {"default_map": load_job_config(path, etcrun)}
+    return argv, {"default_map": {**load_job_config(path, etcrun), "config": path}}  # config: to name the file in errors
 
 
 def main(argv: list[str] | None = None, prog: str = "etcrun") -> None:

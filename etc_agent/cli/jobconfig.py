@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import inspect
 import typing
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model

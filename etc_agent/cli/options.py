@@ -6,7 +6,8 @@ from __future__ import annotations
 import functools
 import inspect
 import types
-from typing import Annotated, Any, Callable, Optional, Union, get_args, get_origin
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any, Union, get_args, get_origin
 
 import typer
 from pydantic import BaseModel, ValidationError
@@ -33,7 +34,7 @@ def model_options(model_cls: type[BaseModel], dest: str, panel: str | None = Non
             default = f"{field.default:g}" if isinstance(field.default, (int, float)) else "none"
             option = typer.Option(flag_name(name), help=f"{field.description} (default {default})", show_default=False, rich_help_panel=panel)
             params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None,
-                                            annotation=Annotated[Optional[_value_type(field.annotation)], option]))
+                                            annotation=Annotated[_value_type(field.annotation) | None, option]))
 
         @functools.wraps(fn)
         def command(*args: Any, **kwargs: Any) -> Any:
@@ -55,12 +56,20 @@ def _value_type(annotation: Any) -> Any:
     return annotation
 
 
-def build_model(model_cls: type[BaseModel], values: dict[str, Any], source: str = "") -> BaseModel:
-    """``model_cls(**values)``; a rejected value raises :class:`OptionsError` naming its flag."""
+def build_model(model_cls: type[BaseModel], values: dict[str, Any], source: str = "", names: Mapping[str, str] | None = None) -> BaseModel:
+    """``model_cls(**values)``; a rejected value raises :class:`OptionsError` naming its flag
+    (``names``: field -> how the user set it, e.g. ``--rdzv-conf lease_ttl``; default ``--field-name``)."""
     try:
         return model_cls(**values)
     except ValidationError as err:
-        problem = err.errors()[0]
-        field = str(problem["loc"][0]) if problem["loc"] else ""
-        where = f"{source}: " if source else ""
-        raise OptionsError(f"{where}{flag_name(field)}: {problem['msg']}") from None
+        raise OptionsError(error_line(err, source, names)) from None
+
+
+def error_line(err: ValidationError, source: str = "", names: Mapping[str, str] | None = None) -> str:
+    """The first problem of ``err`` in one line: ``[source: ]name: message``, the name being how the
+    user set the field; a check of several fields (no field) is its message alone."""
+    problem = err.errors()[0]
+    field = str(problem["loc"][0]) if problem["loc"] else ""
+    name = ((names or {}).get(field) or flag_name(field)) if field else ""
+    message = str(problem["ctx"]["error"]) if problem["type"] == "value_error" else problem["msg"]
+    return ": ".join(part for part in (source, name, message) if part)
