@@ -53,7 +53,9 @@ def _state(layout, rank, fill):
     out = {}
     for s in layout.shards_of(rank):
         shape = (s.numel,) if s.flat_range else s.lengths
-        out[s.key] = BoxedTensor(torch.full(shape, fill, dtype=TORCH_DTYPES[s.dtype]), s.global_shape, s.offsets, s.lengths, s.flat_range)
+        out[s.key] = BoxedTensor(
+            torch.full(shape, fill, dtype=TORCH_DTYPES[s.dtype]), s.global_shape, s.offsets, s.lengths, s.flat_range
+        )
     return out
 
 
@@ -104,12 +106,14 @@ def worker(rank, port, args, queue):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    from etc_agent.worker.baseline import load_shards, save_shards
     from etc_agent.layout import DeviceSet, ModelSpec, ParallelConfig, model_layout
     from etc_agent.migrate import describe_state, migrate_state
     from etc_agent.planner import plan_model_migration
+    from etc_agent.worker.baseline import load_shards, save_shards
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=600)
+    )
     spec = ModelSpec.from_yaml(args.model)
     devices = DeviceSet.parse(DEVICES)
     device = devices[rank]
@@ -134,10 +138,13 @@ def worker(rank, port, args, queue):
             results[name]["transfer"].append(result.metrics.transfer_phase_s)
             if args.verbose:
                 m = result.metrics
-                print(f"  rank {rank} {name}: describe {m.describe_s:.3f} exchange {m.exchange_s:.3f} plan {m.plan_s:.3f} "
-                      f"local {m.local_s:.3f} pack {m.pack_s:.3f} wire {m.transfer_s:.3f} unpack {m.unpack_s:.3f} "
-                      f"sent {m.bytes_sent >> 20} MiB recv {m.bytes_received >> 20} MiB local {m.bytes_copied_locally >> 20} MiB",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"  rank {rank} {name}: describe {m.describe_s:.3f} exchange {m.exchange_s:.3f} plan {m.plan_s:.3f} "
+                    f"local {m.local_s:.3f} pack {m.pack_s:.3f} wire {m.transfer_s:.3f} unpack {m.unpack_s:.3f} "
+                    f"sent {m.bytes_sent >> 20} MiB recv {m.bytes_received >> 20} MiB local {m.bytes_copied_locally >> 20} MiB",
+                    file=sys.stderr,
+                    flush=True,
+                )
             bad = sum(int((b.tensor != 1.0).sum()) for b in new_state.values())
             assert bad == 0, f"{name}: {bad} elements not migrated"
             plan = result.plan
@@ -175,8 +182,12 @@ def worker(rank, port, args, queue):
                 "num_rounds": plan.num_rounds,
             }
             if rank == 0:
-                print(f"rep {rep} {name}: etc {results[name]['etc'][-1]:.3f} s, ckpt {results[name]['ckpt'][-1]:.3f} s, "
-                      f"raw {results[name]['raw'][-1]:.3f} s", file=sys.stderr, flush=True)
+                print(
+                    f"rep {rep} {name}: etc {results[name]['etc'][-1]:.3f} s, ckpt {results[name]['ckpt'][-1]:.3f} s, "
+                    f"raw {results[name]['raw'][-1]:.3f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
     dist.destroy_process_group()
     if rank == 0:
         queue.put((results, info, ring))
@@ -216,7 +227,11 @@ def main():
             if dead or time.monotonic() > deadline:
                 for p in procs:
                     p.kill()
-                sys.exit(f"benchmark workers {dead} failed (exit codes {[procs[r].exitcode for r in dead]})" if dead else "benchmark timed out")
+                sys.exit(
+                    f"benchmark workers {dead} failed (exit codes {[procs[r].exitcode for r in dead]})"
+                    if dead
+                    else "benchmark timed out"
+                )
     for p in procs:
         p.join(timeout=60)
     rows = []
@@ -226,32 +241,58 @@ def main():
         moved = i["bytes_moved"]
         etc_gbps = moved / transfer / 1e9 if moved and transfer else None
         raw_gbps = moved / raw / 1e9 if moved and raw else None
-        rows.append({
-            "name": name, **i, "etc_s": etc, "ckpt_s": ckpt, "ratio": ckpt / etc,
-            "etc_transfer_s": transfer, "raw_s": raw, "etc_gbps": etc_gbps, "raw_gbps": raw_gbps,
-            "raw_fraction": etc_gbps / raw_gbps if etc_gbps and raw_gbps else None,
-            "etc_runs": r["etc"], "ckpt_runs": r["ckpt"],
-        })
+        rows.append(
+            {
+                "name": name,
+                **i,
+                "etc_s": etc,
+                "ckpt_s": ckpt,
+                "ratio": ckpt / etc,
+                "etc_transfer_s": transfer,
+                "raw_s": raw,
+                "etc_gbps": etc_gbps,
+                "raw_gbps": raw_gbps,
+                "raw_fraction": etc_gbps / raw_gbps if etc_gbps and raw_gbps else None,
+                "etc_runs": r["etc"],
+                "ckpt_runs": r["ckpt"],
+            }
+        )
     from rich.console import Console
     from rich.table import Table
 
     from etc_agent.cli.report import fmt_bytes
 
-    table = Table(title=f"migration of a {fmt_bytes(rows[0]['state_bytes'])} state over {WORLD} gloo processes (median of {args.repeat})", header_style="bold")
+    table = Table(
+        title=f"migration of a {fmt_bytes(rows[0]['state_bytes'])} state over {WORLD} gloo processes (median of {args.repeat})",
+        header_style="bold",
+    )
     for col in ("transition", "moved", "ETC s", "checkpoint s", "ckpt/ETC", "ETC data GB/s", "raw GB/s", "ETC/raw"):
         table.add_column(col, justify="left" if col == "transition" else "right")
     for r in rows:
         table.add_row(
-            f"{r['name']}: {r['from']} -> {r['to']}", fmt_bytes(r["bytes_moved"]), f"{r['etc_s']:.3f}", f"{r['ckpt_s']:.3f}",
-            f"{r['ratio']:.1f}x", "-" if r["etc_gbps"] is None else f"{r['etc_gbps']:.2f}",
-            "-" if r["raw_gbps"] is None else f"{r['raw_gbps']:.2f}", "-" if r["raw_fraction"] is None else f"{r['raw_fraction']:.0%}",
+            f"{r['name']}: {r['from']} -> {r['to']}",
+            fmt_bytes(r["bytes_moved"]),
+            f"{r['etc_s']:.3f}",
+            f"{r['ckpt_s']:.3f}",
+            f"{r['ratio']:.1f}x",
+            "-" if r["etc_gbps"] is None else f"{r['etc_gbps']:.2f}",
+            "-" if r["raw_gbps"] is None else f"{r['raw_gbps']:.2f}",
+            "-" if r["raw_fraction"] is None else f"{r['raw_fraction']:.0%}",
         )
     table.caption = f"raw ring (all {WORLD} sending at once): {statistics.median(ring):.2f} GB/s aggregate"
     Console(width=170).print(table)
-    print(json.dumps({
-        "bench": "migrate", "world": WORLD, "repeat": args.repeat, "raw_ring_gbps": statistics.median(ring),
-        "median_ratio": statistics.median(r["ratio"] for r in rows), "transitions": rows,
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "migrate",
+                "world": WORLD,
+                "repeat": args.repeat,
+                "raw_ring_gbps": statistics.median(ring),
+                "median_ratio": statistics.median(r["ratio"] for r in rows),
+                "transitions": rows,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

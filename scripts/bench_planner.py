@@ -45,10 +45,18 @@ def scenarios(num_devices: int):
     tp, pp, dp = shape_for(num_devices)
     replica = tp * pp
     if dp > 1:
-        yield "leave", ParallelConfig(tp=tp, pp=pp, dp=dp), ParallelConfig(tp=tp, pp=pp, dp=dp - 1), num_devices - replica
-        yield "leave-zero1", ParallelConfig(tp=tp, pp=pp, dp=dp, zero=1), ParallelConfig(
-            tp=tp, pp=pp, dp=dp - 1, zero=1 if dp > 2 else 0
-        ), num_devices - replica
+        yield (
+            "leave",
+            ParallelConfig(tp=tp, pp=pp, dp=dp),
+            ParallelConfig(tp=tp, pp=pp, dp=dp - 1),
+            num_devices - replica,
+        )
+        yield (
+            "leave-zero1",
+            ParallelConfig(tp=tp, pp=pp, dp=dp, zero=1),
+            ParallelConfig(tp=tp, pp=pp, dp=dp - 1, zero=1 if dp > 2 else 0),
+            num_devices - replica,
+        )
     yield "join", ParallelConfig(tp=tp, pp=pp, dp=dp), ParallelConfig(tp=tp, pp=pp, dp=dp + 1), num_devices + replica
 
 

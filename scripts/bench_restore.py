@@ -29,8 +29,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_migration import MODEL_FULL, MODEL_QUICK  # noqa: E402
-from elastic_demo import run_scenario  # noqa: E402
+from bench_migration import MODEL_FULL, MODEL_QUICK
+from elastic_demo import run_scenario
 
 PARALLEL = "tp=1,pp=1,dp=auto,zero=1"
 INTERVAL = 4
@@ -41,9 +41,21 @@ def run_once(method: str, model_args: list[str], work: Path) -> dict:
     if method == "checkpoint":
         agent_args += ["--migration", "checkpoint"]
     # The kill comes once the first checkpoint is complete, a step or two after it.
-    result = run_scenario(PARALLEL, 2, 10_000, 0.0, work, echo=False, events=("kill",), extra_script_args=model_args,
-                          agent_args=agent_args, event_steps=[INTERVAL + 1], stop_after=2, event_after_text='"etc_checkpoint"',
-                          slow_during_events=None)
+    result = run_scenario(
+        PARALLEL,
+        2,
+        10_000,
+        0.0,
+        work,
+        echo=False,
+        events=("kill",),
+        extra_script_args=model_args,
+        agent_args=agent_args,
+        event_steps=[INTERVAL + 1],
+        stop_after=2,
+        event_after_text='"etc_checkpoint"',
+        slow_during_events=None,
+    )
     killed = result["events"][0]
     records = [json.loads(line) for line in (work / "loss.jsonl").read_text().splitlines()]
     after = [r for r in records if r["wall"] > killed["wall"] and r["generation"] > 0]
@@ -52,12 +64,19 @@ def run_once(method: str, model_args: list[str], work: Path) -> dict:
     resumed = min(after, key=lambda r: r["wall"])
     migrations = [m for m in result["migrations"] if m.get("method", "live") == method]
     if len(migrations) != 1:
-        raise RuntimeError(f"{method}: expected one migration record, got {len(migrations)}\n" + result["cluster"].tail())
+        raise RuntimeError(
+            f"{method}: expected one migration record, got {len(migrations)}\n" + result["cluster"].tail()
+        )
     record = migrations[0]
     return {
-        "method": method, "stall_s": round(resumed["wall"] - killed["wall"], 3), "record_stall_s": record["total_stall_s"],
-        "killed_at_step": killed["step"], "resumed_at_step": resumed["step"], "redone_steps": killed["step"] + 1 - record["step"],
-        "bytes_read_from_storage": record["bytes_restored"], "state_bytes": record["state_bytes"],
+        "method": method,
+        "stall_s": round(resumed["wall"] - killed["wall"], 3),
+        "record_stall_s": record["total_stall_s"],
+        "killed_at_step": killed["step"],
+        "resumed_at_step": resumed["step"],
+        "redone_steps": killed["step"] + 1 - record["step"],
+        "bytes_read_from_storage": record["bytes_restored"],
+        "state_bytes": record["state_bytes"],
         "bytes_moved_between_devices": record["bytes_moved"] if method == "live" else 0,
     }
 
@@ -84,18 +103,36 @@ def main() -> None:
     def median(method: str, field: str) -> float:
         return statistics.median(r[field] for r in runs[method])
 
-    table = Table(title=f"Lost-state recovery ({PARALLEL} on 2 agents x 2, kill after a checkpoint; medians of {repeat})")
+    table = Table(
+        title=f"Lost-state recovery ({PARALLEL} on 2 agents x 2, kill after a checkpoint; medians of {repeat})"
+    )
     for column in ("method", "stall s", "read from storage", "moved device to device", "state", "redone steps"):
         table.add_column(column, justify="right")
     for method in ("live", "checkpoint"):
-        table.add_row(method, f"{median(method, 'stall_s'):.2f}", f"{median(method, 'bytes_read_from_storage') / 1e6:.1f} MB",
-                      f"{median(method, 'bytes_moved_between_devices') / 1e6:.1f} MB", f"{median(method, 'state_bytes') / 1e6:.1f} MB",
-                      f"{median(method, 'redone_steps'):.0f}")
+        table.add_row(
+            method,
+            f"{median(method, 'stall_s'):.2f}",
+            f"{median(method, 'bytes_read_from_storage') / 1e6:.1f} MB",
+            f"{median(method, 'bytes_moved_between_devices') / 1e6:.1f} MB",
+            f"{median(method, 'state_bytes') / 1e6:.1f} MB",
+            f"{median(method, 'redone_steps'):.0f}",
+        )
     Console().print(table)
     ratio = median("checkpoint", "stall_s") / median("live", "stall_s")
-    print(json.dumps({"bench": "restore", "model": "quick" if args.quick else "full", "repeat": repeat, "parallel": PARALLEL,
-                      "live_stall_s": median("live", "stall_s"), "checkpoint_stall_s": median("checkpoint", "stall_s"),
-                      "speedup": round(ratio, 2), "runs": runs}))
+    print(
+        json.dumps(
+            {
+                "bench": "restore",
+                "model": "quick" if args.quick else "full",
+                "repeat": repeat,
+                "parallel": PARALLEL,
+                "live_stall_s": median("live", "stall_s"),
+                "checkpoint_stall_s": median("checkpoint", "stall_s"),
+                "speedup": round(ratio, 2),
+                "runs": runs,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

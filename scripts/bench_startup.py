@@ -39,11 +39,15 @@ def launcher(name: str) -> list[str]:
 def run_once(name: str, script: Path, nproc: int) -> float:
     command = [*launcher(name), "--standalone", "--nproc-per-node", str(nproc), str(script)]
     started = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     seconds = time.perf_counter() - started
     ranks = sum(1 for line in done.stdout.splitlines() if line.startswith("rank ") or "]:rank " in line)
     if done.returncode != 0 or ranks != nproc:
-        raise SystemExit(f"{name} failed (exit {done.returncode}, {ranks}/{nproc} ranks printed):\n{done.stderr[-2000:]}")
+        raise SystemExit(
+            f"{name} failed (exit {done.returncode}, {ranks}/{nproc} ranks printed):\n{done.stderr[-2000:]}"
+        )
     return seconds
 
 
@@ -64,17 +68,23 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     median = {name: statistics.median(values) for name, values in times.items()}
-    table = Table(title=f"start-up of a plain script, --standalone --nproc-per-node {args.nproc}, {args.runs} runs each")
+    table = Table(
+        title=f"start-up of a plain script, --standalone --nproc-per-node {args.nproc}, {args.runs} runs each"
+    )
     for column in ("launcher", "median s", "min s", "max s"):
         table.add_column(column, justify="left" if column == "launcher" else "right")
     for name, values in times.items():
         table.add_row(name, f"{median[name]:.2f}", f"{min(values):.2f}", f"{max(values):.2f}")
     Console().print(table)
     result = {
-        "benchmark": "startup", "nproc": args.nproc, "runs": args.runs,
-        "torchrun_median_s": round(median["torchrun"], 3), "etcrun_median_s": round(median["etcrun"], 3),
+        "benchmark": "startup",
+        "nproc": args.nproc,
+        "runs": args.runs,
+        "torchrun_median_s": round(median["torchrun"], 3),
+        "etcrun_median_s": round(median["etcrun"], 3),
         "overhead_s": round(median["etcrun"] - median["torchrun"], 3),
-        "torchrun_s": [round(t, 3) for t in times["torchrun"]], "etcrun_s": [round(t, 3) for t in times["etcrun"]],
+        "torchrun_s": [round(t, 3) for t in times["torchrun"]],
+        "etcrun_s": [round(t, 3) for t in times["etcrun"]],
     }
     print(json.dumps(result))
 

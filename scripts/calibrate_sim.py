@@ -59,7 +59,15 @@ def _worker(rank: int, world: int, port: int, nbytes: int, reps: int, folder: st
     peer = rank ^ 1
     numel = nbytes // 4
     send = torch.arange(numel, dtype=torch.float32)
-    result: dict[str, list[float]] = {"link": [], "link_all": [], "latency": [], "copy": [], "alloc": [], "write": [], "read": []}
+    result: dict[str, list[float]] = {
+        "link": [],
+        "link_all": [],
+        "latency": [],
+        "copy": [],
+        "alloc": [],
+        "write": [],
+        "read": [],
+    }
 
     def exchange(a: torch.Tensor, b: torch.Tensor) -> float:
         dist.barrier()
@@ -76,7 +84,10 @@ def _worker(rank: int, world: int, port: int, nbytes: int, reps: int, folder: st
         t0 = time.perf_counter()
         ops = []
         for i, r in enumerate(others):
-            ops += [dist.P2POp(dist.isend, a[i * size:(i + 1) * size], r), dist.P2POp(dist.irecv, torch.empty(size), r)]
+            ops += [
+                dist.P2POp(dist.isend, a[i * size : (i + 1) * size], r),
+                dist.P2POp(dist.irecv, torch.empty(size), r),
+            ]
         for w in dist.batch_isend_irecv(ops):
             w.wait()
         return time.perf_counter() - t0
@@ -128,7 +139,10 @@ def micro(world: int, nbytes: int, reps: int) -> dict[str, float]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory(prefix="calib-") as folder, tempfile.TemporaryDirectory(prefix="calib-out-") as out:
+    with (
+        tempfile.TemporaryDirectory(prefix="calib-") as folder,
+        tempfile.TemporaryDirectory(prefix="calib-out-") as out,
+    ):
         mp.spawn(_worker, args=(world, port, nbytes, reps, folder, out), nprocs=world, join=True)
         per_rank = [json.loads(Path(out, f"{r}.json").read_text()) for r in range(world)]
 
@@ -172,11 +186,27 @@ def fixed_costs(small: dict, bandwidths: dict[str, float], console) -> dict[str,
     from etc_agent.sim.suites import bench_suite
 
     rows = {t["name"]: t for t in small.get("transitions", [])}
-    latency = [t["ckpt_phases_s"]["transfer_s"] / 2 for t in rows.values() if t.get("ckpt_phases_s", {}).get("transfer_s") is not None]
+    latency = [
+        t["ckpt_phases_s"]["transfer_s"] / 2
+        for t in rows.values()
+        if t.get("ckpt_phases_s", {}).get("transfer_s") is not None
+    ]
     if not rows or not latency or any(t.get("etc_s") is None or t.get("ckpt_s") is None for t in rows.values()):
-        raise SystemExit("the small benchmark's JSON needs both methods' stalls for its transitions (run it without --methods)")
-    costs = CostModel(**bandwidths, control_s=0, control_per_process_s=0, join_s=0, leave_s=0, group_init_s=0,
-                      group_init_per_process_s=0, restart_seconds=0, restart_per_process_s=0, storage_latency_s=statistics.median(latency))
+        raise SystemExit(
+            "the small benchmark's JSON needs both methods' stalls for its transitions (run it without --methods)"
+        )
+    costs = CostModel(
+        **bandwidths,
+        control_s=0,
+        control_per_process_s=0,
+        join_s=0,
+        leave_s=0,
+        group_init_s=0,
+        group_init_per_process_s=0,
+        restart_seconds=0,
+        restart_per_process_s=0,
+        storage_latency_s=statistics.median(latency),
+    )
     live: dict[str, list[float]] = {"same devices": [], "join": [], "leave": []}
     ckpt = []
     for scenario in bench_suite("gpt-bench-small"):
@@ -192,13 +222,19 @@ def fixed_costs(small: dict, bandwidths: dict[str, float], console) -> dict[str,
         raise SystemExit("the small benchmark needs at least one change on the same devices (tp/pp/zero)")
     control = statistics.median(live["same devices"])
     restart, restart_per_process = _line_at_least_zero(ckpt)
-    fixed = {"control_s": control,
-             "join_s": statistics.median(live["join"]) - control if live["join"] else 0.0,
-             "leave_s": statistics.median(live["leave"]) - control if live["leave"] else 0.0,
-             "restart_seconds": restart, "restart_per_process_s": restart_per_process, "storage_latency_s": costs.storage_latency_s}
+    fixed = {
+        "control_s": control,
+        "join_s": statistics.median(live["join"]) - control if live["join"] else 0.0,
+        "leave_s": statistics.median(live["leave"]) - control if live["leave"] else 0.0,
+        "restart_seconds": restart,
+        "restart_per_process_s": restart_per_process,
+        "storage_latency_s": costs.storage_latency_s,
+    }
     for key, value in fixed.items():
         if value < 0:
-            console.print(f"[yellow]{key} came out negative ({value:.3f}): the bandwidth terms overestimate the small runs; using 0[/]")
+            console.print(
+                f"[yellow]{key} came out negative ({value:.3f}): the bandwidth terms overestimate the small runs; using 0[/]"
+            )
             fixed[key] = 0.0
     return fixed
 
@@ -206,8 +242,12 @@ def fixed_costs(small: dict, bandwidths: dict[str, float], console) -> dict[str,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("costs-local.json"))
-    ap.add_argument("--small-json", type=Path, default=None, help="JSON line of bench_migration.py --small (run here when omitted).")
-    ap.add_argument("--small-repeat", type=int, default=3, help="Repetitions of the small benchmark when it is run here.")
+    ap.add_argument(
+        "--small-json", type=Path, default=None, help="JSON line of bench_migration.py --small (run here when omitted)."
+    )
+    ap.add_argument(
+        "--small-repeat", type=int, default=3, help="Repetitions of the small benchmark when it is run here."
+    )
     ap.add_argument("--procs", type=int, default=4, help="Processes, as many as the benchmark's workers.")
     ap.add_argument("--mb", type=int, default=256, help="MB per process per micro-benchmark.")
     ap.add_argument("--repeat", type=int, default=5)
@@ -222,8 +262,19 @@ def main() -> None:
     console = Console(stderr=True)
     if args.small_json is None:
         console.print(f"running bench_migration.py --small --repeat {args.small_repeat} for the fixed costs ...")
-        out = subprocess.run([sys.executable, str(ROOT / "scripts/bench_migration.py"), "--small", "--repeat", str(args.small_repeat),
-                              "--plot", os.devnull], capture_output=True, text=True)
+        out = subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "scripts/bench_migration.py"),
+                "--small",
+                "--repeat",
+                str(args.small_repeat),
+                "--plot",
+                os.devnull,
+            ],
+            capture_output=True,
+            text=True,
+        )
         if out.returncode != 0:
             raise SystemExit(f"bench_migration.py --small failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
         small = json.loads(out.stdout.strip().splitlines()[-1])
@@ -261,8 +312,10 @@ def main() -> None:
     for k, v in costs.items():
         table.add_row(k, f"{v:g}")
     Console().print(table)
-    console.print("control_*, restart_* and storage_latency_s come from the small benchmark; communicator "
-                  "creation is inside them here, so group_init_* are 0.")
+    console.print(
+        "control_*, restart_* and storage_latency_s come from the small benchmark; communicator "
+        "creation is inside them here, so group_init_* are 0."
+    )
     data = {"costs": costs, "micro": measured, "fixed_from_small": fixed, "small": small}
     args.out.write_text(json.dumps(data, indent=1) + "\n")
     print(json.dumps(data))

@@ -41,9 +41,20 @@ class Cluster:
     """Agents started as separate ``etcrun`` processes of one job; with ``sidecar``, each node is an
     ``etc-agent sidecar`` plus an ``etc-agent workers`` process that starts (and restarts) the workers."""
 
-    def __init__(self, rdzv: list[str], nproc: int, parallel: str, script_args: list[str], log_dir: Path, echo: bool,
-                 max_nodes: int = 4, extra: list[str] | None = None, min_nodes: int = 1, sidecar: bool = False,
-                 module: str = "etc_agent.examples.gpt"):
+    def __init__(
+        self,
+        rdzv: list[str],
+        nproc: int,
+        parallel: str,
+        script_args: list[str],
+        log_dir: Path,
+        echo: bool,
+        max_nodes: int = 4,
+        extra: list[str] | None = None,
+        min_nodes: int = 1,
+        sidecar: bool = False,
+        module: str = "etc_agent.examples.gpt",
+    ):
         self.module = module
         """The training script every worker runs (``python -m``)."""
         self.rdzv, self.nproc, self.parallel = rdzv, nproc, parallel
@@ -55,31 +66,70 @@ class Cluster:
         """Sidecar mode: each node's ``etc-agent workers`` process (the workers' parent)."""
         self.sidecar = sidecar
         self.outputs: list[list[str]] = []
-        self.env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "ETC_AGENT_TIMEOUT": os.environ.get("ETC_AGENT_TIMEOUT", "60")}
+        self.env = {
+            **os.environ,
+            "GLOO_SOCKET_IFNAME": "lo",
+            "ETC_AGENT_TIMEOUT": os.environ.get("ETC_AGENT_TIMEOUT", "60"),
+        }
 
     def add_agent(self, host_store: bool = False) -> subprocess.Popen:
         index = len(self.agents)
         command = ["etc_agent.cli.main", "sidecar"] if self.sidecar else ["etc_agent.cli.etcrun"]
-        args = [sys.executable, "-m", *command, "--nnodes", f"{self.min_nodes}:{self.max_nodes}", "--nproc-per-node", str(self.nproc),
-                *self.rdzv, "--local-addr", "127.0.0.1", "--reconfig-delay", "0.5", "--lease-ttl", "3", "--max-restarts", "3",
-                "--parallel", self.parallel, "--log-format", "json", *self.extra]
+        args = [
+            sys.executable,
+            "-m",
+            *command,
+            "--nnodes",
+            f"{self.min_nodes}:{self.max_nodes}",
+            "--nproc-per-node",
+            str(self.nproc),
+            *self.rdzv,
+            "--local-addr",
+            "127.0.0.1",
+            "--reconfig-delay",
+            "0.5",
+            "--lease-ttl",
+            "3",
+            "--max-restarts",
+            "3",
+            "--parallel",
+            self.parallel,
+            "--log-format",
+            "json",
+            *self.extra,
+        ]
         if "--rdzv-backend" in self.rdzv and self.rdzv[self.rdzv.index("--rdzv-backend") + 1] == "c10d":
             args += ["--rdzv-conf", f"is_host={'1' if host_store else '0'}"]
         lines: list[str] = []
         if self.sidecar:
             control = f"127.0.0.1:{free_port()}"
             args += ["--control-addr", control]
-            launcher_args = [sys.executable, "-m", "etc_agent.cli.main", "workers", "--nproc-per-node", str(self.nproc), "--agent", control,
-                             "-m", self.module, *self.script_args]
+            launcher_args = [
+                sys.executable,
+                "-m",
+                "etc_agent.cli.main",
+                "workers",
+                "--nproc-per-node",
+                str(self.nproc),
+                "--agent",
+                control,
+                "-m",
+                self.module,
+                *self.script_args,
+            ]
         else:
             args += ["-m", self.module, *self.script_args]
-        proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env)
+        proc = subprocess.Popen(
+            args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env
+        )
         self.agents.append(proc)
         self.outputs.append(lines)
         self._pump(proc, lines, f"agent {index}")
         launcher = None
         if self.sidecar:
-            launcher = subprocess.Popen(launcher_args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env)
+            launcher = subprocess.Popen(
+                launcher_args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env
+            )
             self._pump(launcher, lines, f"workers {index}")
         self.launchers.append(launcher)
         return proc
@@ -90,6 +140,7 @@ class Cluster:
                 lines.append(line)
                 if self.echo:
                     sys.stdout.write(f"[{label}] {line}")
+
         threading.Thread(target=pump, daemon=True).start()
 
     def worker_pids(self, agent: int) -> list[int]:
@@ -168,13 +219,28 @@ def migrations(cluster: Cluster) -> list[dict]:
     return out
 
 
-def run_scenario(parallel: str, nproc: int, steps: int, step_delay: float, work: Path, echo: bool,
-                 rdzv: list[str] | None = None, events: tuple[str, ...] = ("join", "leave", "kill"),
-                 extra_script_args: list[str] | None = None, wait_migrations: bool = True,
-                 agent_args: list[str] | None = None, initial_agents: int = 2, event_steps: list[int] | None = None,
-                 stop_after: int | None = None, min_nodes: int | None = None, event_after_text: str | None = None,
-                 sidecar: bool = False, module: str = "etc_agent.examples.gpt", gap_before: dict[str, int] | None = None,
-                 slow_during_events: float | None = 4.0) -> dict:
+def run_scenario(
+    parallel: str,
+    nproc: int,
+    steps: int,
+    step_delay: float,
+    work: Path,
+    echo: bool,
+    rdzv: list[str] | None = None,
+    events: tuple[str, ...] = ("join", "leave", "kill"),
+    extra_script_args: list[str] | None = None,
+    wait_migrations: bool = True,
+    agent_args: list[str] | None = None,
+    initial_agents: int = 2,
+    event_steps: list[int] | None = None,
+    stop_after: int | None = None,
+    min_nodes: int | None = None,
+    event_after_text: str | None = None,
+    sidecar: bool = False,
+    module: str = "etc_agent.examples.gpt",
+    gap_before: dict[str, int] | None = None,
+    slow_during_events: float | None = 4.0,
+) -> dict:
     """Run the elastic scenario; return losses, migration records and exit codes.
 
     ``wait_migrations=False``: do not wait for a migration after each event (a run expected to fail).
@@ -196,14 +262,42 @@ def run_scenario(parallel: str, nproc: int, steps: int, step_delay: float, work:
     loss_log = work / "loss.jsonl"
     state_file = work / "state.pt"
     slow_file = work / "slow-steps"
-    script_args = ["--steps", str(steps), "--parallel", parallel, "--step-delay", str(step_delay),
-                   "--loss-log", str(loss_log), "--dump-state", str(state_file), *(extra_script_args or [])]
+    script_args = [
+        "--steps",
+        str(steps),
+        "--parallel",
+        parallel,
+        "--step-delay",
+        str(step_delay),
+        "--loss-log",
+        str(loss_log),
+        "--dump-state",
+        str(state_file),
+        *(extra_script_args or []),
+    ]
     if slow_during_events is not None:
         script_args += ["--slow-while", str(slow_file), "--slow-step-delay", str(slow_during_events)]
-    rdzv = rdzv or ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", f"demo-{uuid.uuid4().hex[:6]}"]
+    rdzv = rdzv or [
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        "--rdzv-id",
+        f"demo-{uuid.uuid4().hex[:6]}",
+    ]
     # The job starts once the initial agents are all in, so no extra generation precedes the events.
-    cluster = Cluster(rdzv, nproc, parallel, script_args, work, echo, extra=agent_args, min_nodes=min_nodes or initial_agents,
-                      sidecar=sidecar, module=module)
+    cluster = Cluster(
+        rdzv,
+        nproc,
+        parallel,
+        script_args,
+        work,
+        echo,
+        extra=agent_args,
+        min_nodes=min_nodes or initial_agents,
+        sidecar=sidecar,
+        module=module,
+    )
     events_done: list[dict] = []
     skipped = 0
     started = time.monotonic()
@@ -219,7 +313,11 @@ def run_scenario(parallel: str, nproc: int, steps: int, step_delay: float, work:
             cluster.wait_for(lambda: len(migrations(cluster)) >= count, 300, f"migration {count}")
 
         def all_initial_running() -> bool:
-            seen = [json.loads(line) for line in list(cluster.outputs[0]) if '"generation_seen"' in line and line.lstrip().startswith("{")]
+            seen = [
+                json.loads(line)
+                for line in list(cluster.outputs[0])
+                if '"generation_seen"' in line and line.lstrip().startswith("{")
+            ]
             return bool(seen) and seen[-1]["status"] == "running" and seen[-1]["members"] == initial_agents
 
         expected = 0
@@ -232,12 +330,17 @@ def run_scenario(parallel: str, nproc: int, steps: int, step_delay: float, work:
             resumed = max((m["step"] for m in migrations(cluster)), default=-1)
             mark = max(next(step_marks), resumed + gap if gap and expected else 0)
             if mark >= steps:
-                raise RuntimeError(f"event {event!r} would come at step {mark}, after the last step ({steps - 1}): "
-                                   f"the previous migration resumed at step {resumed}\n" + cluster.tail())
+                raise RuntimeError(
+                    f"event {event!r} would come at step {mark}, after the last step ({steps - 1}): "
+                    f"the previous migration resumed at step {resumed}\n" + cluster.tail()
+                )
             at_step(mark)
             if event_after_text is not None:
-                cluster.wait_for(lambda: any(event_after_text in line for lines in cluster.outputs for line in list(lines)), 300,
-                                 f"a line with {event_after_text!r}")
+                cluster.wait_for(
+                    lambda: any(event_after_text in line for lines in cluster.outputs for line in list(lines)),
+                    300,
+                    f"a line with {event_after_text!r}",
+                )
             t = time.monotonic() - started
             wall = time.time()
             if slow_during_events is not None:
@@ -250,15 +353,34 @@ def run_scenario(parallel: str, nproc: int, steps: int, step_delay: float, work:
                 cluster.agents[target].send_signal(signal.SIGTERM)
                 if event == "leave-crash":
                     # A sender dies mid-migration (needs ETC_AGENT_FAULT_SENDER_PAUSE_S in the environment).
-                    cluster.wait_for(lambda: any("fault injection: pausing" in line for line in list(cluster.outputs[target])), 120,
-                                     "a sender to start its migration")
+                    cluster.wait_for(
+                        lambda: any("fault injection: pausing" in line for line in list(cluster.outputs[target])),  # noqa: B023
+                        120,
+                        "a sender to start its migration",
+                    )
                     os.kill(cluster.worker_pids(target)[0], signal.SIGKILL)
             elif event.startswith("reconfigure:"):
                 backend = rdzv[rdzv.index("--rdzv-backend") + 1]
-                subprocess.run([sys.executable, "-m", "etc_agent.cli.main", "reconfigure", "--parallel", event.split(":", 1)[1],
-                                "--rdzv-backend", "embedded" if backend == "c10d" else backend,
-                                "--rdzv-endpoint", rdzv[rdzv.index("--rdzv-endpoint") + 1], "--rdzv-id", rdzv[rdzv.index("--rdzv-id") + 1]],
-                               cwd=ROOT, check=True, capture_output=True, timeout=60)
+                subprocess.run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "etc_agent.cli.main",
+                        "reconfigure",
+                        "--parallel",
+                        event.split(":", 1)[1],
+                        "--rdzv-backend",
+                        "embedded" if backend == "c10d" else backend,
+                        "--rdzv-endpoint",
+                        rdzv[rdzv.index("--rdzv-endpoint") + 1],
+                        "--rdzv-id",
+                        rdzv[rdzv.index("--rdzv-id") + 1],
+                    ],
+                    cwd=ROOT,
+                    check=True,
+                    capture_output=True,
+                    timeout=60,
+                )
             elif event == "kill-agent":
                 # A whole node dies: SIGKILL its agent (its workers die with it) and, for a sidecar, its workers' launcher.
                 target = max(i for i, a in enumerate(cluster.agents) if a.poll() is None and i != 0)
@@ -272,7 +394,9 @@ def run_scenario(parallel: str, nproc: int, steps: int, step_delay: float, work:
                 # hang: SIGSTOP freezes the worker without killing it; its agent must notice the silence.
                 os.kill(pids[-1], signal.SIGKILL if event == "kill" else signal.SIGSTOP)
             expected += 1
-            events_done.append({"event": event, "at_s": round(t, 1), "wall": wall, "step": max(read_losses(loss_log), default=-1)})
+            events_done.append(
+                {"event": event, "at_s": round(t, 1), "wall": wall, "step": max(read_losses(loss_log), default=-1)}
+            )
             if wait_migrations:
                 migrated(expected)
             slow_file.unlink(missing_ok=True)
@@ -291,18 +415,41 @@ def run_scenario(parallel: str, nproc: int, steps: int, step_delay: float, work:
                 a.kill()
         for i, lines in enumerate(cluster.outputs):
             (work / f"agent-{i}.log").write_text("".join(lines))
-    return {"losses": read_losses(loss_log), "migrations": migrations(cluster)[skipped:], "codes": codes, "events": events_done,
-            "state_file": state_file, "cluster": cluster}
+    return {
+        "losses": read_losses(loss_log),
+        "migrations": migrations(cluster)[skipped:],
+        "codes": codes,
+        "events": events_done,
+        "state_file": state_file,
+        "cluster": cluster,
+    }
 
 
-def reference_losses(parallel_steps: int, work: Path, extra_script_args: list[str] | None = None,
-                     module: str = "etc_agent.examples.gpt") -> tuple[dict[int, float], Path]:
+def reference_losses(
+    parallel_steps: int, work: Path, extra_script_args: list[str] | None = None, module: str = "etc_agent.examples.gpt"
+) -> tuple[dict[int, float], Path]:
     """The same training in one process (world of 1), uninterrupted."""
     loss_log = work / "reference_loss.jsonl"
     state_file = work / "reference_state.pt"
-    subprocess.run([sys.executable, "-m", module, "--steps", str(parallel_steps), "--loss-log", str(loss_log),
-                    "--dump-state", str(state_file), *(extra_script_args or [])],
-                   cwd=ROOT, check=True, capture_output=True, text=True, env={k: v for k, v in os.environ.items() if not k.startswith("ETC_AGENT")})
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            module,
+            "--steps",
+            str(parallel_steps),
+            "--loss-log",
+            str(loss_log),
+            "--dump-state",
+            str(state_file),
+            *(extra_script_args or []),
+        ],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+        env={k: v for k, v in os.environ.items() if not k.startswith("ETC_AGENT")},
+    )
     return read_losses(loss_log), state_file
 
 
@@ -323,10 +470,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--step-delay", type=float, default=0.1)
     ap.add_argument("--quiet", action="store_true", help="Do not echo the agents' output.")
-    ap.add_argument("--migration", choices=("live", "checkpoint"), default="live",
-                    help="checkpoint: the baseline (DCP save, restart every worker, load with resharding).")
-    ap.add_argument("--events", default="join;leave;kill", help="Semicolon-separated events in order: join, leave, kill, hang (SIGSTOP a worker), reconfigure:<parallel spec>.")
-    ap.add_argument("--elementwise", action="store_true", help="Layout-independent update; check the final state bit for bit.")
+    ap.add_argument(
+        "--migration",
+        choices=("live", "checkpoint"),
+        default="live",
+        help="checkpoint: the baseline (DCP save, restart every worker, load with resharding).",
+    )
+    ap.add_argument(
+        "--events",
+        default="join;leave;kill",
+        help="Semicolon-separated events in order: join, leave, kill, hang (SIGSTOP a worker), reconfigure:<parallel spec>.",
+    )
+    ap.add_argument(
+        "--elementwise", action="store_true", help="Layout-independent update; check the final state bit for bit."
+    )
     args = ap.parse_args()
     from rich.console import Console
     from rich.table import Table
@@ -334,15 +491,35 @@ def main() -> None:
     console = Console()
     with tempfile.TemporaryDirectory(prefix="etc-demo-") as tmp:
         work = Path(tmp)
-        console.print(f"[bold]ETC demo[/]: {args.parallel}, agents of {args.nproc} workers; join, SIGTERM leave, SIGKILL of a worker")
+        console.print(
+            f"[bold]ETC demo[/]: {args.parallel}, agents of {args.nproc} workers; join, SIGTERM leave, SIGKILL of a worker"
+        )
         extra = ["--elementwise"] if args.elementwise else []
         events = tuple(e for e in args.events.split(";") if e)
-        unknown = {e for e in events if e not in ("join", "leave", "leave-crash", "kill", "kill-agent", "hang") and not e.startswith("reconfigure:")}
+        unknown = {
+            e
+            for e in events
+            if e not in ("join", "leave", "leave-crash", "kill", "kill-agent", "hang")
+            and not e.startswith("reconfigure:")
+        }
         if unknown:
             raise SystemExit(f"--events: unknown {sorted(unknown)}")
-        agent_args = ["--migration", args.migration, "--checkpoint-dir", str(work / "checkpoints")] if args.migration == "checkpoint" else []
-        result = run_scenario(args.parallel, args.nproc, args.steps, args.step_delay, work, echo=not args.quiet,
-                              events=events, extra_script_args=extra, agent_args=agent_args)
+        agent_args = (
+            ["--migration", args.migration, "--checkpoint-dir", str(work / "checkpoints")]
+            if args.migration == "checkpoint"
+            else []
+        )
+        result = run_scenario(
+            args.parallel,
+            args.nproc,
+            args.steps,
+            args.step_delay,
+            work,
+            echo=not args.quiet,
+            events=events,
+            extra_script_args=extra,
+            agent_args=agent_args,
+        )
         reference, reference_state = reference_losses(args.steps, work, extra)
         mismatched = compare_states(result["state_file"], reference_state) if args.elementwise else None
     from etc_agent.cli.main import migration_table
@@ -352,21 +529,48 @@ def main() -> None:
         record = MigrationRecord.model_validate({k: v for k, v in m.items() if k in MigrationRecord.model_fields})
         console.print(migration_table(record, title="migration"))
     losses = result["losses"]
-    worst = max((abs(losses[s] - reference[s]) / (abs(reference[s]) or 1.0) for s in reference if s in losses), default=float("nan"))
+    worst = max(
+        (abs(losses[s] - reference[s]) / (abs(reference[s]) or 1.0) for s in reference if s in losses),
+        default=float("nan"),
+    )
     curve = Table(title="loss (elastic vs uninterrupted reference)")
     for col in ("step", "elastic", "reference", "rel diff"):
         curve.add_column(col)
     for s in sorted(reference)[:: max(1, len(reference) // 12)]:
-        curve.add_row(str(s), f"{losses.get(s, float('nan')):.5f}", f"{reference[s]:.5f}", f"{abs(losses.get(s, float('nan')) - reference[s]) / (abs(reference[s]) or 1.0):.1e}")
+        curve.add_row(
+            str(s),
+            f"{losses.get(s, float('nan')):.5f}",
+            f"{reference[s]:.5f}",
+            f"{abs(losses.get(s, float('nan')) - reference[s]) / (abs(reference[s]) or 1.0):.1e}",
+        )
     console.print(curve)
     missing = sorted(set(reference) - set(losses))
-    console.print(f"events: {result['events']}; agent exit codes {result['codes']}; steps missing: {missing or 'none'}; "
-                  f"worst relative loss difference {worst:.2e}")
+    console.print(
+        f"events: {result['events']}; agent exit codes {result['codes']}; steps missing: {missing or 'none'}; "
+        f"worst relative loss difference {worst:.2e}"
+    )
     if args.elementwise:
-        console.print(f"final state vs reference, bit for bit: {'equal' if not mismatched else f'{len(mismatched)} tensors differ: {mismatched[:5]}'}")
-    print(json.dumps({"demo": args.parallel, "migrations": len(result["migrations"]), "worst_rel_loss_diff": worst,
-                      "missing_steps": missing, "exit_codes": result["codes"], "state_mismatches": mismatched}))
-    if missing or (not args.elementwise and not worst <= 1e-4) or mismatched or any(c not in (0,) for c in result["codes"]):
+        console.print(
+            f"final state vs reference, bit for bit: {'equal' if not mismatched else f'{len(mismatched)} tensors differ: {mismatched[:5]}'}"
+        )
+    print(
+        json.dumps(
+            {
+                "demo": args.parallel,
+                "migrations": len(result["migrations"]),
+                "worst_rel_loss_diff": worst,
+                "missing_steps": missing,
+                "exit_codes": result["codes"],
+                "state_mismatches": mismatched,
+            }
+        )
+    )
+    if (
+        missing
+        or (not args.elementwise and not worst <= 1e-4)
+        or mismatched
+        or any(c not in (0,) for c in result["codes"])
+    ):
         raise SystemExit(1)
 
 

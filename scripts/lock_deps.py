@@ -34,8 +34,12 @@ def resolve() -> str:
         venv.create(env_dir, with_pip=True)
         python = str(env_dir / "bin" / "python")
         subprocess.run([python, "-m", "pip", "install", "-q", "--no-cache-dir", f"{ROOT}[{EXTRAS}]"], check=True)
-        frozen = subprocess.run([python, "-m", "pip", "freeze", "--all", "--exclude", "etc-agent"],
-                                check=True, capture_output=True, text=True).stdout
+        frozen = subprocess.run(
+            [python, "-m", "pip", "freeze", "--all", "--exclude", "etc-agent"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
     lines = []
     for line in sorted(frozen.splitlines(), key=lambda text: text.split("==")[0].lower()):
         name = line.split("==")[0].lower()

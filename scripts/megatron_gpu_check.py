@@ -27,8 +27,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-MODEL = ["--layers", "4", "--hidden", "256", "--heads", "8", "--query-groups", "4", "--ffn", "704", "--vocab", "4096",
-         "--seq", "64", "--global-batch", "8", "--bf16"]
+MODEL = [
+    "--layers",
+    "4",
+    "--hidden",
+    "256",
+    "--heads",
+    "8",
+    "--query-groups",
+    "4",
+    "--ffn",
+    "704",
+    "--vocab",
+    "4096",
+    "--seq",
+    "64",
+    "--global-batch",
+    "8",
+    "--bf16",
+]
 
 
 def single_gpu() -> dict:
@@ -58,12 +75,19 @@ print(json.dumps({"losses": losses, "tensors": len(tensors), "params": len(param
 job.finish()
 """
     env = {k: v for k, v in os.environ.items() if not k.startswith("ETC_AGENT")}
-    p = subprocess.run([sys.executable, "-c", code, *MODEL], cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+    p = subprocess.run(
+        [sys.executable, "-c", code, *MODEL], cwd=ROOT, capture_output=True, text=True, env=env, timeout=600
+    )
     if p.returncode != 0:
         return {"ok": False, "error": p.stderr[-3000:]}
     result = json.loads(p.stdout.strip().splitlines()[-1])
-    ok = (result["params"] > 0 and result["ranged"] > 0 and all(d.startswith("cuda") for d in result["devices"])
-          and "torch.bfloat16" in result["dtypes"] and all(x is not None for x in result["losses"]))
+    ok = (
+        result["params"] > 0
+        and result["ranged"] > 0
+        and all(d.startswith("cuda") for d in result["devices"])
+        and "torch.bfloat16" in result["dtypes"]
+        and all(x is not None for x in result["losses"])
+    )
     return {"ok": ok, **result}
 
 
@@ -75,18 +99,34 @@ def multi_gpu(num_gpus: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="etc-gpu-") as tmp:
         work = Path(tmp)
         digests = work / "digests.jsonl"
-        result = run_scenario("tp=2,pp=1,dp=auto", nproc, 30, 0.0, work, echo=False, initial_agents=1,
-                              events=("reconfigure:tp=1,pp=2,dp=auto",), extra_script_args=[*MODEL, "--digest-log", str(digests)],
-                              module="etc_agent.examples.megatron_gpt", min_nodes=1)
+        result = run_scenario(
+            "tp=2,pp=1,dp=auto",
+            nproc,
+            30,
+            0.0,
+            work,
+            echo=False,
+            initial_agents=1,
+            events=("reconfigure:tp=1,pp=2,dp=auto",),
+            extra_script_args=[*MODEL, "--digest-log", str(digests)],
+            module="etc_agent.examples.megatron_gpt",
+            min_nodes=1,
+        )
         if result["codes"] != [0]:
             return {"ok": False, "error": result["cluster"].tail(80)}
         from etc_agent.examples.megatron_gpt import compare_digests
 
         crossings, mismatches = compare_digests(digests)
         records = result["migrations"]
-        return {"ok": len(crossings) == 1 and not mismatches and len(records) == 1, "crossings": crossings, "mismatches": mismatches,
-                "migration": {k: records[0].get(k) for k in ("old_config", "new_config", "bytes_moved", "total_stall_s")} if records else None,
-                "steps": len(result["losses"])}
+        return {
+            "ok": len(crossings) == 1 and not mismatches and len(records) == 1,
+            "crossings": crossings,
+            "mismatches": mismatches,
+            "migration": {k: records[0].get(k) for k in ("old_config", "new_config", "bytes_moved", "total_stall_s")}
+            if records
+            else None,
+            "steps": len(result["losses"]),
+        }
 
 
 def main() -> None:
@@ -97,10 +137,15 @@ def main() -> None:
     started = time.monotonic()
     summary = {"gpus": torch.cuda.device_count(), "device": torch.cuda.get_device_name(0), "torch": torch.__version__}
     checks = {"single_gpu": single_gpu()}
-    print(f"single GPU (bf16, distributed optimizer, TE specs if installed): {'ok' if checks['single_gpu']['ok'] else 'FAILED'}", flush=True)
+    print(
+        f"single GPU (bf16, distributed optimizer, TE specs if installed): {'ok' if checks['single_gpu']['ok'] else 'FAILED'}",
+        flush=True,
+    )
     if summary["gpus"] >= 2:
         checks["nccl_reconfigure"] = multi_gpu(summary["gpus"])
-        print(f"NCCL live reconfigure tp=2 -> pp=2: {'ok' if checks['nccl_reconfigure']['ok'] else 'FAILED'}", flush=True)
+        print(
+            f"NCCL live reconfigure tp=2 -> pp=2: {'ok' if checks['nccl_reconfigure']['ok'] else 'FAILED'}", flush=True
+        )
     else:
         print("NCCL live reconfigure: skipped (one GPU; NCCL needs one device per rank)", flush=True)
     summary.update(checks=checks, wall_s=round(time.monotonic() - started, 1))

@@ -29,7 +29,7 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from elastic_demo import Cluster, free_port, migrations, read_losses, reference_losses  # noqa: E402
+from elastic_demo import Cluster, free_port, migrations, read_losses, reference_losses
 
 
 def rss_mb(pid: int) -> float | None:
@@ -71,7 +71,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--parallel", default="tp=2,pp=1,dp=auto")
     ap.add_argument("--nproc", type=int, default=2, help="Workers per agent.")
-    ap.add_argument("--min-agents", type=int, default=2, help="Never leave below this many agents (each holds one replica).")
+    ap.add_argument(
+        "--min-agents", type=int, default=2, help="Never leave below this many agents (each holds one replica)."
+    )
     ap.add_argument("--max-agents", type=int, default=4)
     ap.add_argument("--steps-after", type=int, default=3, help="Steps trained after each migration before its check.")
     ap.add_argument("--step-delay", type=float, default=0.05)
@@ -96,16 +98,34 @@ def main() -> None:
         loss_log = work / "loss.jsonl"
         # 12 micro-batches of 1: every dp from 2 to 4 agents' replicas divides the global batch.
         model_args = ["--global-batch", "12", "--micro-batch", "1"]
-        script_args = ["--steps", str(steps), "--parallel", args.parallel, "--step-delay", str(args.step_delay), "--loss-log", str(loss_log),
-                       *model_args]
+        script_args = [
+            "--steps",
+            str(steps),
+            "--parallel",
+            args.parallel,
+            "--step-delay",
+            str(args.step_delay),
+            "--loss-log",
+            str(loss_log),
+            *model_args,
+        ]
         run_id = f"soak-{uuid.uuid4().hex[:6]}"
         if args.etcd:
             rdzv = ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", args.etcd, "--rdzv-id", run_id]
         else:
             rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", run_id]
         # Every kill counts as a restart (torchrun's --max-restarts): allow one per event.
-        cluster = Cluster(rdzv, args.nproc, args.parallel, script_args, work, echo=False, max_nodes=args.max_agents, min_nodes=1,
-                          extra=["--max-restarts", str(args.events + 10)])
+        cluster = Cluster(
+            rdzv,
+            args.nproc,
+            args.parallel,
+            script_args,
+            work,
+            echo=False,
+            max_nodes=args.max_agents,
+            min_nodes=1,
+            extra=["--max-restarts", str(args.events + 10)],
+        )
         events: list[dict] = []
         samples: dict[int, list[float]] = {}
         agent_pid = None
@@ -138,10 +158,13 @@ def main() -> None:
                         failures.append(f"event {i}: agent {target} has no worker to kill")
                         break
                     os.kill(rng.choice(pids), signal.SIGKILL)
-                cluster.wait_for(lambda: len(migrations(cluster)) > before, 300, f"event {i} ({event}) to migrate")
+                cluster.wait_for(lambda: len(migrations(cluster)) > before, 300, f"event {i} ({event}) to migrate")  # noqa: B023
                 record = migrations(cluster)[-1]
-                cluster.wait_for(lambda: max(read_losses(loss_log), default=-1) >= record["step"] + args.steps_after, 300,
-                                 f"training after event {i}")
+                cluster.wait_for(
+                    lambda: max(read_losses(loss_log), default=-1) >= record["step"] + args.steps_after,  # noqa: B023
+                    300,
+                    f"training after event {i}",
+                )
                 losses = read_losses(loss_log)
                 missing = sorted(set(range(max(losses) + 1)) - set(losses))
                 for k, a in enumerate(cluster.agents):
@@ -150,13 +173,25 @@ def main() -> None:
                             value = rss_mb(pid)
                             if value is not None:
                                 samples.setdefault(pid, []).append(value)
-                events.append({"i": i, "event": event, "agent": target, "generation": record.get("generation"),
-                               "stall_s": record.get("total_stall_s"), "bytes_moved": record.get("bytes_moved"),
-                               "world": record.get("new_world_size"), "step": record["step"], "missing_steps": len(missing),
-                               "wall_s": round(time.monotonic() - at, 2)})
-                console.print(f"{i + 1:3d}/{args.events} {event:5s} agent {target}: generation {record.get('generation')}, "
-                              f"world {record.get('new_world_size')}, resumed at step {record['step']}, stall {record.get('total_stall_s', 0):.2f} s, "
-                              f"moved {record.get('bytes_moved', 0) / 1e6:.2f} MB")
+                events.append(
+                    {
+                        "i": i,
+                        "event": event,
+                        "agent": target,
+                        "generation": record.get("generation"),
+                        "stall_s": record.get("total_stall_s"),
+                        "bytes_moved": record.get("bytes_moved"),
+                        "world": record.get("new_world_size"),
+                        "step": record["step"],
+                        "missing_steps": len(missing),
+                        "wall_s": round(time.monotonic() - at, 2),
+                    }
+                )
+                console.print(
+                    f"{i + 1:3d}/{args.events} {event:5s} agent {target}: generation {record.get('generation')}, "
+                    f"world {record.get('new_world_size')}, resumed at step {record['step']}, stall {record.get('total_stall_s', 0):.2f} s, "
+                    f"moved {record.get('bytes_moved', 0) / 1e6:.2f} MB"
+                )
                 if missing:
                     failures.append(f"event {i} ({event}): steps never trained: {missing[:5]}")
                     break
@@ -168,7 +203,7 @@ def main() -> None:
             for a in cluster.agents:
                 try:
                     a.wait(timeout=max(1.0, deadline - time.monotonic()))
-                except Exception:
+                except Exception:  # noqa: BLE001 - any failure to exit is reported
                     failures.append(f"agent pid {a.pid} did not exit within 90 s of SIGTERM")
                     a.kill()
             for i, lines in enumerate(cluster.outputs):
@@ -184,9 +219,13 @@ def main() -> None:
             bounds = [e["step"] for e in events] + [max(losses) + 1]
             for e, start, stop in zip(events, bounds, bounds[1:]):
                 window = [s for s in losses if max(start, 0) <= s < max(stop, start + 1)]
-                e["worst_rel_loss_diff"] = max((abs(losses[s] - reference[s]) / (abs(reference[s]) or 1.0) for s in window), default=None)
+                e["worst_rel_loss_diff"] = max(
+                    (abs(losses[s] - reference[s]) / (abs(reference[s]) or 1.0) for s in window), default=None
+                )
                 if e["worst_rel_loss_diff"] is None or not e["worst_rel_loss_diff"] <= 1e-4:
-                    failures.append(f"event {e['i']} ({e['event']}): worst relative loss difference {e['worst_rel_loss_diff']}")
+                    failures.append(
+                        f"event {e['i']} ({e['event']}): worst relative loss difference {e['worst_rel_loss_diff']}"
+                    )
         time.sleep(1.0)
         leaked = processes_with(str(loss_log))
         if leaked:
@@ -209,7 +248,9 @@ def main() -> None:
     if len(events) < args.events and not failures:
         failures.append(f"only {len(events)} of {args.events} events ran")
 
-    table = Table(title=f"soak: {len(events)} events, seed {args.seed}, {args.parallel}, {args.nproc} workers per agent")
+    table = Table(
+        title=f"soak: {len(events)} events, seed {args.seed}, {args.parallel}, {args.nproc} workers per agent"
+    )
     for col in ("event", "count", "stall median s", "stall max s", "moved median MB", "event wall median s"):
         table.add_column(col)
     by_kind: dict[str, list[dict]] = {}
@@ -218,17 +259,34 @@ def main() -> None:
     summary = {}
     for kind, rows in sorted(by_kind.items()):
         stalls = [r["stall_s"] for r in rows if r["stall_s"] is not None]
-        summary[kind] = {"count": len(rows), "stall_median_s": round(statistics.median(stalls), 3), "stall_max_s": round(max(stalls), 3)}
-        table.add_row(kind, str(len(rows)), f"{statistics.median(stalls):.2f}", f"{max(stalls):.2f}",
-                      f"{statistics.median(r['bytes_moved'] or 0 for r in rows) / 1e6:.2f}", f"{statistics.median(r['wall_s'] for r in rows):.1f}")
+        summary[kind] = {
+            "count": len(rows),
+            "stall_median_s": round(statistics.median(stalls), 3),
+            "stall_max_s": round(max(stalls), 3),
+        }
+        table.add_row(
+            kind,
+            str(len(rows)),
+            f"{statistics.median(stalls):.2f}",
+            f"{max(stalls):.2f}",
+            f"{statistics.median(r['bytes_moved'] or 0 for r in rows) / 1e6:.2f}",
+            f"{statistics.median(r['wall_s'] for r in rows):.1f}",
+        )
     Console().print(table)
     result = {
-        "soak": args.parallel, "events": len(events), "by_event": summary,
+        "soak": args.parallel,
+        "events": len(events),
+        "by_event": summary,
         "worst_rel_loss_diff": max((e.get("worst_rel_loss_diff") or 0.0 for e in events), default=None),
-        "leaked_processes": len(leaked), "listening_sockets_before": listening_before, "listening_sockets_after": listening_after,
+        "leaked_processes": len(leaked),
+        "listening_sockets_before": listening_before,
+        "listening_sockets_after": listening_after,
         "agent0_rss_mb": [round(agent_series[0], 1), round(agent_series[-1], 1)] if agent_series else None,
-        "agent0_growth_mb": round(agent_growth, 1), "max_worker_growth_mb": round(worker_growth, 1),
-        "num_long_lived_workers": len(long_lived), "wall_s": round(time.monotonic() - started, 1), "failures": failures,
+        "agent0_growth_mb": round(agent_growth, 1),
+        "max_worker_growth_mb": round(worker_growth, 1),
+        "num_long_lived_workers": len(long_lived),
+        "wall_s": round(time.monotonic() - started, 1),
+        "failures": failures,
     }
     print(json.dumps(result))
     if failures:

@@ -112,12 +112,21 @@ class EtcdServer:
         scheme = "https" if tls_dir else "http"
         self.tls_dir = tls_dir
         self.args = [
-            binary, "--name", "test", "--data-dir", str(data_dir),
-            "--listen-client-urls", f"{scheme}://127.0.0.1:{self.client_port}",
-            "--advertise-client-urls", f"{scheme}://127.0.0.1:{self.client_port}",
-            "--listen-peer-urls", f"http://127.0.0.1:{self.peer_port}",
-            "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_port}",
-            "--initial-cluster", f"test=http://127.0.0.1:{self.peer_port}",
+            binary,
+            "--name",
+            "test",
+            "--data-dir",
+            str(data_dir),
+            "--listen-client-urls",
+            f"{scheme}://127.0.0.1:{self.client_port}",
+            "--advertise-client-urls",
+            f"{scheme}://127.0.0.1:{self.client_port}",
+            "--listen-peer-urls",
+            f"http://127.0.0.1:{self.peer_port}",
+            "--initial-advertise-peer-urls",
+            f"http://127.0.0.1:{self.peer_port}",
+            "--initial-cluster",
+            f"test=http://127.0.0.1:{self.peer_port}",
         ]
         if tls_dir:
             self.args += ["--cert-file", str(tls_dir / "server.pem"), "--key-file", str(tls_dir / "server.key")]
@@ -140,8 +149,11 @@ class EtcdServer:
 
                 tls = {}
                 if self.tls_dir:
-                    tls = {"ca_cert": str(self.tls_dir / "ca.pem"), "cert_cert": str(self.tls_dir / "client.pem"),
-                           "cert_key": str(self.tls_dir / "client.key")}
+                    tls = {
+                        "ca_cert": str(self.tls_dir / "ca.pem"),
+                        "cert_cert": str(self.tls_dir / "client.pem"),
+                        "cert_key": str(self.tls_dir / "client.key"),
+                    }
                     if not self.client_cert_auth:
                         tls = {"ca_cert": tls["ca_cert"]}
                 c = pyetcd.client(host="127.0.0.1", port=self.client_port, timeout=1, **tls)
@@ -180,10 +192,53 @@ def tls_dir(tmp_path_factory):
     if shutil.which("openssl") is None:
         pytest.fail("openssl is needed for the TLS tests (apt-get install openssl; .ci/run does it)")
     d = tmp_path_factory.mktemp("tls")
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=test-ca", cwd=d)
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=test-ca",
+        cwd=d,
+    )
     (d / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n")
     for name in ("server", "client"):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", f"{name}.pem",
-                 "-days", "1", "-extfile", "san.cnf", cwd=d)
+        _openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            "-subj",
+            f"/CN={name}",
+            cwd=d,
+        )
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.pem",
+            "-days",
+            "1",
+            "-extfile",
+            "san.cnf",
+            cwd=d,
+        )
     return d

@@ -10,8 +10,9 @@ import multiprocessing as mp
 import os
 import socket
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 
 def free_port() -> int:
@@ -29,7 +30,11 @@ def _child(rank: int, world: int, port: int, fn: Callable, args: tuple, queue, p
 
     try:
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=pg_timeout_s)
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=pg_timeout_s),
         )
         result = fn(rank, world, *args)
         queue.put((rank, "ok", result))
@@ -40,11 +45,16 @@ def _child(rank: int, world: int, port: int, fn: Callable, args: tuple, queue, p
             dist.destroy_process_group()
 
 
-def run_workers(world: int, fn: Callable, *args: Any, timeout_s: float = 180.0, pg_timeout_s: float = 60.0) -> list[Any]:
+def run_workers(
+    world: int, fn: Callable, *args: Any, timeout_s: float = 180.0, pg_timeout_s: float = 60.0
+) -> list[Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, queue, pg_timeout_s), daemon=True) for r in range(world)]
+    procs = [
+        ctx.Process(target=_child, args=(r, world, port, fn, args, queue, pg_timeout_s), daemon=True)
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
@@ -63,7 +73,7 @@ def run_workers(world: int, fn: Callable, *args: Any, timeout_s: float = 180.0, 
                     time.sleep(0.5)  # a report may still be in the pipe
                     if queue.empty():
                         codes = ", ".join(f"{r} (exit code {procs[r].exitcode})" for r in dead)
-                        raise AssertionError(f"workers {codes} exited without reporting")
+                        raise AssertionError(f"workers {codes} exited without reporting") from None
                     continue
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(world)) - set(results))

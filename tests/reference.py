@@ -70,8 +70,14 @@ def simulate(plan: MigrationPlan, old: StateLayout, new: StateLayout) -> dict[st
         if plan.old_assignment[r] in set(plan.failed):
             old_data[r] = [np.full_like(a, -999) for a in old_data[r]]
     new_shards = {j: new.shards_of(j) for j in range(new.num_ranks)}
-    new_data = {j: [np.full(s.numel, -1, dtype=np.int64).reshape(-1 if s.flat_range else s.lengths) for s in new_shards[j]] for j in new_shards}
-    writes = {j: [np.zeros(s.numel, dtype=np.int64).reshape(-1 if s.flat_range else s.lengths) for s in new_shards[j]] for j in new_shards}
+    new_data = {
+        j: [np.full(s.numel, -1, dtype=np.int64).reshape(-1 if s.flat_range else s.lengths) for s in new_shards[j]]
+        for j in new_shards
+    }
+    writes = {
+        j: [np.zeros(s.numel, dtype=np.int64).reshape(-1 if s.flat_range else s.lengths) for s in new_shards[j]]
+        for j in new_shards
+    }
 
     def move(src: Device, dst: Device, region) -> int:
         group = plan.groups[region.group]
@@ -97,7 +103,9 @@ def simulate(plan: MigrationPlan, old: StateLayout, new: StateLayout) -> dict[st
         sent += sum(move(t.src, t.dst, region) for region in t.regions)
     for j, shards in new_shards.items():
         for k, shard in enumerate(shards):
-            assert (writes[j][k] == 1).all(), f"{shard.key} on new rank {j}: elements written {np.unique(writes[j][k])} times"
+            assert (writes[j][k] == 1).all(), (
+                f"{shard.key} on new rank {j}: elements written {np.unique(writes[j][k])} times"
+            )
             np.testing.assert_array_equal(new_data[j][k], local_storage(shard, full[shard.key]))
     return {"local": local, "sent": sent}
 

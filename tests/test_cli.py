@@ -8,14 +8,32 @@ import pytest
 from conftest import MODELS, ROOT
 
 JSON_FIELDS = {
-    "from", "to", "devices_old", "devices_new", "assignment", "state_bytes", "need_bytes", "resident_bytes",
-    "bytes_moved", "bytes_moved_inter_node", "lower_bound_bytes", "naive_bytes_moved", "checkpoint_bytes",
-    "num_messages", "num_rounds", "transfers", "plan_seconds", "estimated_seconds", "plan_hash",
+    "from",
+    "to",
+    "devices_old",
+    "devices_new",
+    "assignment",
+    "state_bytes",
+    "need_bytes",
+    "resident_bytes",
+    "bytes_moved",
+    "bytes_moved_inter_node",
+    "lower_bound_bytes",
+    "naive_bytes_moved",
+    "checkpoint_bytes",
+    "num_messages",
+    "num_rounds",
+    "transfers",
+    "plan_seconds",
+    "estimated_seconds",
+    "plan_hash",
 }
 
 
 def etc_agent(*args, check=False):
-    return subprocess.run([sys.executable, "-m", "etc_agent.cli.main", *args], capture_output=True, text=True, cwd=ROOT, check=check)
+    return subprocess.run(
+        [sys.executable, "-m", "etc_agent.cli.main", *args], capture_output=True, text=True, cwd=ROOT, check=check
+    )
 
 
 def plan_args(model="llama-7b", frm="tp=4,pp=2,dp=2", old="n0:8,n1:8", to="tp=4,pp=2,dp=1", new="n0:8"):
@@ -51,7 +69,9 @@ def test_plan_reports_failure_domains_and_single_node_loss():
     resilient = resilient_out["failure_domains"]
     assert resilient["single_domain_shards"] == 0 and resilient["worst_node_loss"]["bytes_lost"] == 0
     assert resilient["worst_node_loss"]["bytes_from_peers"] > 0
-    assert fast_out["bytes_moved"] == 0 and fast["single_domain_shards"] > 0 and fast["worst_node_loss"]["bytes_lost"] > 0
+    assert (
+        fast_out["bytes_moved"] == 0 and fast["single_domain_shards"] > 0 and fast["worst_node_loss"]["bytes_lost"] > 0
+    )
     assert sum(n["bytes_lost"] for n in fast["node_loss"]) == fast["single_domain_bytes"]
     advice = fast_out["resilient_alternative"]
     assert advice["bytes_moved"] == resilient_out["bytes_moved"] > 0 and advice["single_domain_bytes"] == 0
@@ -61,7 +81,9 @@ def test_plan_reports_failure_domains_and_single_node_loss():
     assert "loss of n0" in table and "loss of n1" in table and "resilient placement would" in table
 
 
-@pytest.mark.parametrize("new", ["n0:8,n1:8", "n1:8,n0:8", "n1:[4-7,0-3],n0:8"], ids=["same", "nodes-permuted", "devices-permuted"])
+@pytest.mark.parametrize(
+    "new", ["n0:8,n1:8", "n1:8,n0:8", "n1:[4-7,0-3],n0:8"], ids=["same", "nodes-permuted", "devices-permuted"]
+)
 def test_a_plan_to_the_same_layout_on_the_same_devices_moves_nothing_by_default(new):
     """The first figure a user sees must not contradict locality: same config, same devices (in any
     order) -> 0 bytes with default flags."""
@@ -72,7 +94,9 @@ def test_a_plan_to_the_same_layout_on_the_same_devices_moves_nothing_by_default(
 
 def test_plan_tables_and_plot(tmp_path):
     png = tmp_path / "heat.png"
-    out = etc_agent(*plan_args(model="gpt-tiny", frm="tp=2,dp=2", old="n0:4", to="tp=4", new="n0:4"), "--plot", str(png), check=True)
+    out = etc_agent(
+        *plan_args(model="gpt-tiny", frm="tp=2,dp=2", old="n0:4", to="tp=4", new="n0:4"), "--plot", str(png), check=True
+    )
     assert "moved, total" in out.stdout and "lower bound" in out.stdout and "assignment" in out.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

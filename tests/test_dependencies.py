@@ -21,7 +21,11 @@ ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 OPTIONAL_MODULES = {
     # Modules that only the megatron extra's users import.
-    "megatron": {"etc_agent/integrations/megatron.py", "etc_agent/integrations/megatron_cpu.py", "etc_agent/examples/megatron_gpt.py"},
+    "megatron": {
+        "etc_agent/integrations/megatron.py",
+        "etc_agent/integrations/megatron_cpu.py",
+        "etc_agent/examples/megatron_gpt.py",
+    },
 }
 
 
@@ -71,7 +75,9 @@ def undeclared_imports(paths: list[Path], allowed: dict[str, set[str]]) -> list[
             if not distributions:
                 problems.append(f"{relative}: {module} (no installed distribution provides it; is it declared?)")
             elif not distributions & allowed[relative]:
-                problems.append(f"{relative}: {module} (from {', '.join(sorted(distributions))}, not declared for this file)")
+                problems.append(
+                    f"{relative}: {module} (from {', '.join(sorted(distributions))}, not declared for this file)"
+                )
     return problems
 
 
@@ -105,14 +111,17 @@ def test_the_check_catches_an_undeclared_import(tmp_path, monkeypatch):
     module.write_text("def f():\n    import pluggy\n    from yaml import safe_load\n")
     relative = module.relative_to(tmp_path).as_posix()
     assert undeclared_imports([module], {relative: set(RUNTIME)}) == [
-        f"{relative}: pluggy (from pluggy, not declared for this file)"]
+        f"{relative}: pluggy (from pluggy, not declared for this file)"
+    ]
     module.write_text("import no_such_package_anywhere\n")
     assert "no installed distribution" in undeclared_imports([module], {relative: set(RUNTIME)})[0]
 
 
 def test_runtime_ranges_are_bounded_above():
     unbounded = []
-    for text in PYPROJECT["project"]["dependencies"] + [r for reqs in PYPROJECT["project"]["optional-dependencies"].values() for r in reqs]:
+    for text in PYPROJECT["project"]["dependencies"] + [
+        r for reqs in PYPROJECT["project"]["optional-dependencies"].values() for r in reqs
+    ]:
         specifiers = Requirement(text).specifier
         if not any(s.operator in ("==", "<", "<=", "~=", "===") for s in specifiers):
             unbounded.append(text)
@@ -134,13 +143,17 @@ def _lock() -> dict[str, str]:
 def test_the_lock_pins_every_declared_dependency_within_its_range():
     pins = _lock()
     problems = []
-    for text in PYPROJECT["project"]["dependencies"] + [r for reqs in PYPROJECT["project"]["optional-dependencies"].values() for r in reqs]:
+    for text in PYPROJECT["project"]["dependencies"] + [
+        r for reqs in PYPROJECT["project"]["optional-dependencies"].values() for r in reqs
+    ]:
         requirement = Requirement(text)
         pinned = pins.get(canonicalize_name(requirement.name))
         if pinned is None:
             problems.append(f"{requirement.name}: not in constraints.txt")
         elif not requirement.specifier.contains(pinned, prereleases=True):
-            problems.append(f"{requirement.name}: constraints.txt has {pinned}, pyproject allows {requirement.specifier}")
+            problems.append(
+                f"{requirement.name}: constraints.txt has {pinned}, pyproject allows {requirement.specifier}"
+            )
     assert problems == []
 
 

@@ -14,7 +14,7 @@ import pytest
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
-from elastic_demo import compare_states, reference_losses, run_scenario  # noqa: E402
+from elastic_demo import compare_states, reference_losses, run_scenario
 
 CASES = {
     # name: (parallel, workers per agent, steps, step delay, events, elementwise)
@@ -41,13 +41,26 @@ def test_elastic_training_through_join_leave_and_crash(name, etcd_server, tmp_pa
     work = tmp_path / "elastic"
     work.mkdir()
     sidecar = "sidecar" in name
-    result = run_scenario(parallel, nproc, steps, delay, work, echo=False, rdzv=rdzv, events=events, extra_script_args=extra, sidecar=sidecar)
+    result = run_scenario(
+        parallel,
+        nproc,
+        steps,
+        delay,
+        work,
+        echo=False,
+        rdzv=rdzv,
+        events=events,
+        extra_script_args=extra,
+        sidecar=sidecar,
+    )
     logs = result["cluster"].tail(60)
     assert result["codes"] == [0] * len(result["codes"]), f"agents exited {result['codes']}\n{logs}"
     if sidecar:
         assert result["cluster"].launcher_codes() == [0] * len(result["codes"]), logs
         text = "".join("".join(lines) for lines in result["cluster"].outputs)
-        assert '"worker_attached"' in text and "starting it again" in text, logs  # the killed worker came back through its launcher
+        assert '"worker_attached"' in text and "starting it again" in text, (
+            logs
+        )  # the killed worker came back through its launcher
 
     # Every step trained once to completion, in order, across every event.
     losses = result["losses"]
@@ -86,8 +99,23 @@ def test_elastic_training_through_join_leave_and_crash(name, etcd_server, tmp_pa
         assert worst <= 1e-4, f"loss differs from the uninterrupted run by {worst:.2e} (relative)"
 
     # `etc-agent status` shows the last migration.
-    status = subprocess.run([sys.executable, "-m", "etc_agent.cli.main", "status", "--rdzv-endpoint", etcd_server.endpoint,
-                             "--rdzv-id", run_id, "--json"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    status = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "etc_agent.cli.main",
+            "status",
+            "--rdzv-endpoint",
+            etcd_server.endpoint,
+            "--rdzv-id",
+            run_id,
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert status.returncode == 0, status.stderr
     shown = json.loads(status.stdout)["last_migration"]
     assert shown is not None and shown["generation"] == records[-1]["generation"]
@@ -100,8 +128,18 @@ def test_a_crash_that_takes_the_only_copy_fails_the_job_naming_the_lost_state(et
     run_id = f"lost-{uuid.uuid4().hex[:6]}"
     rdzv = ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id]
     started = time.monotonic()
-    result = run_scenario("tp=1,pp=1,dp=auto,zero=1", 2, 200, 0.1, tmp_path, echo=False, rdzv=rdzv, events=("kill",),
-                          wait_migrations=False, extra_script_args=["--micro-batch", "1"])
+    result = run_scenario(
+        "tp=1,pp=1,dp=auto,zero=1",
+        2,
+        200,
+        0.1,
+        tmp_path,
+        echo=False,
+        rdzv=rdzv,
+        events=("kill",),
+        wait_migrations=False,
+        extra_script_args=["--micro-batch", "1"],
+    )
     assert result["codes"] == [1, 1], result["codes"]
     assert time.monotonic() - started < 150
     text = "".join("".join(lines) for lines in result["cluster"].outputs)
@@ -109,8 +147,12 @@ def test_a_crash_that_takes_the_only_copy_fails_the_job_naming_the_lost_state(et
     assert "job_failed" in text and max(result["losses"]) < 199  # stopped, not trained on from scratch
 
 
-@pytest.mark.parametrize("parallel,nproc", [("tp=1,pp=1,dp=auto,zero=1", 2), ("tp=1,pp=2,dp=auto", 1)], ids=["zero1-range", "pp-stage"])
-def test_a_crash_that_takes_the_only_copy_restores_just_that_from_the_periodic_checkpoint(etcd_server, tmp_path, parallel, nproc):
+@pytest.mark.parametrize(
+    "parallel,nproc", [("tp=1,pp=1,dp=auto,zero=1", 2), ("tp=1,pp=2,dp=auto", 1)], ids=["zero1-range", "pp-stage"]
+)
+def test_a_crash_that_takes_the_only_copy_restores_just_that_from_the_periodic_checkpoint(
+    etcd_server, tmp_path, parallel, nproc
+):
     """The same crash with --checkpoint-interval: what only the killed rank held (its ZeRO range, or
     a whole pipeline stage) comes from the last checkpoint, and only that: the rest comes from the
     survivors' snapshots of the same step. The steps since are trained again, and the result is
@@ -121,9 +163,19 @@ def test_a_crash_that_takes_the_only_copy_restores_just_that_from_the_periodic_c
     work.mkdir()
     extra = ["--micro-batch", "1", "--elementwise"]
     steps = 40
-    result = run_scenario(parallel, nproc, steps, 0.15, work, echo=False, rdzv=rdzv, events=("kill",),
-                          agent_args=["--checkpoint-dir", str(checkpoints), "--checkpoint-interval", "5"],
-                          extra_script_args=extra, event_steps=[17])
+    result = run_scenario(
+        parallel,
+        nproc,
+        steps,
+        0.15,
+        work,
+        echo=False,
+        rdzv=rdzv,
+        events=("kill",),
+        agent_args=["--checkpoint-dir", str(checkpoints), "--checkpoint-interval", "5"],
+        extra_script_args=extra,
+        event_steps=[17],
+    )
     logs = result["cluster"].tail(60)
     assert result["codes"] == [0, 0], f"agents exited {result['codes']}\n{logs}"
     assert sorted(result["losses"]) == list(range(steps)), logs
@@ -155,17 +207,34 @@ def test_a_whole_node_killed_loses_no_state_with_the_resilient_placement(etcd_se
     work.mkdir()
     extra = ["--elementwise", "--micro-batch", "1"]
     steps = 40
-    result = run_scenario("tp=2,pp=2,dp=auto", nproc, steps, 0.15, work, echo=False, rdzv=rdzv, events=("kill-agent",),
-                          extra_script_args=extra, initial_agents=agents, min_nodes=1, event_steps=[8])
+    result = run_scenario(
+        "tp=2,pp=2,dp=auto",
+        nproc,
+        steps,
+        0.15,
+        work,
+        echo=False,
+        rdzv=rdzv,
+        events=("kill-agent",),
+        extra_script_args=extra,
+        initial_agents=agents,
+        min_nodes=1,
+        event_steps=[8],
+    )
     logs = result["cluster"].tail(60)
     text = "".join("".join(lines) for lines in result["cluster"].outputs)
     assert sorted(result["codes"]) == [-9] + [0] * (agents - 1), f"agents exited {result['codes']}\n{logs}"
     assert sorted(result["losses"]) == list(range(steps)), logs
     [record] = result["migrations"]
-    assert record["old_config"].startswith("tp=2,pp=2,dp=2") and record["new_config"].startswith("tp=2,pp=2,dp=1"), record
+    assert record["old_config"].startswith("tp=2,pp=2,dp=2") and record["new_config"].startswith("tp=2,pp=2,dp=1"), (
+        record
+    )
     assert len(record["lost"]) == nproc and record["bytes_restored"] == 0, record
     assert "state lost" not in text
-    assert sorted(p.name for p in work.iterdir() if not p.name.startswith("agent-")) == ["loss.jsonl", "state.pt"]  # no checkpoint
+    assert sorted(p.name for p in work.iterdir() if not p.name.startswith("agent-")) == [
+        "loss.jsonl",
+        "state.pt",
+    ]  # no checkpoint
     _, reference_state = reference_losses(steps, tmp_path, extra)
     assert compare_states(result["state_file"], reference_state) == []
 
@@ -179,8 +248,17 @@ def test_checkpoint_baseline_through_etcrun(etcd_server, tmp_path):
     work = tmp_path / "run"
     work.mkdir()
     steps = 40
-    result = run_scenario("tp=2,pp=1,dp=auto", 2, steps, 0.1, work, echo=False, rdzv=rdzv, events=("join", "leave"),
-                          agent_args=["--migration", "checkpoint", "--checkpoint-dir", str(checkpoints)])
+    result = run_scenario(
+        "tp=2,pp=1,dp=auto",
+        2,
+        steps,
+        0.1,
+        work,
+        echo=False,
+        rdzv=rdzv,
+        events=("join", "leave"),
+        agent_args=["--migration", "checkpoint", "--checkpoint-dir", str(checkpoints)],
+    )
     assert result["codes"] == [0, 0, 0], result["cluster"].tail(40)
     assert sorted(result["losses"]) == list(range(steps))
     records = sorted(result["migrations"], key=lambda m: m["generation"])
@@ -204,7 +282,9 @@ def test_reconfigure_changes_tp_pp_and_zero_on_the_same_devices(etcd_server, tmp
     assert result["codes"] == [0, 0], result["cluster"].tail(40)
     records = sorted(result["migrations"], key=lambda m: m["generation"])
     assert [(r["old_config"], r["new_config"]) for r in records] == [
-        ("tp=2,pp=1,dp=2,zero=0", "tp=1,pp=2,dp=2,zero=0"), ("tp=1,pp=2,dp=2,zero=0", "tp=2,pp=1,dp=2,zero=1")]
+        ("tp=2,pp=1,dp=2,zero=0", "tp=1,pp=2,dp=2,zero=0"),
+        ("tp=1,pp=2,dp=2,zero=0", "tp=2,pp=1,dp=2,zero=1"),
+    ]
     assert all(r["bytes_moved"] > 0 and r["reason"].startswith("reconfigured") for r in records)
     reference, _ = reference_losses(steps, tmp_path)
     assert sorted(result["losses"]) == list(range(steps))
@@ -220,14 +300,23 @@ def test_a_hung_worker_is_killed_by_its_agent_and_the_job_recovers(etcd_server, 
     work = tmp_path / "elastic"
     work.mkdir()
     steps = 40
-    result = run_scenario("tp=2,pp=1,dp=auto", 2, steps, 0.1, work, echo=False, rdzv=rdzv, events=("hang",),
-                          agent_args=["--worker-heartbeat-timeout", "3"])
+    result = run_scenario(
+        "tp=2,pp=1,dp=auto",
+        2,
+        steps,
+        0.1,
+        work,
+        echo=False,
+        rdzv=rdzv,
+        events=("hang",),
+        agent_args=["--worker-heartbeat-timeout", "3"],
+    )
     logs = result["cluster"].tail(60)
     assert result["codes"] == [0, 0], f"agents exited {result['codes']}\n{logs}"
     assert sorted(result["losses"]) == list(range(steps)), logs
     hung = [json.loads(line) for line in result["cluster"].outputs[1] if '"worker_hung"' in line]
     assert len(hung) == 1 and hung[0]["silent_s"] >= 3 and hung[0]["local_rank"] == 1, logs
-    record, = result["migrations"]
+    (record,) = result["migrations"]
     assert "worker failure" in record["reason"] and record["bytes_moved"] > 0, record
     assert "killed by the agent: no word from it" in "".join(result["cluster"].outputs[1])
     reference, _ = reference_losses(steps, tmp_path)
@@ -235,7 +324,9 @@ def test_a_hung_worker_is_killed_by_its_agent_and_the_job_recovers(etcd_server, 
     assert worst <= 1e-4, worst
 
 
-def test_a_sender_killed_mid_migration_abandons_the_generation_and_replicas_take_over(etcd_server, tmp_path, monkeypatch):
+def test_a_sender_killed_mid_migration_abandons_the_generation_and_replicas_take_over(
+    etcd_server, tmp_path, monkeypatch
+):
     """SIGTERM one agent, then SIGKILL one of its workers while it is about to send: the generation is
     abandoned everywhere, the next one is planned from the survivors' replicas, training goes on exactly."""
     monkeypatch.setenv("ETC_AGENT_FAULT_SENDER_PAUSE_S", "3")
@@ -245,15 +336,26 @@ def test_a_sender_killed_mid_migration_abandons_the_generation_and_replicas_take
     work.mkdir()
     steps = 60
     started = time.monotonic()
-    result = run_scenario("tp=2,pp=1,dp=auto", 2, steps, 0.25, work, echo=False, rdzv=rdzv, events=("join", "leave-crash"),
-                          extra_script_args=["--elementwise"])
+    result = run_scenario(
+        "tp=2,pp=1,dp=auto",
+        2,
+        steps,
+        0.25,
+        work,
+        echo=False,
+        rdzv=rdzv,
+        events=("join", "leave-crash"),
+        extra_script_args=["--elementwise"],
+    )
     logs = result["cluster"].tail(60)
     assert result["codes"] == [0, 0, 0], f"agents exited {result['codes']}\n{logs}"
     assert sorted(result["losses"]) == list(range(steps)), logs
     join, recovered = sorted(result["migrations"], key=lambda m: m["generation"])
     assert (recovered["old_world_size"], recovered["new_world_size"]) == (6, 4), recovered
     assert "abandoned" in recovered["reason"] and recovered["generation"] == join["generation"] + 2, recovered
-    abandoned = [json.loads(line) for out in result["cluster"].outputs for line in out if '"generation_abandoned"' in line]
+    abandoned = [
+        json.loads(line) for out in result["cluster"].outputs for line in out if '"generation_abandoned"' in line
+    ]
     assert abandoned and all(a["generation"] == join["generation"] + 1 for a in abandoned), abandoned
     assert time.monotonic() - started < 240
     reference, reference_state = reference_losses(steps, tmp_path, ["--elementwise"])

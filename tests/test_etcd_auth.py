@@ -35,13 +35,18 @@ def auth_etcd(tls_dir, tmp_path_factory):
 
 def test_user_password_and_wrong_password(auth_etcd):
     ca = str(auth_etcd.tls_dir / "ca.pem")
-    with EtcdStore(EtcdOptions(endpoint=auth_etcd.endpoint, ca_cert=ca, user="trainer", password="s3cret"), "auth-run") as store:
+    with EtcdStore(
+        EtcdOptions(endpoint=auth_etcd.endpoint, ca_cert=ca, user="trainer", password="s3cret"), "auth-run"
+    ) as store:
         assert store.create("generation", "1")
         assert store.get("generation").value == "1"
         lease = store.grant_lease(2)
         store.put("nodes/a", "{}", lease=lease)
     with pytest.raises(StoreError, match="authentication failed|invalid"):
-        EtcdStore(EtcdOptions(endpoint=auth_etcd.endpoint, ca_cert=ca, user="trainer", password="wrong", timeout_s=2), "auth-run")
+        EtcdStore(
+            EtcdOptions(endpoint=auth_etcd.endpoint, ca_cert=ca, user="trainer", password="wrong", timeout_s=2),
+            "auth-run",
+        )
     with pytest.raises(ValueError, match="go together"):
         EtcdStore(EtcdOptions(endpoint=auth_etcd.endpoint, ca_cert=ca, user="trainer"), "auth-run")
     with pytest.raises(ValueError, match="need TLS"):

@@ -19,7 +19,12 @@ def tls_etcd(tls_dir, tmp_path_factory):
 
 def test_mutual_tls_works_and_missing_client_cert_is_a_clear_error(tls_etcd):
     server, d = tls_etcd
-    options = EtcdOptions(endpoint=server.endpoint, ca_cert=str(d / "ca.pem"), cert_cert=str(d / "client.pem"), cert_key=str(d / "client.key"))
+    options = EtcdOptions(
+        endpoint=server.endpoint,
+        ca_cert=str(d / "ca.pem"),
+        cert_cert=str(d / "client.pem"),
+        cert_key=str(d / "client.key"),
+    )
     with EtcdStore(options, "tls-run") as store:
         store.put("nodes/a", "{}")
         assert store.get("nodes/a").value == "{}"
@@ -28,4 +33,6 @@ def test_mutual_tls_works_and_missing_client_cert_is_a_clear_error(tls_etcd):
     with pytest.raises(StoreError, match="cannot reach etcd"):
         EtcdStore(EtcdOptions(endpoint=server.endpoint, ca_cert=str(d / "ca.pem"), timeout_s=2), "tls-run")
     with pytest.raises(ValueError, match="go together"):
-        EtcdStore(EtcdOptions(endpoint=server.endpoint, ca_cert=str(d / "ca.pem"), cert_cert=str(d / "client.pem")), "tls-run")
+        EtcdStore(
+            EtcdOptions(endpoint=server.endpoint, ca_cert=str(d / "ca.pem"), cert_cert=str(d / "client.pem")), "tls-run"
+        )

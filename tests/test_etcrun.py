@@ -20,15 +20,33 @@ from etc_agent.rendezvous.records import GenerationRecord
 SCRIPTS = ROOT / "tests" / "scripts"
 # gloo picks its interface from the host name, which need not resolve to loopback in a sandbox.
 LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo"}
-COMPARED = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-            "ROLE_WORLD_SIZE", "ROLE_NAME", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
-            "TORCHELASTIC_USE_AGENT_STORE", "OMP_NUM_THREADS", "TORCH_NCCL_ASYNC_ERROR_HANDLING"]
+COMPARED = [
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "OMP_NUM_THREADS",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+]
 
 
 def launch(*args: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "etc_agent.cli.etcrun", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, env={**os.environ, **LOOPBACK, **(env or {})},
+        [sys.executable, "-m", "etc_agent.cli.etcrun", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, **LOOPBACK, **(env or {})},
     )
 
 
@@ -53,8 +71,10 @@ def finish(procs: list[subprocess.Popen], timeout: float = 120) -> list[tuple[in
         for t in threads:
             t.join(timeout=10)
         late = [i for i, p in enumerate(procs) if p.returncode is None or p.returncode < 0]
-        raise AssertionError(f"agents {late} did not finish within {timeout} s:\n"
-                             + "\n".join(f"--- agent {i} ---\n{texts.get(i, '')[-3000:]}" for i in range(len(procs))))
+        raise AssertionError(
+            f"agents {late} did not finish within {timeout} s:\n"
+            + "\n".join(f"--- agent {i} ---\n{texts.get(i, '')[-3000:]}" for i in range(len(procs)))
+        )
     return [(p.returncode, texts[i]) for i, p in enumerate(procs)]
 
 
@@ -74,8 +94,19 @@ def test_two_agents_run_a_ddp_script(backend, request, tmp_path):
     rdzv = rdzv_args(backend, request, f"ddp-{uuid.uuid4().hex[:6]}")
     # --max-restarts: gloo's teardown aborted a worker now and then on this machine (under torchrun too);
     # a restart then reruns the job, which must still end with every rank done.
-    common = ["--nnodes", "2", "--nproc-per-node", "2", *rdzv, "--local-addr", "127.0.0.1", "--reconfig-delay", "0.3",
-              "--max-restarts", "2"]
+    common = [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        *rdzv,
+        "--local-addr",
+        "127.0.0.1",
+        "--reconfig-delay",
+        "0.3",
+        "--max-restarts",
+        "2",
+    ]
     procs = [launch(*common, str(SCRIPTS / "env_dump.py"), str(tmp_path)) for _ in range(2)]
     outputs = finish(procs)
     for code, text in outputs:
@@ -98,15 +129,46 @@ def test_environment_matches_torchrun(tmp_path):
         out = tmp_path / launcher
         out.mkdir()
         port = _free_port()
-        args = ["--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                "--rdzv-id", "cmp", "--max-restarts", "1"]
+        args = [
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            "cmp",
+            "--max-restarts",
+            "1",
+        ]
         if launcher == "torchrun":
-            cmd = [sys.executable, "-m", "torch.distributed.run", *args, str(SCRIPTS / "env_dump.py"), str(out), "--no-dist"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                *args,
+                str(SCRIPTS / "env_dump.py"),
+                str(out),
+                "--no-dist",
+            ]
             procs = [
-                subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **LOOPBACK})
+                subprocess.Popen(
+                    cmd,
+                    cwd=ROOT,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    env={**os.environ, **LOOPBACK},
+                )
             ]
         else:
-            procs = [launch(*args, "--reconfig-delay", "0.3", str(SCRIPTS / "env_dump.py"), str(out), "--no-dist", env=LOOPBACK)]
+            procs = [
+                launch(
+                    *args, "--reconfig-delay", "0.3", str(SCRIPTS / "env_dump.py"), str(out), "--no-dist", env=LOOPBACK
+                )
+            ]
         for code, text in finish(procs):
             assert code == 0, f"{launcher}: {text[-3000:]}"
         results[launcher] = read_env(out)
@@ -126,9 +188,25 @@ class Job:
         self.run_id = f"job-{uuid.uuid4().hex[:6]}"
         self.store = EtcdStore(EtcdOptions(endpoint=etcd_server.endpoint), self.run_id)
         self.out = tmp_path
-        self.args = ["--nnodes", nnodes, "--nproc-per-node", "2", "--rdzv-backend", "etcd-v3", "--rdzv-endpoint",
-                     etcd_server.endpoint, "--rdzv-id", self.run_id, "--local-addr", "127.0.0.1", "--reconfig-delay", "0.5",
-                     "--lease-ttl", "2", *extra]
+        self.args = [
+            "--nnodes",
+            nnodes,
+            "--nproc-per-node",
+            "2",
+            "--rdzv-backend",
+            "etcd-v3",
+            "--rdzv-endpoint",
+            etcd_server.endpoint,
+            "--rdzv-id",
+            self.run_id,
+            "--local-addr",
+            "127.0.0.1",
+            "--reconfig-delay",
+            "0.5",
+            "--lease-ttl",
+            "2",
+            *extra,
+        ]
         self.agents: list[subprocess.Popen] = []
 
     def add_agent(self, script_args=("60",)) -> subprocess.Popen:
@@ -206,7 +284,9 @@ def test_join_leave_and_kill_produce_new_generations(job):
     # SIGTERM: planned departure, a generation without that agent.
     leaving = j.agents[1]
     leaving.send_signal(signal.SIGTERM)
-    shrunk = j.wait_for(lambda g: g.number > grown.number and g.world_size == 4, 30, "generation without the SIGTERM'd agent")
+    shrunk = j.wait_for(
+        lambda g: g.number > grown.number and g.world_size == 4, 30, "generation without the SIGTERM'd agent"
+    )
     assert leaving.wait(timeout=30) == 0
     assert len(shrunk.members) == 2
     j.wait_for_workers(shrunk.number, 4)
@@ -229,7 +309,7 @@ def test_join_leave_and_kill_produce_new_generations(job):
 def test_compat_mode_restarts_failed_workers_and_counts(job):
     j = job(nnodes="1", extra=("--max-restarts", "2"))
     agent = j.add_agent(script_args=("0.5", "2"))  # fails on attempts 0 and 1, succeeds on restart 2
-    (code, text), = finish([agent], timeout=90)
+    ((code, text),) = finish([agent], timeout=90)
     assert code == 0, text[-3000:]
     counts = sorted({json.loads(p.read_text())["TORCHELASTIC_RESTART_COUNT"] for p in j.out.glob("gen*_rank*.json")})
     assert counts == ["0", "1", "2"]
@@ -239,7 +319,7 @@ def test_compat_mode_restarts_failed_workers_and_counts(job):
 def test_compat_mode_gives_up_after_max_restarts(job):
     j = job(nnodes="1", extra=("--max-restarts", "1"))
     agent = j.add_agent(script_args=("0.5", "5"))
-    (code, text), = finish([agent], timeout=90)
+    ((code, text),) = finish([agent], timeout=90)
     assert code == 1, text[-3000:]
     assert "job_failed" in text and "1/1 restarts used" in text
 
@@ -251,49 +331,96 @@ def test_compat_mode_gives_up_after_max_restarts(job):
         (["--nproc-per-node", "zero", "x.py"], "--nproc-per-node 'zero'"),
         (["--rdzv-backend", "zookeeper", "--rdzv-endpoint", "h:1", "x.py"], "--rdzv-backend 'zookeeper'"),
         (["--rdzv-backend", "etcd-v3", "x.py"], "--rdzv-endpoint is required"),
-        (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "x", "x.py"], "cannot reach etcd"),
-        (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--etcd-ca-cert", "/nope.pem", "x.py"], "not found"),
+        (
+            ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "x", "x.py"],
+            "cannot reach etcd",
+        ),
+        (
+            ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--etcd-ca-cert", "/nope.pem", "x.py"],
+            "not found",
+        ),
         (["--standalone", "-r", "3", "x.py"], "--redirects/--tee need --log-dir"),
         (["--no-such-flag", "x.py"], "No such option"),
         (["--standalone", "--parallel", "auto", "x.py"], "tp/pp auto needs --model"),
         (["--standalone", "--parallel", "tp=2,dp=many", "x.py"], "neither an integer nor auto"),
         (["--standalone", "--parallel", "auto", "--model", "/nope.yaml", "x.py"], "no such file"),
-        (["--standalone", "--nproc-per-node", "2", "--parallel", "tp=4,dp=auto", "x.py"], "a TP group stays inside one node"),
-        (["--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1",
-          "--parallel", "tp=2,pp=2,dp=2", "x.py"], "allows at most 4"),
-        (["--standalone", "--parallel", "auto", "--model", str(ROOT / "tests" / "bad_model.yaml"), "x.py"], "bad_model.yaml"),
+        (
+            ["--standalone", "--nproc-per-node", "2", "--parallel", "tp=4,dp=auto", "x.py"],
+            "a TP group stays inside one node",
+        ),
+        (
+            [
+                "--nnodes",
+                "1:2",
+                "--nproc-per-node",
+                "2",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                "127.0.0.1:1",
+                "--parallel",
+                "tp=2,pp=2,dp=2",
+                "x.py",
+            ],
+            "allows at most 4",
+        ),
+        (
+            ["--standalone", "--parallel", "auto", "--model", str(ROOT / "tests" / "bad_model.yaml"), "x.py"],
+            "bad_model.yaml",
+        ),
         (["--standalone", "--worker-heartbeat-timeout", "-1", "x.py"], "--worker-heartbeat-timeout"),
         (["--standalone", "--checkpoint-interval", "5", "x.py"], "--checkpoint-interval needs --checkpoint-dir"),
-        (["--standalone", "--checkpoint-interval", "-2", "--checkpoint-dir", "/tmp", "x.py"],
-         "--checkpoint-interval: Input should be greater than or equal to 0"),
+        (
+            ["--standalone", "--checkpoint-interval", "-2", "--checkpoint-dir", "/tmp", "x.py"],
+            "--checkpoint-interval: Input should be greater than or equal to 0",
+        ),
     ],
 )
 def test_bad_flags_are_one_line_and_exit_2(args, message):
-    p = subprocess.run([sys.executable, "-m", "etc_agent.cli.etcrun", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "etc_agent.cli.etcrun", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert p.returncode == 2, p.stderr
     lines = [line for line in p.stderr.strip().splitlines() if line]
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in p.stderr, p.stderr
 
 
-@pytest.mark.parametrize("args, env, message", [
-    (["--max-restarts", "-1"], {}, "--max-restarts: Input should be greater than or equal to 0"),
-    (["--reconfig-delay", "-1"], {}, "--reconfig-delay: Input should be greater than or equal to 0"),
-    (["--monitor-interval", "nan"], {}, "--monitor-interval: Input should be a finite number"),
-    (["--lease-ttl", "inf"], {}, "--lease-ttl: Input should be a finite number"),
-    (["--log-format", "xml"], {}, "--log-format: Input should be 'text' or 'json'"),
-    (["--placement", "tidy"], {}, "--placement: Input should be 'fast' or 'resilient'"),
-    (["--checkpoint-keep", "0", "--checkpoint-dir", "/tmp"], {}, "--checkpoint-keep: Input should be greater than or equal to 1"),
-    (["--nproc-per-node", "0"], {}, "--nproc-per-node: Input should be greater than or equal to 1"),
-    (["--control-addr", "nowhere"], {}, "--control-addr: bad address 'nowhere': expected host:port"),
-    (["--rdzv-conf", "lease_ttl=0"], {}, "--rdzv-conf lease_ttl: Input should be greater than 0"),
-    (["--rdzv-conf", "join_timeout=soon"], {}, "--rdzv-conf join_timeout: Input should be a valid number"),
-    ([], {"PET_MAX_RESTARTS": "-1"}, "PET_MAX_RESTARTS: Input should be greater than or equal to 0"),
-    ([], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "soon"}, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT: Input should be a valid number"),
-])
+@pytest.mark.parametrize(
+    "args, env, message",
+    [
+        (["--max-restarts", "-1"], {}, "--max-restarts: Input should be greater than or equal to 0"),
+        (["--reconfig-delay", "-1"], {}, "--reconfig-delay: Input should be greater than or equal to 0"),
+        (["--monitor-interval", "nan"], {}, "--monitor-interval: Input should be a finite number"),
+        (["--lease-ttl", "inf"], {}, "--lease-ttl: Input should be a finite number"),
+        (["--log-format", "xml"], {}, "--log-format: Input should be 'text' or 'json'"),
+        (["--placement", "tidy"], {}, "--placement: Input should be 'fast' or 'resilient'"),
+        (
+            ["--checkpoint-keep", "0", "--checkpoint-dir", "/tmp"],
+            {},
+            "--checkpoint-keep: Input should be greater than or equal to 1",
+        ),
+        (["--nproc-per-node", "0"], {}, "--nproc-per-node: Input should be greater than or equal to 1"),
+        (["--control-addr", "nowhere"], {}, "--control-addr: bad address 'nowhere': expected host:port"),
+        (["--rdzv-conf", "lease_ttl=0"], {}, "--rdzv-conf lease_ttl: Input should be greater than 0"),
+        (["--rdzv-conf", "join_timeout=soon"], {}, "--rdzv-conf join_timeout: Input should be a valid number"),
+        ([], {"PET_MAX_RESTARTS": "-1"}, "PET_MAX_RESTARTS: Input should be greater than or equal to 0"),
+        (
+            [],
+            {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "soon"},
+            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT: Input should be a valid number",
+        ),
+    ],
+)
 def test_a_rejected_agent_setting_is_one_line_naming_the_flag(args, env, message):
     """AgentConfig checks the settings; etcrun names the flag (or variable) the value came from, not the field."""
-    p = subprocess.run([sys.executable, "-m", "etc_agent.cli.etcrun", "--standalone", *args, "x.py"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=60, env={**os.environ, **env})
+    p = subprocess.run(
+        [sys.executable, "-m", "etc_agent.cli.etcrun", "--standalone", *args, "x.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **env},
+    )
     assert p.returncode == 2, p.stderr
     lines = p.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"etcrun: error: {message}"), p.stderr
@@ -301,27 +428,60 @@ def test_a_rejected_agent_setting_is_one_line_naming_the_flag(args, env, message
 
 
 def test_a_rejected_etcd_setting_names_its_rdzv_conf_key():
-    p = subprocess.run([sys.executable, "-m", "etc_agent.cli.etcrun", "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1",
-                        "--rdzv-conf", "read_timeout=0", "x.py"], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert p.returncode == 2 and p.stderr == "etcrun: error: --rdzv-conf read_timeout: Input should be greater than 0\n", p.stderr
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "etc_agent.cli.etcrun",
+            "--rdzv-backend",
+            "etcd-v3",
+            "--rdzv-endpoint",
+            "127.0.0.1:1",
+            "--rdzv-conf",
+            "read_timeout=0",
+            "x.py",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        p.returncode == 2 and p.stderr == "etcrun: error: --rdzv-conf read_timeout: Input should be greater than 0\n"
+    ), p.stderr
 
 
-@pytest.mark.parametrize("content, message", [
-    ("max_restarts: -1\n", "max_restarts: Input should be greater than or equal to 0"),
-    ("monitor_interval: .nan\n", "monitor_interval: Input should be a finite number"),
-    ("rdzv_conf: lease_ttl=0\n", "rdzv_conf lease_ttl: Input should be greater than 0"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("max_restarts: -1\n", "max_restarts: Input should be greater than or equal to 0"),
+        ("monitor_interval: .nan\n", "monitor_interval: Input should be a finite number"),
+        ("rdzv_conf: lease_ttl=0\n", "rdzv_conf lease_ttl: Input should be greater than 0"),
+    ],
+)
 def test_a_rejected_agent_setting_from_a_job_config_names_the_file_and_key(tmp_path, content, message):
     config = tmp_path / "job.yaml"
     config.write_text("standalone: true\n" + content)
-    p = subprocess.run([sys.executable, "-m", "etc_agent.cli.etcrun", "--config", str(config), "x.py"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "etc_agent.cli.etcrun", "--config", str(config), "x.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 2 and p.stderr == f"etcrun: error: --config {config}: {message}\n", p.stderr
 
     # The same setting given as a flag wins over the file, and is the one named.
-    p = subprocess.run([sys.executable, "-m", "etc_agent.cli.etcrun", "--config", str(config), "--max-restarts", "-2", "x.py"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert p.returncode == 2 and p.stderr == "etcrun: error: --max-restarts: Input should be greater than or equal to 0\n", p.stderr
+    p = subprocess.run(
+        [sys.executable, "-m", "etc_agent.cli.etcrun", "--config", str(config), "--max-restarts", "-2", "x.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        p.returncode == 2 and p.stderr == "etcrun: error: --max-restarts: Input should be greater than or equal to 0\n"
+    ), p.stderr
 
 
 def test_agent_settings_help_is_agent_config_s_field_description():
@@ -338,11 +498,17 @@ def test_agent_settings_help_is_agent_config_s_field_description():
     by_flag = {opt: param for param in params.values() for opt in param.opts}
     for field, flag in SETTING_FLAGS.items():
         assert by_flag[flag].help == fields[field].description, flag
-        if field not in ("run_id", "node_rank", "shutdown_timeout"):  # etcrun's defaults: "none", 0 (static), the variable or 30
+        if field not in (
+            "run_id",
+            "node_rank",
+            "shutdown_timeout",
+        ):  # etcrun's defaults: "none", 0 (static), the variable or 30
             assert by_flag[flag].default == fields[field].default, flag
     for field, param in SHARED_FLAG_PARAMS.items():  # one flag, several values: the help names each field's meaning
         assert fields[field].description in params[param].help, (field, param)
-    p = subprocess.run([sys.executable, "-m", "etc_agent.cli.etcrun", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "etc_agent.cli.etcrun", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     shown = "".join(p.stdout.split())  # as printed, wrapped lines joined
     for field, flag in SETTING_FLAGS.items():
         assert "".join(fields[field].description.split()) in shown, flag
@@ -356,22 +522,59 @@ def test_agent_config_checks_its_settings_without_etcrun():
 
     assert AgentConfig(run_id="j", nproc_per_node=2, parallel="tp=2,dp=auto").parallel == "tp=2,pp=1,dp=auto,zero=0"
     assert AgentConfig(run_id="j", parallel="").parallel is None
-    for values in (dict(min_nodes=3, max_nodes=1), dict(migration="checkpoint"), dict(checkpoint_interval=5),
-                   dict(monitor_interval=float("nan")), dict(join_timeout=float("inf")), dict(log_format="xml"),
-                   dict(placement="tidy"), dict(control_addr="nowhere"), dict(parallel="auto"),
-                   dict(parallel="tp=2,dp=auto"), dict(parallel="tp=2,pp=1,dp=2", nproc_per_node=2),
-                   dict(model="/nope.yaml"), dict(model=str(ROOT / "tests" / "bad_model.yaml"))):
+    for values in (
+        dict(min_nodes=3, max_nodes=1),
+        dict(migration="checkpoint"),
+        dict(checkpoint_interval=5),
+        dict(monitor_interval=float("nan")),
+        dict(join_timeout=float("inf")),
+        dict(log_format="xml"),
+        dict(placement="tidy"),
+        dict(control_addr="nowhere"),
+        dict(parallel="auto"),
+        dict(parallel="tp=2,dp=auto"),
+        dict(parallel="tp=2,pp=1,dp=2", nproc_per_node=2),
+        dict(model="/nope.yaml"),
+        dict(model=str(ROOT / "tests" / "bad_model.yaml")),
+    ):
         with pytest.raises(ValidationError):
             AgentConfig(run_id="j", **values)
 
 
 def test_help_lists_torchrun_flags():
-    p = subprocess.run([sys.executable, "-m", "etc_agent.cli.etcrun", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "etc_agent.cli.etcrun", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert p.returncode == 0
-    for flag in ("--nnodes", "--nproc-per-node", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf", "--standalone",
-                 "--max-restarts", "--monitor-interval", "--start-method", "--role", "--module", "--no-python", "--run-path",
-                 "--log-dir", "--redirects", "--tee", "--local-ranks-filter", "--node-rank", "--master-addr", "--master-port",
-                 "--local-addr", "--shutdown-timeout", "--parallel", "--model", "--reconfig-delay", "--etcd-ca-cert"):
+    for flag in (
+        "--nnodes",
+        "--nproc-per-node",
+        "--rdzv-backend",
+        "--rdzv-endpoint",
+        "--rdzv-id",
+        "--rdzv-conf",
+        "--standalone",
+        "--max-restarts",
+        "--monitor-interval",
+        "--start-method",
+        "--role",
+        "--module",
+        "--no-python",
+        "--run-path",
+        "--log-dir",
+        "--redirects",
+        "--tee",
+        "--local-ranks-filter",
+        "--node-rank",
+        "--master-addr",
+        "--master-port",
+        "--local-addr",
+        "--shutdown-timeout",
+        "--parallel",
+        "--model",
+        "--reconfig-delay",
+        "--etcd-ca-cert",
+    ):
         assert flag in p.stdout, flag
 
 
@@ -381,24 +584,68 @@ def test_status_shows_members_and_generation(job):
     j.add_agent()
     gen = j.wait_for(lambda g: g.status == "running" and g.world_size == 4, 60, "two agents running")
     endpoint = j.args[j.args.index("--rdzv-endpoint") + 1]
-    p = subprocess.run([sys.executable, "-m", "etc_agent.cli.main", "status", "--rdzv-endpoint", endpoint, "--rdzv-id", j.run_id, "--json"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "etc_agent.cli.main",
+            "status",
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-id",
+            j.run_id,
+            "--json",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 0, p.stderr
     data = json.loads(p.stdout)
     assert data["generation"]["number"] == gen.number and data["generation"]["members"] == gen.members
     assert len(data["nodes"]) == 2 and data["leader"] in gen.members
-    p = subprocess.run([sys.executable, "-m", "etc_agent.cli.main", "status", "--rdzv-endpoint", endpoint, "--rdzv-id", j.run_id],
-                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "etc_agent.cli.main", "status", "--rdzv-endpoint", endpoint, "--rdzv-id", j.run_id],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert f"generation {gen.number} running, world size 4" in p.stdout and "leader" in p.stdout
 
 
 def test_plain_torchrun_gains_an_etcd_v3_backend(etcd_server, tmp_path):
     """Unmodified torchrun with --rdzv-backend etcd-v3 (this package's torchrun.handlers plugin)."""
-    args = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_server.endpoint,
-            "--rdzv-id", f"tr-{uuid.uuid4().hex[:6]}", "--rdzv-conf", "last_call_timeout=1"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", *args, str(SCRIPTS / "env_dump.py"), str(tmp_path), "--no-dist"]
-    procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **LOOPBACK})
-             for _ in range(2)]
+    args = [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "etcd-v3",
+        "--rdzv-endpoint",
+        etcd_server.endpoint,
+        "--rdzv-id",
+        f"tr-{uuid.uuid4().hex[:6]}",
+        "--rdzv-conf",
+        "last_call_timeout=1",
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *args,
+        str(SCRIPTS / "env_dump.py"),
+        str(tmp_path),
+        "--no-dist",
+    ]
+    procs = [
+        subprocess.Popen(
+            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **LOOPBACK}
+        )
+        for _ in range(2)
+    ]
     for code, text in finish(procs, timeout=120):
         assert code == 0, text[-3000:]
     env = read_env(tmp_path)
@@ -412,8 +659,24 @@ def test_plain_torchrun_gains_an_etcd_v3_backend(etcd_server, tmp_path):
 def test_embedded_store_host_leaving_keeps_the_job_alive(tmp_path):
     """SIGTERM to the agent hosting the embedded store: its workers leave, the store stays up."""
     port = _free_port()
-    args = ["--nnodes", "1:3", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-            "--rdzv-id", "host-leaves", "--local-addr", "127.0.0.1", "--reconfig-delay", "0.3", "--lease-ttl", "2"]
+    args = [
+        "--nnodes",
+        "1:3",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "host-leaves",
+        "--local-addr",
+        "127.0.0.1",
+        "--reconfig-delay",
+        "0.3",
+        "--lease-ttl",
+        "2",
+    ]
     host = launch(*args, "--rdzv-conf", "is_host=true", str(SCRIPTS / "sleeper.py"), str(tmp_path), "60")
     time.sleep(3)
     other = launch(*args, "--rdzv-conf", "is_host=false", str(SCRIPTS / "sleeper.py"), str(tmp_path), "60")
@@ -423,7 +686,11 @@ def test_embedded_store_host_leaving_keeps_the_job_alive(tmp_path):
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         kv = store.get("generation")
-        if kv and GenerationRecord.loads(kv.value).world_size == 2 and GenerationRecord.loads(kv.value).status == "running":
+        if (
+            kv
+            and GenerationRecord.loads(kv.value).world_size == 2
+            and GenerationRecord.loads(kv.value).status == "running"
+        ):
             break
         time.sleep(0.1)
     before = GenerationRecord.loads(store.get("generation").value)
@@ -461,12 +728,28 @@ def test_below_min_nodes_the_job_waits_then_resumes(job):
 
 def test_json_logs_and_redirected_worker_output(tmp_path):
     log_dir = tmp_path / "logs"
-    p = launch("--standalone", "--nproc-per-node", "2", "--log-format", "json", "--log-dir", str(log_dir), "-r", "0:1", "-t", "1:1",
-               str(SCRIPTS / "env_dump.py"), str(tmp_path), "--no-dist")
-    (code, text), = finish([p], timeout=60)
+    p = launch(
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--log-format",
+        "json",
+        "--log-dir",
+        str(log_dir),
+        "-r",
+        "0:1",
+        "-t",
+        "1:1",
+        str(SCRIPTS / "env_dump.py"),
+        str(tmp_path),
+        "--no-dist",
+    )
+    ((code, text),) = finish([p], timeout=60)
     assert code == 0, text
     events = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
-    assert {"registered", "generation_published", "workers_started", "workers_succeeded"} <= {e["event"] for e in events}
+    assert {"registered", "generation_published", "workers_started", "workers_succeeded"} <= {
+        e["event"] for e in events
+    }
     # rank 0's stdout went to its file only; rank 1's went to its file and to the console, prefixed.
     stdout_files = sorted(log_dir.rglob("stdout.log"))
     assert [f.parent.name for f in stdout_files] == ["0", "1"]
@@ -476,7 +759,7 @@ def test_json_logs_and_redirected_worker_output(tmp_path):
 
 def test_workers_reach_their_agent_over_the_control_channel(tmp_path):
     p = launch("--standalone", "--nproc-per-node", "2", str(SCRIPTS / "ask_agent.py"), str(tmp_path))
-    (code, text), = finish([p], timeout=60)
+    ((code, text),) = finish([p], timeout=60)
     assert code == 0, text
     answers = read_env(tmp_path)
     assert sorted(answers) == [0, 1]
@@ -484,16 +767,24 @@ def test_workers_reach_their_agent_over_the_control_channel(tmp_path):
         assert a["running"] == int(a["env_generation"]) == a["hello"]["generation"] and a["world_size"] == 2
         assert a["node_id"] == a["hello"]["node_id"]
         # Malformed requests are refused by the pydantic models, each naming what is wrong.
-        local_rank, steps, record, unknown, extra = a["errors"][0], a["errors"][2], a["errors"][3], a["errors"][4], a["errors"][5]
+        local_rank, steps, record, unknown, extra = (
+            a["errors"][0],
+            a["errors"][2],
+            a["errors"][3],
+            a["errors"][4],
+            a["errors"][5],
+        )
         assert "invalid request" in local_rank and "local_rank" in local_rank, a["errors"]
         assert "not a worker of this node" in a["errors"][1], a["errors"]
-        assert "step" in steps and "record" in record and "reboot" in unknown and "invalid request" in extra, a["errors"]
+        assert "step" in steps and "record" in record and "reboot" in unknown and "invalid request" in extra, a[
+            "errors"
+        ]
 
 
 def test_waiting_for_min_nodes_times_out_with_a_clear_reason(job):
     j = job(nnodes="2", extra=("--rdzv-conf", "join_timeout=3"))
     agent = j.add_agent()
-    (code, text), = finish([agent], timeout=60)
+    ((code, text),) = finish([agent], timeout=60)
     assert code == 1 and "join_timeout" in text and "needed=2" in text
 
 
@@ -503,33 +794,47 @@ def test_a_job_config_file_gives_the_flags_and_the_command_line_wins(tmp_path):
     out = tmp_path / "env"
     out.mkdir()
     config = tmp_path / "job.yaml"
-    config.write_text(f"standalone: true\nnproc_per_node: 1\nmax_restarts: 1\nrole: trainer\n"
-                      f"script: {SCRIPTS / 'env_dump.py'}\nscript_args: [{str(out)!r}, --no-dist]\n")
-    (code, text), = finish([launch("--config", str(config), "--nproc-per-node", "2", env=LOOPBACK)])
+    config.write_text(
+        f"standalone: true\nnproc_per_node: 1\nmax_restarts: 1\nrole: trainer\n"
+        f"script: {SCRIPTS / 'env_dump.py'}\nscript_args: [{str(out)!r}, --no-dist]\n"
+    )
+    ((code, text),) = finish([launch("--config", str(config), "--nproc-per-node", "2", env=LOOPBACK)])
     assert code == 0, text[-3000:]
     env = read_env(out)
     assert sorted(env) == [0, 1], text[-3000:]
-    assert env[0]["ROLE_NAME"] == "trainer" and env[0]["WORLD_SIZE"] == "2" and env[0]["TORCHELASTIC_MAX_RESTARTS"] == "1"
+    assert (
+        env[0]["ROLE_NAME"] == "trainer" and env[0]["WORLD_SIZE"] == "2" and env[0]["TORCHELASTIC_MAX_RESTARTS"] == "1"
+    )
 
     # A script named on the command line comes with its own arguments, not the file's.
     out2 = tmp_path / "env2"
     out2.mkdir()
-    (code, text), = finish([launch("--config", str(config), str(SCRIPTS / "env_dump.py"), str(out2), "--no-dist", env=LOOPBACK)])
+    ((code, text),) = finish(
+        [launch("--config", str(config), str(SCRIPTS / "env_dump.py"), str(out2), "--no-dist", env=LOOPBACK)]
+    )
     assert code == 0, text[-3000:]
     assert sorted(read_env(out2)) == [0] and not list(out.glob("*.tmp"))
 
 
-@pytest.mark.parametrize("content, message", [
-    ("nproc_per_node: 2\nnprocs: 3\n", "nprocs: Extra inputs are not permitted; keys are etcrun's long options"),
-    ("max_restarts: many\n", "max_restarts: Input should be a valid integer"),
-    ("- a\n- b\n", "expected a mapping of etcrun options"),
-    ("a: [\n", "not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("nproc_per_node: 2\nnprocs: 3\n", "nprocs: Extra inputs are not permitted; keys are etcrun's long options"),
+        ("max_restarts: many\n", "max_restarts: Input should be a valid integer"),
+        ("- a\n- b\n", "expected a mapping of etcrun options"),
+        ("a: [\n", "not valid YAML"),
+    ],
+)
 def test_a_bad_job_config_is_one_line_and_exit_2(tmp_path, content, message):
     config = tmp_path / "job.yaml"
     config.write_text(content)
-    p = subprocess.run([sys.executable, "-m", "etc_agent.cli.etcrun", "--config", str(config), "x.py"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "etc_agent.cli.etcrun", "--config", str(config), "x.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 2, p.stderr
     lines = [line for line in p.stderr.strip().splitlines() if line]
     assert len(lines) == 1 and message in lines[0] and str(config) in lines[0], p.stderr

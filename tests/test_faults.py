@@ -33,7 +33,7 @@ def _or_none(read):
         return None
 
 
-def test_foreign_values_in_the_prefix_are_rejected_and_logged(job):
+def test_foreign_values_in_the_prefix_are_rejected_and_logged(job):  # noqa: F811 - job is the fixture
     j = job(nnodes="2", extra=("--log-format", "json"))
     j.add_agent(script_args=("6",))
     j.add_agent(script_args=("6",))
@@ -48,7 +48,9 @@ def test_foreign_values_in_the_prefix_are_rejected_and_logged(job):
     j.store.put("generation", json.dumps({"schema_version": 1, "number": "seven"}))
     strict = j.generation
     j.generation = lambda: _or_none(strict)  # the test's own reads must survive the foreign value too
-    healed = j.wait_for(lambda g: g.number > first.number + 5 and g.status in ("running", "succeeded"), 30, "a valid generation again")
+    healed = j.wait_for(
+        lambda g: g.number > first.number + 5 and g.status in ("running", "succeeded"), 30, "a valid generation again"
+    )
     outputs = finish(j.agents, timeout=120)
     texts = "\n".join(text for _, text in outputs)
     for code, text in outputs:
@@ -62,7 +64,7 @@ def test_foreign_values_in_the_prefix_are_rejected_and_logged(job):
     assert healed.world_size == 4
 
 
-def test_leader_death_hands_over_without_split_brain(job):
+def test_leader_death_hands_over_without_split_brain(job):  # noqa: F811 - job is the fixture
     j = job(extra=("--log-format", "json"))
     for _ in range(3):
         j.add_agent(script_args=("30",))
@@ -72,7 +74,11 @@ def test_leader_death_hands_over_without_split_brain(job):
     leader = next(a for a in j.agents if a.pid == pids[leader_id])
     leader.kill()
     killed = time.monotonic()
-    after = j.wait_for(lambda g: g.number > running.number and g.world_size == 4 and g.status == "running", 30, "a generation without the leader")
+    after = j.wait_for(
+        lambda g: g.number > running.number and g.world_size == 4 and g.status == "running",
+        30,
+        "a generation without the leader",
+    )
     new_leader = LeaderRecord.loads(j.store.get("leader").value).node_id
     assert new_leader != leader_id and leader_id not in after.members
     assert time.monotonic() - killed < 15
@@ -80,7 +86,9 @@ def test_leader_death_hands_over_without_split_brain(job):
     for a in survivors:
         a.send_signal(signal.SIGTERM)
     outputs = finish(survivors, timeout=60)
-    published = [e["generation"] for _, text in outputs for e in events(text) if e.get("event") == "generation_published"]
+    published = [
+        e["generation"] for _, text in outputs for e in events(text) if e.get("event") == "generation_published"
+    ]
     # Every generation number was published by one leader only (compare-and-set), in order.
     assert len(published) == len(set(published))
     for _, text in outputs:
@@ -88,7 +96,7 @@ def test_leader_death_hands_over_without_split_brain(job):
         assert seen == sorted(seen)
 
 
-def test_etcd_restart_keeps_training_and_membership(tmp_path, job):
+def test_etcd_restart_keeps_training_and_membership(tmp_path, job):  # noqa: F811 - job is the fixture
     server = EtcdServer(tmp_path / "etcd-data")
     try:
         j = job(server=server, nnodes="2", extra=("--log-format", "json", "--lease-ttl", "5"))
@@ -122,12 +130,15 @@ def test_etcd_restart_keeps_training_and_membership(tmp_path, job):
         server.log.close()
 
 
-def test_two_jobs_on_one_etcd_do_not_touch_each_other(job):
+def test_two_jobs_on_one_etcd_do_not_touch_each_other(job):  # noqa: F811 - job is the fixture
     a, b = job(), job()
     for j in (a, b):
         j.add_agent(script_args=("30",))
         j.add_agent(script_args=("30",))
-    first = {id(j): j.wait_for(lambda g: g.status == "running" and g.world_size == 4, 60, "two agents running") for j in (a, b)}
+    first = {
+        id(j): j.wait_for(lambda g: g.status == "running" and g.world_size == 4, 60, "two agents running")
+        for j in (a, b)
+    }
     # Both change at once: a gains an agent, b loses one.
     a.add_agent(script_args=("30",))
     b.agents[1].send_signal(signal.SIGTERM)
@@ -138,10 +149,13 @@ def test_two_jobs_on_one_etcd_do_not_touch_each_other(job):
     assert a.num_nodes() == 3 and b.num_nodes() == 1
 
 
-@pytest.mark.parametrize("mode,expected", [
-    ("shape", "w: rank 1 says global shape (9,)"),
-    ("missing-key", "b: new rank 0, 2, 3 hold it but rank 1 of the same pipeline stage 0 does not"),
-])
+@pytest.mark.parametrize(
+    "mode,expected",
+    [
+        ("shape", "w: rank 1 says global shape (9,)"),
+        ("missing-key", "b: new rank 0, 2, 3 hold it but rank 1 of the same pipeline stage 0 does not"),
+    ],
+)
 def test_a_build_that_does_not_fit_the_state_fails_the_job_naming_key_and_rank(etcd_server, tmp_path, mode, expected):
     j = Job(etcd_server, tmp_path, nnodes="1:2", extra=("--log-format", "json", "--max-restarts", "3"))
     try:

@@ -14,7 +14,9 @@ def test_manifest_parses_and_uses_known_etcrun_flags():
     job = docs[2]
     container = job["spec"]["template"]["spec"]["containers"][0]
     flags = [a.split("=")[0] for a in container["args"] if a.startswith("--")]
-    help_text = subprocess.run([sys.executable, "-m", "etc_agent.cli.etcrun", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
+    help_text = subprocess.run(
+        [sys.executable, "-m", "etc_agent.cli.etcrun", "--help"], cwd=ROOT, capture_output=True, text=True
+    ).stdout
     for flag in flags:
         assert flag in help_text, flag
     assert any(a.startswith("--rdzv-endpoint=etc-agent-etcd:") for a in container["args"])
@@ -26,8 +28,12 @@ def test_sidecar_pod_has_trainer_and_agent_containers_with_known_flags():
     [job] = list(yaml.safe_load_all((ROOT / "configs" / "k8s" / "etc-agent-sidecar.yaml").read_text()))
     trainer, agent = job["spec"]["template"]["spec"]["containers"]
     assert trainer["command"] == ["etc-agent", "workers"] and agent["command"] == ["etc-agent", "sidecar"]
-    etcrun_help = subprocess.run([sys.executable, "-m", "etc_agent.cli.etcrun", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
-    workers_help = subprocess.run([sys.executable, "-m", "etc_agent.cli.main", "workers", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
+    etcrun_help = subprocess.run(
+        [sys.executable, "-m", "etc_agent.cli.etcrun", "--help"], cwd=ROOT, capture_output=True, text=True
+    ).stdout
+    workers_help = subprocess.run(
+        [sys.executable, "-m", "etc_agent.cli.main", "workers", "--help"], cwd=ROOT, capture_output=True, text=True
+    ).stdout
     for flag in (a.split("=")[0] for a in agent["args"] if a.startswith("--")):
         assert flag in etcrun_help, flag
     for flag in (a.split("=")[0] for a in trainer["args"] if a.startswith("--")):

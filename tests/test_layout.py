@@ -46,8 +46,15 @@ def test_parallel_config_parse_and_print():
 
 @pytest.mark.parametrize(
     "text, fragment",
-    [("tp=0", "tp"), ("tp=2,zero=1", "zero=1 needs dp > 1"), ("tp=x", "not an integer"), ("foo=2", "expected items"),
-     ("tp=2,tp=4", "twice"), ("", "empty"), ("zero=2,dp=2", "zero")],
+    [
+        ("tp=0", "tp"),
+        ("tp=2,zero=1", "zero=1 needs dp > 1"),
+        ("tp=x", "not an integer"),
+        ("foo=2", "expected items"),
+        ("tp=2,tp=4", "twice"),
+        ("", "empty"),
+        ("zero=2,dp=2", "zero"),
+    ],
 )
 def test_parallel_config_rejects(text, fragment):
     with pytest.raises(ValueError, match=fragment):
@@ -82,7 +89,9 @@ def test_device_sets():
 
 def test_model_spec_rejects_bad_shapes(tmp_path):
     path = tmp_path / "bad.yaml"
-    path.write_text("name: bad\nnum_layers: 2\nhidden_size: 30\nnum_attention_heads: 4\nffn_hidden_size: 8\nvocab_size: 10\n")
+    path.write_text(
+        "name: bad\nnum_layers: 2\nhidden_size: 30\nnum_attention_heads: 4\nffn_hidden_size: 8\nvocab_size: 10\n"
+    )
     with pytest.raises(ValueError, match="hidden_size=30 is not a multiple"):
         ModelSpec.from_yaml(path)
     path.write_text("name: bad\nnum_layers: -1\n")
@@ -122,7 +131,15 @@ def test_flat_range_pieces_are_contiguous_boxes(lengths, data):
     assert len(flat_range_pieces(lengths, start, stop)) <= 2 * len(lengths) - 1
 
 
-CONFIGS = ["tp=1", "tp=2", "tp=4,pp=2", "tp=2,pp=3,dp=2", "tp=2,pp=2,dp=2,zero=1", "tp=1,pp=1,dp=3,zero=1", "tp=8,pp=4,dp=4,zero=1"]
+CONFIGS = [
+    "tp=1",
+    "tp=2",
+    "tp=4,pp=2",
+    "tp=2,pp=3,dp=2",
+    "tp=2,pp=2,dp=2,zero=1",
+    "tp=1,pp=1,dp=3,zero=1",
+    "tp=8,pp=4,dp=4,zero=1",
+]
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))

@@ -16,23 +16,49 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-import torch  # noqa: E402
-from dist_harness import run_workers  # noqa: E402
+import torch
+from dist_harness import run_workers
 
-from etc_agent.examples import megatron_gpt  # noqa: E402
-from etc_agent.layout import Device  # noqa: E402
-from etc_agent.layout.config import ParallelConfig  # noqa: E402
+from etc_agent.examples import megatron_gpt
+from etc_agent.layout import Device
+from etc_agent.layout.config import ParallelConfig
 
-ARGS = ["--layers", "4", "--hidden", "32", "--heads", "4", "--query-groups", "2", "--ffn", "64", "--vocab", "128",
-        "--seq", "8", "--global-batch", "4"]
+ARGS = [
+    "--layers",
+    "4",
+    "--hidden",
+    "32",
+    "--heads",
+    "4",
+    "--query-groups",
+    "2",
+    "--ffn",
+    "64",
+    "--vocab",
+    "128",
+    "--seq",
+    "8",
+    "--global-batch",
+    "4",
+]
 
 
 def _context(parallel: str, rank: int, restoring: bool = False) -> SimpleNamespace:
     config = ParallelConfig.parse(parallel)
     coord = config.coord(rank)
-    return SimpleNamespace(config=config, rank=rank, world_size=config.world_size, tp=config.tp, pp=config.pp, dp=config.dp,
-                           tp_rank=coord.tp, pp_rank=coord.pp, dp_rank=coord.dp, device=torch.device("cpu"),
-                           restoring=restoring)
+    return SimpleNamespace(
+        config=config,
+        rank=rank,
+        world_size=config.world_size,
+        tp=config.tp,
+        pp=config.pp,
+        dp=config.dp,
+        tp_rank=coord.tp,
+        pp_rank=coord.pp,
+        dp_rank=coord.dp,
+        device=torch.device("cpu"),
+        restoring=restoring,
+    )
 
 
 def _build(parallel: str, rank: int, extra: list[str] = (), restoring: bool = False) -> dict:
@@ -46,8 +72,10 @@ def _build(parallel: str, rank: int, extra: list[str] = (), restoring: bool = Fa
 
 
 def _boxes(tensors: dict) -> dict:
-    return {key: (tuple(b.global_shape), tuple(b.offsets), tuple(b.lengths), b.flat_range, str(b.tensor.dtype))
-            for key, b in tensors.items()}
+    return {
+        key: (tuple(b.global_shape), tuple(b.offsets), tuple(b.lengths), b.flat_range, str(b.tensor.dtype))
+        for key, b in tensors.items()
+    }
 
 
 def test_layer_numbers_go_into_the_key_and_swiglu_boxes_fold_into_one():
@@ -59,7 +87,9 @@ def test_layer_numbers_go_into_the_key_and_swiglu_boxes_fold_into_one():
     from etc_agent.integrations.megatron import _fold, _unprepend
 
     weight = torch.zeros(16, 8)
-    sh = ShardedTensor.from_rank_offsets("decoder.layers.mlp.linear_fc2.weight", weight, (0, 5, 7), (2, 1, 2), prepend_axis_num=1)
+    sh = ShardedTensor.from_rank_offsets(
+        "decoder.layers.mlp.linear_fc2.weight", weight, (0, 5, 7), (2, 1, 2), prepend_axis_num=1
+    )
     key, (global_shape, offsets, lengths, data) = _unprepend(sh)
     assert key == "decoder.layers.mlp.linear_fc2.weight[5]"
     assert (global_shape, offsets, lengths) == ((16, 16), (0, 8), (16, 8)) and data is weight
@@ -67,7 +97,9 @@ def test_layer_numbers_go_into_the_key_and_swiglu_boxes_fold_into_one():
     # tp=2, rank 1, ffn=8 (4 per rank): local [gate(4); up(4)] = 8 rows of global [gate(8); up(8)].
     fc1 = torch.arange(8 * 3, dtype=torch.float32).view(8, 3)
     gate, up = torch.chunk(fc1, 2)
-    boxes = [_unprepend(ShardedTensor.from_rank_offsets("fc1", part, (0, index, 4))) for part, index in ((gate, 1), (up, 3))]
+    boxes = [
+        _unprepend(ShardedTensor.from_rank_offsets("fc1", part, (0, index, 4))) for part, index in ((gate, 1), (up, 3))
+    ]
     key, (global_shape, offsets, lengths, data) = _fold("fc1", fc1, boxes)
     assert (key, global_shape, offsets, lengths) == ("fc1", (2, 8, 3), (0, 4, 0), (2, 4, 3))
     assert data is fc1
@@ -127,7 +159,7 @@ def test_adapter_describes_megatron_gpt_the_same_way_in_every_layout(described, 
         shapes: dict[str, tuple] = {}
         covered: dict[str, torch.Tensor] = {}
         for rank in range(4):
-            for key, (global_shape, offsets, lengths, flat, dtype) in per_rank[rank][parallel].items():
+            for key, (global_shape, offsets, lengths, flat, _dtype) in per_rank[rank][parallel].items():
                 assert shapes.setdefault(key, global_shape) == global_shape, (parallel, key)
                 mask = covered.setdefault(key, torch.zeros(global_shape, dtype=torch.bool))
                 region = mask[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))]
@@ -135,7 +167,7 @@ def test_adapter_describes_megatron_gpt_the_same_way_in_every_layout(described, 
                     region.fill_(True)
                 else:
                     marks = torch.zeros(prod(lengths), dtype=torch.bool)
-                    marks[flat[0]:flat[1]] = True
+                    marks[flat[0] : flat[1]] = True
                     region |= marks.view(lengths)
         for key, mask in covered.items():
             assert bool(mask.all()), f"{parallel}: {key} has elements no rank holds"
@@ -169,7 +201,7 @@ def _fill(tensors: dict) -> None:
     for key, box in tensors.items():
         full = _value(key, box.global_shape)[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths))]
         if box.flat_range is not None:
-            full = full.reshape(-1)[box.flat_range[0]:box.flat_range[1]]
+            full = full.reshape(-1)[box.flat_range[0] : box.flat_range[1]]
         box.tensor.copy_(full.reshape(box.tensor.shape).to(box.tensor.dtype))
 
 
@@ -178,7 +210,7 @@ def _mismatches(tensors: dict) -> list[str]:
     for key, box in tensors.items():
         expected = _value(key, box.global_shape)[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths))]
         if box.flat_range is not None:
-            expected = expected.reshape(-1)[box.flat_range[0]:box.flat_range[1]]
+            expected = expected.reshape(-1)[box.flat_range[0] : box.flat_range[1]]
         if not torch.equal(box.tensor.reshape(-1).double(), expected.reshape(-1).to(box.tensor.dtype).double()):
             bad.append(key)
     return bad
@@ -202,8 +234,15 @@ def _migrate_case(rank: int, old: str, new: str, extra: list[str]) -> dict:
 
     new_app = _build(new, rank, extra, restoring=True)
     new_tensors, _ = split_state(new_app)
-    result = migrate_state(old_tensors, new_tensors, device=Device(f"n{rank // 2}", rank % 2), old_rank=rank, new_rank=rank,
-                           transport=TorchTransport(), tp=ParallelConfig.parse(new).tp)
+    result = migrate_state(
+        old_tensors,
+        new_tensors,
+        device=Device(f"n{rank // 2}", rank % 2),
+        old_rank=rank,
+        new_rank=rank,
+        transport=TorchTransport(),
+        tp=ParallelConfig.parse(new).tp,
+    )
     load_state(new_app, old_plain, new_tensors)
     bad = _mismatches(new_tensors)
     # The boxes alias the live model: a parameter read through the module has the migrated values.
@@ -212,14 +251,24 @@ def _migrate_case(rank: int, old: str, new: str, extra: list[str]) -> dict:
     proj = module.decoder.layers[0].self_attention.linear_proj.weight
     layer = module.decoder.layers[0].layer_number - 1
     cols = proj.shape[1]
-    expected_proj = _value(f"model.module.decoder.layers.self_attention.linear_proj.weight[{layer}]", (32, 32))[:, ctx.tp_rank * cols:(ctx.tp_rank + 1) * cols]
+    expected_proj = _value(f"model.module.decoder.layers.self_attention.linear_proj.weight[{layer}]", (32, 32))[
+        :, ctx.tp_rank * cols : (ctx.tp_rank + 1) * cols
+    ]
     proj_migrated = bool(torch.equal(proj.detach().double(), expected_proj))
     steps = {float(s["step"]) for opt in new_app["optimizer"].chained_optimizers for s in opt.optimizer.state.values()}
     # And the model trains on: one full Megatron step (pipeline schedule, optimizer) in the new layout.
-    loss = megatron_gpt.train_step(megatron_gpt.parse_args(ARGS + list(extra)), SimpleNamespace(ctx=ctx, state=new_app), 0)
+    loss = megatron_gpt.train_step(
+        megatron_gpt.parse_args(ARGS + list(extra)), SimpleNamespace(ctx=ctx, state=new_app), 0
+    )
     destroy_model_parallel()
-    return {"bad": bad, "keys": len(new_tensors), "proj": proj_migrated,
-            "steps": sorted(steps), "moved": result.plan.bytes_moved, "loss": loss}
+    return {
+        "bad": bad,
+        "keys": len(new_tensors),
+        "proj": proj_migrated,
+        "steps": sorted(steps),
+        "moved": result.plan.bytes_moved,
+        "loss": loss,
+    }
 
 
 def _migrate_worker(rank: int, world: int, cases: list[tuple[str, str, list[str]]]) -> list[dict]:
@@ -240,7 +289,9 @@ def test_megatron_state_migrates_bitwise_through_the_executor():
         label = f"{old} -> {new} {' '.join(extra)}"
         results = [per_rank[rank][case] for rank in range(4)]
         for rank, r in enumerate(results):
-            assert r["bad"] == [], f"{label}, rank {rank}: {len(r['bad'])} of {r['keys']} tensors differ, e.g. {r['bad'][:3]}"
+            assert r["bad"] == [], (
+                f"{label}, rank {rank}: {len(r['bad'])} of {r['keys']} tensors differ, e.g. {r['bad'][:3]}"
+            )
             assert r["proj"], f"{label}, rank {rank}: the module's linear_proj does not hold the migrated values"
             assert r["steps"] == [7.0], f"{label}, rank {rank}: optimizer steps after migration {r['steps']}"
         assert results[0]["moved"] > 0, label
@@ -268,11 +319,30 @@ def test_megatron_gpt_trains_through_join_leave_reconfigure_and_crash_under_etcr
     work.mkdir()
     digests = work / "digests.jsonl"
     script = ["--global-batch", "12", "--digest-log", str(digests)]
-    rdzv = ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", f"megatron-{uuid.uuid4().hex[:6]}"]
+    rdzv = [
+        "--rdzv-backend",
+        "etcd-v3",
+        "--rdzv-endpoint",
+        etcd_server.endpoint,
+        "--rdzv-id",
+        f"megatron-{uuid.uuid4().hex[:6]}",
+    ]
     events = ("join", "leave", "reconfigure:tp=1,pp=2,dp=auto", "kill")
-    result = run_scenario("tp=2,pp=1,dp=auto", 2, steps, 0.2, work, echo=False, rdzv=rdzv, events=events, extra_script_args=script,
-                          agent_args=["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-interval", "3"], module=module,
-                          event_steps=[3, 10, 17, 24], gap_before={"kill": 7})
+    result = run_scenario(
+        "tp=2,pp=1,dp=auto",
+        2,
+        steps,
+        0.2,
+        work,
+        echo=False,
+        rdzv=rdzv,
+        events=events,
+        extra_script_args=script,
+        agent_args=["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-interval", "3"],
+        module=module,
+        event_steps=[3, 10, 17, 24],
+        gap_before={"kill": 7},
+    )
     logs = result["cluster"].tail(60)
     assert result["codes"] == [0] * len(result["codes"]), f"agents exited {result['codes']}\n{logs}"
     assert sorted(result["losses"]) == list(range(steps)), logs
@@ -297,8 +367,11 @@ def test_megatron_gpt_trains_through_join_leave_reconfigure_and_crash_under_etcr
     # Each layout change was crossed between two logged steps. A restore from a periodic checkpoint
     # taken before the reconfigure trains those steps again in the new layout: one more crossing
     # (still checked above), depending on where the kill lands.
-    changes = [("tp=2,pp=1,dp=2,zero=0", "tp=2,pp=1,dp=3,zero=0"), ("tp=2,pp=1,dp=3,zero=0", "tp=2,pp=1,dp=2,zero=0"),
-               ("tp=2,pp=1,dp=2,zero=0", "tp=1,pp=2,dp=2,zero=0")]
+    changes = [
+        ("tp=2,pp=1,dp=2,zero=0", "tp=2,pp=1,dp=3,zero=0"),
+        ("tp=2,pp=1,dp=3,zero=0", "tp=2,pp=1,dp=2,zero=0"),
+        ("tp=2,pp=1,dp=2,zero=0", "tp=1,pp=2,dp=2,zero=0"),
+    ]
     assert list(dict.fromkeys(crossings)) == changes and len(crossings) <= len(changes) + 1, crossings
 
     reference, _ = reference_losses(steps, work, ["--global-batch", "12"], module=module)

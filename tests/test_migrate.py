@@ -54,7 +54,15 @@ CASES = [
     Case("whole-node-leaves", "pp=2,dp=2,zero=1", "n0:2,n1:2", "tp=2", "n1:2"),
     Case("combined-tp-pp-dp", "tp=2,pp=2", "n0:4", "tp=1,pp=2,dp=3", "n0:4,n1:2", direct_min_bytes=0),
     Case("combined-one-new-device", "tp=2,pp=2", "n0:4", "dp=5,zero=1", "n0:4,n1:1", meta=True),
-    Case("bf16-mixed-dtypes", "tp=2,dp=2,zero=1", "n0:4", "tp=1,pp=2,dp=2", "n0:4", model="llama-tiny", direct_min_bytes=2048),
+    Case(
+        "bf16-mixed-dtypes",
+        "tp=2,dp=2,zero=1",
+        "n0:4",
+        "tp=1,pp=2,dp=2",
+        "n0:4",
+        model="llama-tiny",
+        direct_min_bytes=2048,
+    ),
     Case("many-rounds", "tp=2,pp=2", "n0:4", "tp=1,dp=4,zero=1", "n0:2,n1:2", mem_cap=48 * 1024, direct_min_bytes=8192),
     Case("all-direct-zero-off", "tp=2,dp=2,zero=1", "n0:4", "tp=4", "n0:4", direct_min_bytes=0),
 ]
@@ -131,10 +139,18 @@ def run_case(rank: int, case: Case) -> dict:
         tensor = torch.empty(shape, dtype=dtype, device="meta") if case.meta else torch.full(shape, -7, dtype=dtype)
         new_state[s.key] = BoxedTensor(tensor, s.global_shape, s.offsets, s.lengths, s.flat_range)
 
-    before_wire = [(k, b.global_shape, b.offsets, b.lengths, b.flat_range, _as_int(b.tensor)) for k, b in old_state.items()]
+    before_wire = [
+        (k, b.global_shape, b.offsets, b.lengths, b.flat_range, _as_int(b.tensor)) for k, b in old_state.items()
+    ]
 
     result = migrate_state(
-        old_state, new_state, device=device, old_rank=old_rank, new_rank=new_rank, tp=new_cfg.tp, options=options,
+        old_state,
+        new_state,
+        device=device,
+        old_rank=old_rank,
+        new_rank=new_rank,
+        tp=new_cfg.tp,
+        options=options,
         direct_min_bytes=case.direct_min_bytes,
     )
 
@@ -156,6 +172,7 @@ def run_case(rank: int, case: Case) -> dict:
         "metrics": result.metrics.to_json(),
     }
     if rank == 0:
+
         def pieces(gathered):
             return [
                 (Shard(key, shape, off, ln, "float32", flat), data)
@@ -193,7 +210,9 @@ def test_case_matrix_covers_the_required_transitions():
     assert {c.num_processes for c in CASES} <= set(range(2, 7))
 
 
-@pytest.mark.parametrize("world, cases", _by_size(), ids=lambda v: str(v) if isinstance(v, int) else "+".join(c.name for c in v))
+@pytest.mark.parametrize(
+    "world, cases", _by_size(), ids=lambda v: str(v) if isinstance(v, int) else "+".join(c.name for c in v)
+)
 def test_migration_is_bitwise_exact(world, cases):
     results = run_workers(world, cases_worker, cases, timeout_s=240)
     for i, case in enumerate(cases):

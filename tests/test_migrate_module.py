@@ -139,7 +139,9 @@ def worker(rank: int, world: int) -> dict:
     worst = 0.0
     for (name, p), (_, r) in zip(new_model.named_parameters(), ref.named_parameters()):
         # TP reduces partial sums in another order than one process does: a few ulps, not more.
-        torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-6, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            p.detach(), r.detach(), rtol=1e-6, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}"
+        )
         worst = max(worst, (p - r).abs().max().item())
         s, rs = new_opt.state[p], ref_opt.state[r]
         torch.testing.assert_close(s["exp_avg"], rs["exp_avg"], rtol=1e-6, atol=1e-6)

@@ -47,7 +47,10 @@ def check_invariants(plan, old, new, placement="fast"):
             from etc_agent.planner.domains import failure_domains
 
             naive_single = failure_domains(new, naive, tp).single_domain_bytes
-            assert (plan.failure_domains["single_domain_bytes"], plan.bytes_moved) <= (naive_single, plan.naive_bytes_moved)
+            assert (plan.failure_domains["single_domain_bytes"], plan.bytes_moved) <= (
+                naive_single,
+                plan.naive_bytes_moved,
+            )
 
 
 # ---- locality ---------------------------------------------------------------------------
@@ -111,8 +114,9 @@ def test_lost_state_is_planned_as_checkpoint_reads_when_allowed():
     with pytest.raises(StateLostError) as err:
         run("tp=2,pp=2", "n0:2,n1:2", "tp=2", "n0:2", failed=D("n1:2").devices)
     lost = err.value.lost
-    plan, old, new = run("tp=2,pp=2", "n0:2,n1:2", "tp=2", "n0:2", failed=D("n1:2").devices,
-                         options=PlannerOptions(restore_lost=True))
+    plan, old, new = run(
+        "tp=2,pp=2", "n0:2,n1:2", "tp=2", "n0:2", failed=D("n1:2").devices, options=PlannerOptions(restore_lost=True)
+    )
     assert set(plan.restored_keys) == set(lost)
     assert plan.bytes_restored == sum(n * DTYPE_BYTES[new.key_dtype[k]] for k, n in lost.items())
     assert all(t.src.node == "n0" for t in plan.transfers)  # nothing from the failed node
@@ -134,21 +138,27 @@ def test_resilient_placement_survives_the_loss_of_either_node():
     spec, cfg, devs = TINY, P("tp=4,pp=2,dp=2"), D("n0:8,n1:8")
     layout = model_layout(spec, cfg)
     fast, _, _ = run("tp=4,pp=2,dp=2", "n0:8,n1:8", "tp=4,pp=2,dp=2", "n0:8,n1:8")
-    resilient, _, _ = run("tp=4,pp=2,dp=2", "n0:8,n1:8", "tp=4,pp=2,dp=2", "n0:8,n1:8", options=PlannerOptions(placement="resilient"))
+    resilient, _, _ = run(
+        "tp=4,pp=2,dp=2", "n0:8,n1:8", "tp=4,pp=2,dp=2", "n0:8,n1:8", options=PlannerOptions(placement="resilient")
+    )
     assert fast.bytes_moved == 0 and fast.failure_domains["single_domain_bytes"] > 0
     report = resilient.failure_domains
     assert report["single_domain_shards"] == 0 and report["single_domain_bytes"] == 0
     assert all(n["bytes_lost"] == 0 and n["bytes_from_peers"] > 0 for n in report["node_loss"])
     for t in range(0, 16, 4):  # TP groups stay inside a node
-        assert len({d.node for d in resilient.assignment[t:t + 4]}) == 1
+        assert len({d.node for d in resilient.assignment[t : t + 4]}) == 1
     # Losing either node after the resilient placement: the survivors hold everything (no StateLost).
     one_node = model_layout(spec, P("tp=4,pp=2"))
     for lost in ("n0", "n1"):
         survivors = [d for d in devs if d.node != lost]
-        plan = plan_migration(layout, resilient.assignment, one_node, survivors, tp=4, failed=[d for d in devs if d.node == lost])
+        plan = plan_migration(
+            layout, resilient.assignment, one_node, survivors, tp=4, failed=[d for d in devs if d.node == lost]
+        )
         assert plan.bytes_moved + sum(plan.resident_bytes.values()) == sum(plan.need_bytes.values())
         with pytest.raises(StateLostError):
-            plan_migration(layout, fast.assignment, one_node, survivors, tp=4, failed=[d for d in devs if d.node == lost])
+            plan_migration(
+                layout, fast.assignment, one_node, survivors, tp=4, failed=[d for d in devs if d.node == lost]
+            )
 
 
 def test_live_placement_spreads_stage_replicas_over_nodes_and_stays_put():
@@ -183,8 +193,12 @@ def test_resilience_gaps_name_what_one_node_loss_would_lose():
     assert resilience_gaps(cfg, live_placement(cfg, devices, prefer="cost")) == []
     # Megatron's order: a stage per node.
     assert resilience_gaps(cfg, devices) == ["stage 0: every DP replica on a", "stage 1: every DP replica on b"]
-    assert resilience_gaps(P("tp=2,pp=2,dp=2,zero=1"), live_placement(cfg, devices)) == ["ZeRO-1: each optimizer range is held by one rank"]
-    assert resilience_gaps(P("tp=2,pp=2,dp=1"), devices[:2] + devices[4:6])[0].startswith("dp=1: every shard is held once")
+    assert resilience_gaps(P("tp=2,pp=2,dp=2,zero=1"), live_placement(cfg, devices)) == [
+        "ZeRO-1: each optimizer range is held by one rank"
+    ]
+    assert resilience_gaps(P("tp=2,pp=2,dp=1"), devices[:2] + devices[4:6])[0].startswith(
+        "dp=1: every shard is held once"
+    )
     assert resilience_gaps(cfg, [f"a:{i}" for i in range(8)]) == []  # one node: no placement helps
 
 
@@ -219,7 +233,9 @@ def test_validation_catches_broken_plans():
         validate_plan(plan, old, new)
     plan.transfers.append(t)
     bad = Region(region.group, tuple(o + 10**6 for o in region.offsets), region.lengths)
-    plan.local_copies.append(LocalCopy(plan.devices_new[0], (bad,), bad.numel * plan.groups[bad.group].bytes_per_element))
+    plan.local_copies.append(
+        LocalCopy(plan.devices_new[0], (bad,), bad.numel * plan.groups[bad.group].bytes_per_element)
+    )
     with pytest.raises(PlanValidationError, match="outside"):
         validate_plan(plan, old, new)
 
@@ -267,7 +283,10 @@ def test_assignment_equals_brute_force(case):
     best = brute_force(U, V, len(plan.assignment), node_of, plan.new_config.tp)
     assert (plan.bytes_moved, plan.bytes_moved_inter_node) == best
     # Lower bound: the unconstrained best over U.
-    free = min(sum(U[p[j], j] for j in range(len(plan.assignment))) for p in itertools.permutations(range(U.shape[0]), len(plan.assignment)))
+    free = min(
+        sum(U[p[j], j] for j in range(len(plan.assignment)))
+        for p in itertools.permutations(range(U.shape[0]), len(plan.assignment))
+    )
     assert plan.lower_bound_bytes == free
     check_invariants(plan, old, new)
 
@@ -324,7 +343,11 @@ def device_set(draw, size, tp, prefix_nodes, fresh):
     return DeviceSet.parse(",".join(f"{n}:[{first}-{first + c - 1}]" for n, c in nodes))
 
 
-@settings(max_examples=int(os.environ.get("ETC_HYPOTHESIS_EXAMPLES", "60")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=int(os.environ.get("ETC_HYPOTHESIS_EXAMPLES", "60")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 @given(st.data())
 def test_random_plans_satisfy_invariants(data):
     spec = data.draw(small_spec())
@@ -340,7 +363,9 @@ def test_random_plans_satisfy_invariants(data):
     check_invariants(plan, old, new, placement)
     if placement == "resilient":
         # Never more single-domain bytes than the fast placement (which only breaks ties with them).
-        fast = plan_model_migration(spec, old_cfg, old_devs, new_cfg, new_devs, options=PlannerOptions(mem_cap_bytes=cap))
+        fast = plan_model_migration(
+            spec, old_cfg, old_devs, new_cfg, new_devs, options=PlannerOptions(mem_cap_bytes=cap)
+        )
         assert plan.failure_domains["single_domain_bytes"] <= fast.failure_domains["single_domain_bytes"]
         assert fast.bytes_moved <= plan.bytes_moved
     again = plan_model_migration(spec, old_cfg, old_devs, new_cfg, new_devs, options=options)
@@ -352,13 +377,30 @@ def test_random_plans_satisfy_invariants(data):
 
 
 def test_plan_hash_is_the_same_in_fresh_processes():
-    cmd = [sys.executable, "-m", "etc_agent.cli.main", "plan", "--model", str(MODELS / "gpt-tiny.yaml"),
-           "--from", "tp=2,pp=2,dp=2,zero=1", "--old", "n0:4,n1:4", "--to", "tp=1,pp=2,dp=3,zero=1", "--new", "n1:4,n2:2", "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "etc_agent.cli.main",
+        "plan",
+        "--model",
+        str(MODELS / "gpt-tiny.yaml"),
+        "--from",
+        "tp=2,pp=2,dp=2,zero=1",
+        "--old",
+        "n0:4,n1:4",
+        "--to",
+        "tp=1,pp=2,dp=3,zero=1",
+        "--new",
+        "n1:4,n2:2",
+        "--json",
+    ]
     import json
 
     hashes = set()
     for seed in ("1", "2", "3"):
-        out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": seed}, cwd=ROOT, check=True)
+        out = subprocess.run(
+            cmd, capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": seed}, cwd=ROOT, check=True
+        )
         hashes.add(json.loads(out.stdout)["plan_hash"])
     assert len(hashes) == 1
 

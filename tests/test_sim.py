@@ -18,12 +18,31 @@ def tiny(old="tp=2,pp=1,dp=2", new="tp=1,pp=1,dp=4", old_nodes=2, new_nodes=2, f
     spec = load_model("gpt-tiny")
     old_devices, new_devices = cluster(2 * old_nodes, 2), cluster(2 * new_nodes, 2)
     lost = tuple(d for d in old_devices if d.node in failed)
-    return Scenario("t", spec, ParallelConfig.parse(old), old_devices, ParallelConfig.parse(new), new_devices, failed=lost, ordered=ordered)
+    return Scenario(
+        "t",
+        spec,
+        ParallelConfig.parse(old),
+        old_devices,
+        ParallelConfig.parse(new),
+        new_devices,
+        failed=lost,
+        ordered=ordered,
+    )
 
 
 def test_live_phases_price_the_plan():
-    costs = CostModel(intra_node_gbps=2.0, inter_node_gbps=1.0, message_latency_s=0.0, alloc_gbps=4.0, copy_gbps=8.0,
-                      control_s=0.25, control_per_process_s=0.0, group_init_s=0.5, group_init_per_process_s=0.0, live_groups=2)
+    costs = CostModel(
+        intra_node_gbps=2.0,
+        inter_node_gbps=1.0,
+        message_latency_s=0.0,
+        alloc_gbps=4.0,
+        copy_gbps=8.0,
+        control_s=0.25,
+        control_per_process_s=0.0,
+        group_init_s=0.5,
+        group_init_per_process_s=0.0,
+        live_groups=2,
+    )
     result = simulate(tiny(), costs)
     plan = result.plan
     assert plan.bytes_moved > 0
@@ -31,7 +50,9 @@ def test_live_phases_price_the_plan():
     assert phases["control_s"] == 0.25
     assert phases["group_init_s"] == 1.0  # training group + migration group
     assert phases["rebuild_s"] == pytest.approx(max(plan.need_bytes.values()) / 4e9)
-    assert phases["transfer_s"] == pytest.approx(costs.etc_seconds((t.src, t.dst, t.round, t.num_bytes) for t in plan.transfers))
+    assert phases["transfer_s"] == pytest.approx(
+        costs.etc_seconds((t.src, t.dst, t.round, t.num_bytes) for t in plan.transfers)
+    )
     # tp=2 -> tp=1 in member order: each device sends its half to its tp peer (same node) and gets the other half.
     per_device = max(sum(t.num_bytes for t in plan.transfers if t.dst == d) for d in plan.assignment)
     assert phases["transfer_s"] == pytest.approx(per_device / 2e9)
@@ -41,9 +62,18 @@ def test_live_phases_price_the_plan():
 
 
 def test_checkpoint_phases_write_restart_and_read_everything():
-    costs = CostModel(storage_write_gbps_per_node=1.0, storage_read_gbps_per_node=2.0, storage_aggregate_gbps=1.5,
-                      storage_aggregate_read_gbps=100.0, storage_latency_s=0.1, restart_seconds=7.0, group_init_s=0.5,
-                      group_init_per_process_s=0.01, alloc_gbps=1e6, copy_gbps=1e6)
+    costs = CostModel(
+        storage_write_gbps_per_node=1.0,
+        storage_read_gbps_per_node=2.0,
+        storage_aggregate_gbps=1.5,
+        storage_aggregate_read_gbps=100.0,
+        storage_latency_s=0.1,
+        restart_seconds=7.0,
+        group_init_s=0.5,
+        group_init_per_process_s=0.01,
+        alloc_gbps=1e6,
+        copy_gbps=1e6,
+    )
     result = simulate(tiny(), costs)
     plan = result.plan
     ckpt = result.ckpt_phases
@@ -92,7 +122,11 @@ def test_paper_suite_spans_the_models_and_8_to_1024_gpus():
 
 
 def test_smallest_layout_grows_with_the_model():
-    assert smallest_layout(load_model("gpt-1.3b"), 8, zero=True).tp * smallest_layout(load_model("gpt-1.3b"), 8, zero=True).pp == 1
+    assert (
+        smallest_layout(load_model("gpt-1.3b"), 8, zero=True).tp
+        * smallest_layout(load_model("gpt-1.3b"), 8, zero=True).pp
+        == 1
+    )
     big = smallest_layout(load_model("llama-70b"), 128, zero=False)
     assert big.tp == 8 and big.pp > 1 and big.world_size == 128
     with pytest.raises(ValueError, match="does not fit"):
@@ -117,7 +151,9 @@ def test_bench_suite_is_the_benchmark_resolved_on_its_agents():
         "combined (tp down, pp up, zero on)": ("tp=2,pp=1,dp=2,zero=0", 4, "tp=1,pp=2,dp=2,zero=1", 4),
     }
     for s in bench_suite():
-        assert (s.old_config.short(), len(s.old_devices), s.new_config.short(), len(s.new_devices)) == expected[s.name], s.name
+        assert (s.old_config.short(), len(s.old_devices), s.new_config.short(), len(s.new_devices)) == expected[
+            s.name
+        ], s.name
         assert s.ordered
     by_name = {s.name: s for s in bench_suite()}
     # The example GPT at bench size is 1.0 GB, as bench_migration.py's model is.
@@ -131,22 +167,49 @@ def test_calibration_recovers_the_fixed_costs_it_is_given():
     from calibrate_sim import fixed_costs
     from rich.console import Console
 
-    bandwidths = dict(intra_node_gbps=1.5, inter_node_gbps=1.5, message_latency_s=1e-4, copy_gbps=2.0, alloc_gbps=100.0,
-                      storage_write_gbps_per_node=0.8, storage_aggregate_gbps=0.8, storage_read_gbps_per_node=3.0,
-                      storage_aggregate_read_gbps=3.0)
-    truth = CostModel(**bandwidths, control_s=0.4, control_per_process_s=0, join_s=0.8, leave_s=0.25, group_init_s=0,
-                      group_init_per_process_s=0, restart_seconds=5.0, restart_per_process_s=0.3, storage_latency_s=0.05)
+    bandwidths = dict(
+        intra_node_gbps=1.5,
+        inter_node_gbps=1.5,
+        message_latency_s=1e-4,
+        copy_gbps=2.0,
+        alloc_gbps=100.0,
+        storage_write_gbps_per_node=0.8,
+        storage_aggregate_gbps=0.8,
+        storage_read_gbps_per_node=3.0,
+        storage_aggregate_read_gbps=3.0,
+    )
+    truth = CostModel(
+        **bandwidths,
+        control_s=0.4,
+        control_per_process_s=0,
+        join_s=0.8,
+        leave_s=0.25,
+        group_init_s=0,
+        group_init_per_process_s=0,
+        restart_seconds=5.0,
+        restart_per_process_s=0.3,
+        storage_latency_s=0.05,
+    )
     transitions = []
     for scenario in bench_suite("gpt-bench-small"):
         r = simulate(scenario, truth)
-        transitions.append({"name": scenario.name, "etc_s": r.etc_s, "ckpt_s": r.ckpt_s,
-                            "ckpt_phases_s": {"transfer_s": 0.1}, "etc_phases_s": {}})
+        transitions.append(
+            {
+                "name": scenario.name,
+                "etc_s": r.etc_s,
+                "ckpt_s": r.ckpt_s,
+                "ckpt_phases_s": {"transfer_s": 0.1},
+                "etc_phases_s": {},
+            }
+        )
     fixed = fixed_costs({"transitions": transitions}, bandwidths, Console(stderr=True))
     assert fixed["storage_latency_s"] == pytest.approx(0.05)
     # Planner time differs run to run (milliseconds).
     assert fixed["control_s"] == pytest.approx(0.4, abs=0.05)
     assert fixed["join_s"] == pytest.approx(0.8, abs=0.05) and fixed["leave_s"] == pytest.approx(0.25, abs=0.05)
-    assert fixed["restart_seconds"] == pytest.approx(5.0, abs=0.1) and fixed["restart_per_process_s"] == pytest.approx(0.3, abs=0.02)
+    assert fixed["restart_seconds"] == pytest.approx(5.0, abs=0.1) and fixed["restart_per_process_s"] == pytest.approx(
+        0.3, abs=0.02
+    )
     with pytest.raises(SystemExit, match="both methods"):
         fixed_costs({"transitions": [{**transitions[0], "ckpt_s": None}]}, bandwidths, Console(stderr=True))
 
@@ -156,33 +219,54 @@ def etc_agent(*args):
 
 
 def test_simulate_bench_suite_json_and_comparison(tmp_path):
-    out = etc_agent("simulate", "--suite", "bench", "--plot", str(tmp_path / "b.png"), "--json", "--restart-seconds", "3")
+    out = etc_agent(
+        "simulate", "--suite", "bench", "--plot", str(tmp_path / "b.png"), "--json", "--restart-seconds", "3"
+    )
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout.strip().splitlines()[-1])
     assert data["costs"]["restart_seconds"] == 3
     assert len(data["results"]) == 9 and (tmp_path / "b.png").stat().st_size > 0
     results = {r["scenario"]: r for r in data["results"]}
-    measured = {"repeat": 3, "transitions": [
-        {"name": name, "etc_s": r["etc_s"] * 1.2, "ckpt_s": r["ckpt_s"] * 0.9, "bytes_moved": r["bytes_moved"]} for name, r in results.items()
-    ]}
+    measured = {
+        "repeat": 3,
+        "transitions": [
+            {"name": name, "etc_s": r["etc_s"] * 1.2, "ckpt_s": r["ckpt_s"] * 0.9, "bytes_moved": r["bytes_moved"]}
+            for name, r in results.items()
+        ],
+    }
     path = tmp_path / "m.json"
     path.write_text("a table first\n" + json.dumps(measured) + "\n")
     # Planner time differs run to run; 20% off is inside 30%, not inside 5%.
     ok = etc_agent("simulate", "--suite", "bench", "--plot", "-", "--restart-seconds", "3", "--measured", str(path))
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    bad = etc_agent("simulate", "--suite", "bench", "--plot", "-", "--restart-seconds", "3", "--measured", str(path), "--tolerance", "0.05")
+    bad = etc_agent(
+        "simulate",
+        "--suite",
+        "bench",
+        "--plot",
+        "-",
+        "--restart-seconds",
+        "3",
+        "--measured",
+        str(path),
+        "--tolerance",
+        "0.05",
+    )
     assert bad.returncode == 1
     assert "off by more than 5%" in bad.stdout and "tp-down" in bad.stdout
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--suite", "nope"], "--suite 'nope'"),
-    (["--control-s", "-1"], "--control-s"),
-    (["--suite", "paper", "--models", "gpt-2"], "unknown gpt-2"),
-    (["--suite", "paper", "--measured", "x.json"], "--suite bench"),
-    (["--suite", "paper", "--models", ","], "(none given)"),
-    (["--costs", "missing.json"], "missing.json"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--suite", "nope"], "--suite 'nope'"),
+        (["--control-s", "-1"], "--control-s"),
+        (["--suite", "paper", "--models", "gpt-2"], "unknown gpt-2"),
+        (["--suite", "paper", "--measured", "x.json"], "--suite bench"),
+        (["--suite", "paper", "--models", ","], "(none given)"),
+        (["--costs", "missing.json"], "missing.json"),
+    ],
+)
 def test_simulate_bad_input_is_one_line_and_exit_2(args, message):
     out = etc_agent("simulate", "--plot", "-", *args)
     assert out.returncode == 2
@@ -193,8 +277,18 @@ def test_the_committed_calibration_predicts_the_committed_benchmark_within_30_pe
     """The model's code against the figures measured here (scripts/results: calibrate_sim.py's costs,
     bench_migration.py's 1 GB suite): bytes moved to a few KB, every stall within 30%."""
     results = ROOT / "scripts" / "results"
-    out = etc_agent("simulate", "--suite", "bench", "--plot", "-", "--json", "--costs", str(results / "costs-local.json"),
-                    "--measured", str(results / "bench_migration_full.json"))
+    out = etc_agent(
+        "simulate",
+        "--suite",
+        "bench",
+        "--plot",
+        "-",
+        "--json",
+        "--costs",
+        str(results / "costs-local.json"),
+        "--measured",
+        str(results / "bench_migration_full.json"),
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr
     rows = json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])["comparison"]
     assert len(rows) == 9 and all(r["ok"] for r in rows)

@@ -166,8 +166,8 @@ def test_embedded_store_rejects_malformed_requests_and_keeps_serving(embedded_se
 
     address = parse_address(embedded_server.endpoint)
     for bad, reason in [
-        ({"op": "put", "key": "k"}, "value"),                               # missing field
-        ({"op": "put", "key": "k", "value": 3}, "value"),                   # wrong type
+        ({"op": "put", "key": "k"}, "value"),  # missing field
+        ({"op": "put", "key": "k", "value": 3}, "value"),  # wrong type
         ({"op": "cas", "key": "k", "value": "v", "expected": -1}, "expected"),
         ({"op": "lease_grant", "ttl": -5}, "ttl"),
         ({"op": "wait", "prefix": "", "after": 0, "timeout": 1e9}, "timeout"),

@@ -14,8 +14,8 @@ from torch import nn
 
 from etc_agent.layout.config import ParallelSpec
 from etc_agent.layout.model import ModelSpec
-from etc_agent.planner.policy import resolve_parallel
 from etc_agent.migrate.describe import BoxedTensor
+from etc_agent.planner.policy import resolve_parallel
 from etc_agent.worker.appstate import from_json, load_state, materialize_optimizer_state, split_state, to_json
 
 
@@ -36,8 +36,15 @@ def test_parallel_spec_resolves_dp(text, devices, expected):
     assert (config.short() if config else None) == expected
 
 
-@pytest.mark.parametrize("text, message", [("tp=x", "neither an integer nor auto"), ("tq=2", "expected items"),
-                                           ("tp=2,tp=4", "given twice"), ("zero=2", "zero")])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("tp=x", "neither an integer nor auto"),
+        ("tq=2", "expected items"),
+        ("tp=2,tp=4", "given twice"),
+        ("zero=2", "zero"),
+    ],
+)
 def test_parallel_spec_rejects_bad_input(text, message):
     with pytest.raises(ValueError, match=message):
         ParallelSpec.parse(text)
@@ -50,8 +57,10 @@ def test_parallel_spec_auto_tp_needs_a_model():
         resolve_parallel(ParallelSpec.parse("tp=auto,pp=1"), [8])
 
 
-@pytest.mark.parametrize("text, nodes", [("auto", [8, 8]), ("tp=auto,pp=1,dp=auto", [8, 8]), ("tp=2,pp=auto,dp=auto,zero=1", [4, 4]),
-                                         ("auto", [8])])
+@pytest.mark.parametrize(
+    "text, nodes",
+    [("auto", [8, 8]), ("tp=auto,pp=1,dp=auto", [8, 8]), ("tp=2,pp=auto,dp=auto,zero=1", [4, 4]), ("auto", [8])],
+)
 def test_policy_resolves_auto_degrees_to_a_config_using_every_device(text, nodes):
     spec = ParallelSpec.parse(text)
     model = ModelSpec.from_yaml(ROOT / "configs" / "models" / "llama-7b.yaml")
@@ -65,8 +74,10 @@ def test_policy_resolves_auto_degrees_to_a_config_using_every_device(text, nodes
     assert resolve_parallel(ParallelSpec.parse("tp=2,pp=1,dp=auto"), [2, 2, 1]) is None
 
 
-@pytest.mark.parametrize("value", [1, 2.5, "x", None, True, [1, (2, 3)], {"a": {"b": (1.0, 2.0)}, 3: "int key"},
-                                   b"\x00\xffbytes", (0.9, 0.999)])
+@pytest.mark.parametrize(
+    "value",
+    [1, 2.5, "x", None, True, [1, (2, 3)], {"a": {"b": (1.0, 2.0)}, 3: "int key"}, b"\x00\xffbytes", (0.9, 0.999)],
+)
 def test_plain_values_round_trip_through_json(value):
     assert from_json(json.loads(json.dumps(to_json(value, "v")))) == value
 
@@ -90,12 +101,17 @@ def test_split_state_names_optimizer_state_after_parameters_and_carries_plain_va
     model = Tiny()
     optim = torch.optim.AdamW(model.parameters(), lr=0.1, betas=(0.8, 0.9))
     materialize_optimizer_state(optim)
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 0.5 ** s)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 0.5**s)
     boxed = BoxedTensor(torch.arange(4.0), (8,), (4,))
     app = {"model": model, "optim": optim, "sched": sched, "extra": boxed, "epoch": 3}
     tensors, plain = split_state(app)
-    assert set(tensors) == {"model.a.weight", "model.a.bias", "model.count", "extra",
-                            *(f"optim.state.model.a.{p}.{k}" for p in ("weight", "bias") for k in ("step", "exp_avg", "exp_avg_sq"))}
+    assert set(tensors) == {
+        "model.a.weight",
+        "model.a.bias",
+        "model.count",
+        "extra",
+        *(f"optim.state.model.a.{p}.{k}" for p in ("weight", "bias") for k in ("step", "exp_avg", "exp_avg_sq")),
+    }
     assert plain["epoch"] == 3 and plain["optim"]["param_groups"][0]["lr"] == 0.1
 
     # A second app built the same way receives the plain values (tensors are written in place by the executor).
@@ -105,8 +121,14 @@ def test_split_state_names_optimizer_state_after_parameters_and_carries_plain_va
     plain = json.loads(json.dumps(plain))
     model2 = Tiny()
     optim2 = torch.optim.AdamW(model2.parameters(), lr=0.1, betas=(0.8, 0.9))
-    sched2 = torch.optim.lr_scheduler.LambdaLR(optim2, lambda s: 0.5 ** s)
-    app2 = {"model": model2, "optim": optim2, "sched": sched2, "extra": BoxedTensor(torch.zeros(4), (8,), (4,)), "epoch": 0}
+    sched2 = torch.optim.lr_scheduler.LambdaLR(optim2, lambda s: 0.5**s)
+    app2 = {
+        "model": model2,
+        "optim": optim2,
+        "sched": sched2,
+        "extra": BoxedTensor(torch.zeros(4), (8,), (4,)),
+        "epoch": 0,
+    }
     load_state(app2, plain, split_state(app2)[0])
     assert app2["epoch"] == 3
     assert sched2.last_epoch == 2 and optim2.param_groups[0]["lr"] == pytest.approx(0.025)
@@ -140,8 +162,13 @@ def test_other_optimizers_get_zeroed_state_without_moving_parameters():
 def test_plain_python_runs_the_example_as_a_world_of_one(tmp_path):
     """No etcrun: `python -m etc_agent.examples.gpt` trains as one process; the loss goes down."""
     log = tmp_path / "loss.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "etc_agent.examples.gpt", "--steps", "12", "--loss-log", str(log)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "etc_agent.examples.gpt", "--steps", "12", "--loss-log", str(log)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
     assert len(losses) == 12 and losses[-1] < losses[0]

@@ -25,12 +25,28 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 from etc_agent.agent.config import AgentConfig
-from etc_agent.agent.control import (CONTROL_REQUEST, Assignment, AssignmentQuery, AssignmentReply, HelloReply, Attach, ControlRequest, Exiting, Fatal, Finished, GenerationQuery,
-                                     Heartbeat, Hello, Migration, SwitchFailed, Trained)
+from etc_agent.agent.control import (
+    CONTROL_REQUEST,
+    Assignment,
+    AssignmentQuery,
+    AssignmentReply,
+    Attach,
+    ControlRequest,
+    Exiting,
+    Fatal,
+    Finished,
+    GenerationQuery,
+    Heartbeat,
+    Hello,
+    HelloReply,
+    Migration,
+    SwitchFailed,
+    Trained,
+)
 from etc_agent.agent.leader import Leader
 from etc_agent.agent.protocol import RESTART_EXIT, Phase, PhaseTracker
 from etc_agent.agent.records import RecordReader
@@ -43,8 +59,14 @@ log = logging.getLogger("etc_agent.agent")
 
 
 class Agent:
-    def __init__(self, config: AgentConfig, spec: WorkerSpec, store: MembershipStore, emit: Callable[[str, dict], None] | None = None,
-                 workers_store=None):
+    def __init__(
+        self,
+        config: AgentConfig,
+        spec: WorkerSpec,
+        store: MembershipStore,
+        emit: Callable[[str, dict], None] | None = None,
+        workers_store=None,
+    ):
         """``workers_store``: a TCPStore this agent hosts at a fixed address for the whole run
         (torchrun's static rendezvous on ``--master-port``); generations use it as the workers'
         store while each restart count's key prefix is still unused there."""
@@ -92,8 +114,17 @@ class Agent:
         self._finished_cache: tuple[float, bool] = (0.0, False)
         """(when checked, whether the store's ``finished`` marker exists), read at most every 0.5 s."""
         self.reader = RecordReader(self.emit)
-        self.leader = Leader(store, config, self.node_id, self.emit, self.reader, self.leaving, self.stop_requested,
-                             lease=lambda: self._lease, latest=lambda: self._latest)
+        self.leader = Leader(
+            store,
+            config,
+            self.node_id,
+            self.emit,
+            self.reader,
+            self.leaving,
+            self.stop_requested,
+            lease=lambda: self._lease,
+            latest=lambda: self._latest,
+        )
         self.phase = PhaseTracker(f"agent {self.node_id}")
         """This node's phase in the generation it serves (the protocol's state table)."""
 
@@ -108,14 +139,21 @@ class Agent:
     # ---- membership ----------------------------------------------------------------
     def _node_record(self) -> NodeRecord:
         return NodeRecord(
-            node_id=self.node_id, host=self.host, num_devices=self.config.nproc_per_node, pid=os.getpid(),
-            node_rank_hint=self.config.node_rank, leaving=self.leaving.is_set(), ready=self._ready,
+            node_id=self.node_id,
+            host=self.host,
+            num_devices=self.config.nproc_per_node,
+            pid=os.getpid(),
+            node_rank_hint=self.config.node_rank,
+            leaving=self.leaving.is_set(),
+            ready=self._ready,
         )
 
     def _register(self) -> None:
         self._lease = self.store.grant_lease(self.config.lease_ttl)
         self.store.put(f"nodes/{self.node_id}", self._node_record().dumps(), lease=self._lease)
-        self.emit("registered", {"host": self.host, "devices": self.config.nproc_per_node, "lease_ttl": self._lease.ttl})
+        self.emit(
+            "registered", {"host": self.host, "devices": self.config.nproc_per_node, "lease_ttl": self._lease.ttl}
+        )
 
     def _keepalive(self) -> None:
         interval = max(0.2, self.config.lease_ttl / 3)
@@ -224,10 +262,22 @@ class Agent:
         leaving = self.node_id not in gen.members
         self._assignments = {
             local: Assignment(
-                generation=gen.number, pg_rank=gen.transport_rank(self.node_id, local), pg_world_size=len(devices),
-                rank=None if leaving else gen.training_rank(self.node_id, local), world_size=gen.world_size, parallel=gen.parallel,
-                store_addr=master.addr, store_port=master.port, devices=devices, leaving=leaving, started=gen.started,
-                trained=trained, reason=gen.reason, published_at=gen.published_at, node_id=self.node_id)
+                generation=gen.number,
+                pg_rank=gen.transport_rank(self.node_id, local),
+                pg_world_size=len(devices),
+                rank=None if leaving else gen.training_rank(self.node_id, local),
+                world_size=gen.world_size,
+                parallel=gen.parallel,
+                store_addr=master.addr,
+                store_port=master.port,
+                devices=devices,
+                leaving=leaving,
+                started=gen.started,
+                trained=trained,
+                reason=gen.reason,
+                published_at=gen.published_at,
+                node_id=self.node_id,
+            )
             for local in range(self.config.nproc_per_node)
         }
 
@@ -242,8 +292,16 @@ class Agent:
         self.workers = self._make_workers(envs, attempt_dir)
         self._reported = None
         self._report(gen, NodeStatus(state="running"))
-        self.emit("workers_started", {"generation": gen.number, "group_rank": index, "world_size": gen.world_size,
-                                      "ranks": f"{offset}-{offset + nproc - 1}", "restart_count": gen.restart_count})
+        self.emit(
+            "workers_started",
+            {
+                "generation": gen.number,
+                "group_rank": index,
+                "world_size": gen.world_size,
+                "ranks": f"{offset}-{offset + nproc - 1}",
+                "restart_count": gen.restart_count,
+            },
+        )
 
     def _continue_workers(self, gen: GenerationRecord, role: str) -> None:
         """Elastic workers stay alive into ``gen``; dead ones are started again (they join as receivers).
@@ -261,13 +319,23 @@ class Agent:
         if self.node_id in gen.members:
             for local_rank, code in self.workers.poll().items():
                 if code is not None:
-                    self.workers.restart(local_rank, self._worker_env(gen, master, local_rank), self._run_dir / f"attempt_{gen.number}")
+                    self.workers.restart(
+                        local_rank, self._worker_env(gen, master, local_rank), self._run_dir / f"attempt_{gen.number}"
+                    )
                     restarted.append(local_rank)
         self._reported = None
         self._report(gen, NodeStatus(state="running"))
-        self.emit("workers_continue", {"generation": gen.number, "world_size": gen.world_size, "parallel": gen.parallel,
-                                       "role": role,
-                                       "restarted_local_ranks": restarted, "reason": gen.reason})
+        self.emit(
+            "workers_continue",
+            {
+                "generation": gen.number,
+                "world_size": gen.world_size,
+                "parallel": gen.parallel,
+                "role": role,
+                "restarted_local_ranks": restarted,
+                "reason": gen.reason,
+            },
+        )
 
     def _stop_workers(self, why: str, sig: signal.Signals = signal.SIGTERM) -> None:
         if self.workers is not None:
@@ -299,11 +367,22 @@ class Agent:
         # TCPStore. Not in a background thread: TCPStores made while torch was still importing in
         # another thread made workers abort ("terminate called without an active exception").
         import torch.distributed  # noqa: F401
-        host, port = parse_address(self.config.control_addr or ("127.0.0.1:29401" if self.config.sidecar else "127.0.0.1:0"))
-        self._control = JsonLineServer(self._on_control, host, port, name="etc-control", schema=CONTROL_REQUEST, on_held=self._attached)
+
+        host, port = parse_address(
+            self.config.control_addr or ("127.0.0.1:29401" if self.config.sidecar else "127.0.0.1:0")
+        )
+        self._control = JsonLineServer(
+            self._on_control, host, port, name="etc-control", schema=CONTROL_REQUEST, on_held=self._attached
+        )
         if self.config.sidecar:
-            self.emit("sidecar", {"control_addr": self._control.address, "nproc_per_node": self.config.nproc_per_node,
-                                  "note": f"workers attach with ETC_AGENT_ADDR={self._control.address} and LOCAL_RANK"})
+            self.emit(
+                "sidecar",
+                {
+                    "control_addr": self._control.address,
+                    "nproc_per_node": self.config.nproc_per_node,
+                    "note": f"workers attach with ETC_AGENT_ADDR={self._control.address} and LOCAL_RANK",
+                },
+            )
         self._join_warm()
         self._register()
         for target in (self._keepalive, self.leader.run_election):
@@ -331,11 +410,22 @@ class Agent:
         """The control channel of this node's workers (``ETC_AGENT_ADDR``): requests validated against
         :mod:`etc_agent.agent.control` (one model per ``op``), JSON replies."""
         if getattr(req, "local_rank", 0) >= self.config.nproc_per_node:
-            raise ValueError(f"local_rank {req.local_rank} is not a worker of this node (--nproc-per-node {self.config.nproc_per_node})")
-        handler = {Hello: self._on_hello, Heartbeat: self._on_hello, Attach: self._on_attach, Exiting: self._on_exiting,
-                   AssignmentQuery: self._on_assignment_query, SwitchFailed: self._on_switch_failed, Fatal: self._on_fatal,
-                   Finished: self._on_finished, Trained: self._on_trained, Migration: self._on_migration,
-                   GenerationQuery: self._on_generation_query}[type(req)]
+            raise ValueError(
+                f"local_rank {req.local_rank} is not a worker of this node (--nproc-per-node {self.config.nproc_per_node})"
+            )
+        handler = {
+            Hello: self._on_hello,
+            Heartbeat: self._on_hello,
+            Attach: self._on_attach,
+            Exiting: self._on_exiting,
+            AssignmentQuery: self._on_assignment_query,
+            SwitchFailed: self._on_switch_failed,
+            Fatal: self._on_fatal,
+            Finished: self._on_finished,
+            Trained: self._on_trained,
+            Migration: self._on_migration,
+            GenerationQuery: self._on_generation_query,
+        }[type(req)]
         return handler(req)
 
     def _on_hello(self, req: Hello | Heartbeat) -> dict:
@@ -361,7 +451,9 @@ class Agent:
                 # Its predecessor last saw that generation: the replacement joins a later one.
                 number = self._served_generation.pop(req.local_rank) + 1
             node_env = self._node_env(req.local_rank, number)
-            env = {k: v for k, v in node_env.items() if k not in ("LOCAL_RANK", "ETC_AGENT_LOCAL_RANK", "OMP_NUM_THREADS")}
+            env = {
+                k: v for k, v in node_env.items() if k not in ("LOCAL_RANK", "ETC_AGENT_LOCAL_RANK", "OMP_NUM_THREADS")
+            }
             reply = reply.model_copy(update={"sidecar": True, "env": env})
         return reply.model_dump()
 
@@ -380,9 +472,14 @@ class Agent:
         served = self._assignments.get(req.local_rank)
         if served is not None:
             self._served_generation[req.local_rank] = served.generation
-        return AssignmentReply(latest=latest.number if latest else None, latest_status=latest.status if latest else None,
-                               assignment=served, finished=self._job_finished(), standby=not self._assignments,
-                               stop=self._attachments.stop_requested(req.local_rank)).model_dump()
+        return AssignmentReply(
+            latest=latest.number if latest else None,
+            latest_status=latest.status if latest else None,
+            assignment=served,
+            finished=self._job_finished(),
+            standby=not self._assignments,
+            stop=self._attachments.stop_requested(req.local_rank),
+        ).model_dump()
 
     def _on_switch_failed(self, req: SwitchFailed) -> dict:
         self._abandon(req.generation, f"{self.node_id} local_rank {req.local_rank}: {req.reason[:300]}")
@@ -442,8 +539,15 @@ class Agent:
         except OSError:
             pass
         self._attachments.closed(attachment)
-        self.emit("worker_detached", {"local_rank": req.local_rank, "pid": req.pid, "exit_code": attachment.exit_code,
-                                      "reported": attachment.reported is not None})
+        self.emit(
+            "worker_detached",
+            {
+                "local_rank": req.local_rank,
+                "pid": req.pid,
+                "exit_code": attachment.exit_code,
+                "reported": attachment.reported is not None,
+            },
+        )
         self._wake.set()
 
     def _make_workers(self, envs: list[dict[str, str]], attempt_dir: Path):
@@ -461,19 +565,30 @@ class Agent:
             current = self._read_generation()
         except StoreError:
             return
-        if not elastic or current is None or current.status != "running" or self.spec.no_python or self.config.migration != "live":
+        if (
+            not elastic
+            or current is None
+            or current.status != "running"
+            or self.spec.no_python
+            or self.config.migration != "live"
+        ):
             return
         self._ready = False
         self._elastic = True
         # No rank yet: a standby worker learns it from its assignment once the node is a member.
-        envs = [{**self._node_env(local_rank, current.number + 1), "RANK": "-1"} for local_rank in range(self.config.nproc_per_node)]
+        envs = [
+            {**self._node_env(local_rank, current.number + 1), "RANK": "-1"}
+            for local_rank in range(self.config.nproc_per_node)
+        ]
         self.workers = self._make_workers(envs, self._run_dir / "standby")
         self.emit("workers_warming", {"workers": len(envs), "note": "joining once they run"})
         deadline = time.monotonic() + self.config.join_timeout
         while time.monotonic() < deadline and not self.stop_requested.is_set() and not self.leaving.is_set():
             if len(self._standby_hellos) >= self.config.nproc_per_node:
                 self._ready = True
-                self.emit("workers_warm", {"seconds": round(time.monotonic() - (deadline - self.config.join_timeout), 2)})
+                self.emit(
+                    "workers_warm", {"seconds": round(time.monotonic() - (deadline - self.config.join_timeout), 2)}
+                )
                 return
             if any(code is not None for code in self.workers.poll().values()):
                 # The script is not a worker-API script after all (or it failed at start): join normally.
@@ -481,7 +596,10 @@ class Agent:
                 self.workers = None
                 self._elastic = False
                 self._ready = True
-                self.emit("workers_warming_failed", {"note": "a worker exited before saying hello; joining without warm start"})
+                self.emit(
+                    "workers_warming_failed",
+                    {"note": "a worker exited before saying hello; joining without warm start"},
+                )
                 return
             time.sleep(0.05)
         self._ready = True
@@ -533,14 +651,24 @@ class Agent:
             if gen is None or gen.status == "waiting":
                 waiting_since = waiting_since or now
                 if now - waiting_since > self.config.join_timeout:
-                    self.emit("join_timeout", {"seconds": self.config.join_timeout, "members": len(gen.members) if gen else 0,
-                                               "needed": self.config.min_nodes})
+                    self.emit(
+                        "join_timeout",
+                        {
+                            "seconds": self.config.join_timeout,
+                            "members": len(gen.members) if gen else 0,
+                            "needed": self.config.min_nodes,
+                        },
+                    )
                     return 1
             else:
                 waiting_since = None
             if self.workers is not None and self.generation is not None:
                 self._check_workers(self.generation)
-            if self._unreported is not None and self.generation is not None and self._unreported[0].number == self.generation.number:
+            if (
+                self._unreported is not None
+                and self.generation is not None
+                and self._unreported[0].number == self.generation.number
+            ):
                 self._report(*self._unreported)
             self._wake.wait(self.config.monitor_interval)
             self._wake.clear()
@@ -549,7 +677,10 @@ class Agent:
         """Act on a newly read generation: its status, and this node's role in it (computed once here)."""
         previous = self.generation
         self.generation = gen
-        self.emit("generation_seen", {"generation": gen.number, "status": gen.status, "members": len(gen.members), "reason": gen.reason})
+        self.emit(
+            "generation_seen",
+            {"generation": gen.number, "status": gen.status, "members": len(gen.members), "reason": gen.reason},
+        )
         if gen.status in ("succeeded", "failed"):
             self._stop_workers(f"job {gen.status}")
             self._move(Phase.FINISHED if gen.status == "succeeded" else Phase.FAILED, gen.number)
@@ -596,7 +727,13 @@ class Agent:
         current = self.phase.phase
         if current in (Phase.FINISHED, Phase.FAILED):
             return  # the node's workers are done; the store's final record only confirms it
-        if current == Phase.RUNNING and phase not in (Phase.RUNNING, Phase.RECOVERING, Phase.DEPARTING, Phase.FINISHED, Phase.FAILED):
+        if current == Phase.RUNNING and phase not in (
+            Phase.RUNNING,
+            Phase.RECOVERING,
+            Phase.DEPARTING,
+            Phase.FINISHED,
+            Phase.FAILED,
+        ):
             self.phase.to(Phase.PENDING, generation)
         self.phase.to(phase, generation)
 
@@ -612,9 +749,19 @@ class Agent:
             silent = now - seen
             if silent > self.config.worker_heartbeat_timeout:
                 why = f"no word from it for {silent:.1f} s (--worker-heartbeat-timeout {self.config.worker_heartbeat_timeout:g})"
-                self.emit("worker_hung", {"generation": gen.number, "local_rank": local_rank, "pid": pid, "silent_s": round(silent, 1),
-                                          "action": "SIGKILL, handled as a crash"})
-                log.error("worker local_rank %d (pid %d) on %s hung: %s; killing it", local_rank, pid, self.node_id, why)
+                self.emit(
+                    "worker_hung",
+                    {
+                        "generation": gen.number,
+                        "local_rank": local_rank,
+                        "pid": pid,
+                        "silent_s": round(silent, 1),
+                        "action": "SIGKILL, handled as a crash",
+                    },
+                )
+                log.error(
+                    "worker local_rank %d (pid %d) on %s hung: %s; killing it", local_rank, pid, self.node_id, why
+                )
                 self.workers.kill(local_rank, why)
                 self._worker_seen.pop(local_rank, None)
 
@@ -629,9 +776,18 @@ class Agent:
             if self.node_id in gen.members:
                 self._move(Phase.RECOVERING, gen.number)
             if self._reported != (gen.number, "failed"):
-                self.emit("workers_failed", {"generation": gen.number, "exit_codes": failed, "action": "restart as joiners"})
-                log.error("worker failure (generation %d):\n%s", gen.number, self.workers.failure_report(self._script_name()))
-            self._report(gen, NodeStatus(state="failed", exit_codes={r: c for r, c in codes.items() if c is not None}, message=summary))
+                self.emit(
+                    "workers_failed", {"generation": gen.number, "exit_codes": failed, "action": "restart as joiners"}
+                )
+                log.error(
+                    "worker failure (generation %d):\n%s", gen.number, self.workers.failure_report(self._script_name())
+                )
+            self._report(
+                gen,
+                NodeStatus(
+                    state="failed", exit_codes={r: c for r, c in codes.items() if c is not None}, message=summary
+                ),
+            )
         elif failed:
             summary = self.workers.failure_summary(self.host)
             self.emit("workers_failed", {"generation": gen.number, "exit_codes": failed})
@@ -640,14 +796,21 @@ class Agent:
             self._stop_workers("a local worker failed")
             # After the stop, as torchrun does: the workers stopped because of the failure are listed too.
             log.error("worker failure (generation %d):\n%s", gen.number, group.failure_report(self._script_name()))
-            self._report(gen, NodeStatus(state="failed", exit_codes={r: c for r, c in codes.items() if c is not None}, message=summary))
+            self._report(
+                gen,
+                NodeStatus(
+                    state="failed", exit_codes={r: c for r, c in codes.items() if c is not None}, message=summary
+                ),
+            )
         elif all(c == 0 for c in codes.values()):
             self.workers.close()
             self.workers = None
             if self.node_id not in gen.members:
                 # A spare whose workers sent their state: it waits, without workers, for a generation that needs it.
                 self._move(Phase.SPARE, gen.number)
-                self.emit("spare", {"generation": gen.number, "members": len(gen.members), "workers": "state sent, exited"})
+                self.emit(
+                    "spare", {"generation": gen.number, "members": len(gen.members), "workers": "state sent, exited"}
+                )
                 return
             self._report(gen, NodeStatus(state="succeeded", exit_codes=codes))
             self._move(Phase.FINISHED, gen.number)
@@ -672,7 +835,12 @@ class Agent:
             self.store.put(f"nodes/{self.node_id}", self._node_record().dumps(), lease=self._lease)
         except StoreError as err:
             self.emit("store_unreachable", {"error": str(err)})
-        if self._elastic and self.workers is not None and self.generation is not None and self.node_id in self.generation.members:
+        if (
+            self._elastic
+            and self.workers is not None
+            and self.generation is not None
+            and self.node_id in self.generation.members
+        ):
             self._send_state_before_leaving()
         # As torchrun does, workers get the signal the agent got (SIGUSR1 of a Slurm preemption, say).
         self._stop_workers("planned departure", self.signal_received or signal.SIGTERM)
@@ -690,18 +858,26 @@ class Agent:
         try:
             latest = self._read_generation()
             finished = self._job_finished() or (latest is not None and latest.status == "succeeded")
-            others = [] if finished else [r.node_id for r in (self.reader.parse(NodeRecord, kv) for kv in self.store.get_prefix("nodes/"))
-                                          if r is not None and r.node_id != self.node_id and not r.leaving]
+            others = (
+                []
+                if finished
+                else [
+                    r.node_id
+                    for r in (self.reader.parse(NodeRecord, kv) for kv in self.store.get_prefix("nodes/"))
+                    if r is not None and r.node_id != self.node_id and not r.leaving
+                ]
+            )
         except StoreError as err:
             self.emit("store_unreachable", {"error": str(err), "pending": "whether other nodes go on"})
             finished, others = False, []
         if finished or others:
             return 0
         cause = self.signal_received.name if self.signal_received is not None else "a departure request"
-        self.emit("job_unfinished", {"cause": cause, "exit_code": 1,
-                                     "note": "no other node goes on with the job and it did not finish"})
+        self.emit(
+            "job_unfinished",
+            {"cause": cause, "exit_code": 1, "note": "no other node goes on with the job and it did not finish"},
+        )
         return 1
-
 
     def _send_state_before_leaving(self) -> None:
         """Elastic workers of a departing node send their shards in the generation that drops this
@@ -728,8 +904,11 @@ class Agent:
                     if died:
                         # The receivers lost a source mid-migration: that generation must be planned again
                         # (from replicas), without this node; its other senders are of no use now.
-                        self._abandon(gen.number, f"sender {self.node_id} local ranks {sorted(died)} exited {sorted(set(died.values()))} "
-                                                  "before their state was sent")
+                        self._abandon(
+                            gen.number,
+                            f"sender {self.node_id} local ranks {sorted(died)} exited {sorted(set(died.values()))} "
+                            "before their state was sent",
+                        )
                         self.emit("state_not_sent", {"generation": gen.number, "exit_codes": codes})
                         return
                     if all(code is not None for code in codes.values()):

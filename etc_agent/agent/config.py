@@ -27,38 +27,77 @@ class AgentConfig(BaseModel):
     max_restarts: int = Field(0, ge=0, description="Worker-failure restarts before the job fails (torchrun's count).")
     monitor_interval: float = Field(0.1, gt=0, description="Seconds between checks of the workers.")
     worker_heartbeat_timeout: float = Field(
-        30.0, ge=0, description="Seconds without a word from a worker-API process (its control thread polls every 0.1 s) "
-        "before it counts as hung: killed and handled as a crash. 0: never.")
-    reconfig_delay: float = Field(1.0, ge=0, description="Seconds of quiet that close one generation's membership changes "
-                                  "(joins and leaves within it make one generation).")
-    lease_ttl: float = Field(5.0, gt=0, description="Seconds after which a node whose lease is not refreshed counts as dead.")
-    join_timeout: float = Field(600.0, gt=0, description="Seconds the job may wait for --nnodes MIN members before it fails.")
-    shutdown_timeout: float = Field(30.0, ge=0, description="Seconds between SIGTERM and SIGKILL for workers "
-                                    "(default TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30).")
-    local_addr: str | None = Field(None, description="Address other nodes use to reach this node (default: this host's name).")
+        30.0,
+        ge=0,
+        description="Seconds without a word from a worker-API process (its control thread polls every 0.1 s) "
+        "before it counts as hung: killed and handled as a crash. 0: never.",
+    )
+    reconfig_delay: float = Field(
+        1.0,
+        ge=0,
+        description="Seconds of quiet that close one generation's membership changes "
+        "(joins and leaves within it make one generation).",
+    )
+    lease_ttl: float = Field(
+        5.0, gt=0, description="Seconds after which a node whose lease is not refreshed counts as dead."
+    )
+    join_timeout: float = Field(
+        600.0, gt=0, description="Seconds the job may wait for --nnodes MIN members before it fails."
+    )
+    shutdown_timeout: float = Field(
+        30.0,
+        ge=0,
+        description="Seconds between SIGTERM and SIGKILL for workers "
+        "(default TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30).",
+    )
+    local_addr: str | None = Field(
+        None, description="Address other nodes use to reach this node (default: this host's name)."
+    )
     node_rank: int | None = Field(None, description="This node's rank (static rendezvous; a position hint otherwise).")
     log_format: Literal["text", "json"] = Field("text", description="text, or json: one JSON line per agent event.")
-    model: str | None = Field(None, description="Model spec YAML for the --parallel auto policy (it picks tp/pp from it).")
-    parallel: str | None = Field(None, description="Initial parallel config for worker-API scripts: tp=..,pp=..,dp=.. "
-                                 "(each a number or auto), or auto; the leader resolves it for each membership.")
+    model: str | None = Field(
+        None, description="Model spec YAML for the --parallel auto policy (it picks tp/pp from it)."
+    )
+    parallel: str | None = Field(
+        None,
+        description="Initial parallel config for worker-API scripts: tp=..,pp=..,dp=.. "
+        "(each a number or auto), or auto; the leader resolves it for each membership.",
+    )
     migration: Literal["live", "checkpoint"] = Field(
-        "live", description="live: workers stay and state moves device to device; checkpoint: workers save with DCP, exit, "
-        "and new workers load with resharding (the baseline).")
-    checkpoint_dir: str | None = Field(None, description="Directory every node can reach: --migration checkpoint saves there; "
-                                       "with --checkpoint-interval, periodic checkpoints.")
-    checkpoint_interval: int = Field(0, ge=0, description="Every N steps, an asynchronous DCP checkpoint in --checkpoint-dir; "
-                                     "state that a failure leaves without any live copy is restored from it (only that "
-                                     "state), and the steps since are trained again. 0: none.")
+        "live",
+        description="live: workers stay and state moves device to device; checkpoint: workers save with DCP, exit, "
+        "and new workers load with resharding (the baseline).",
+    )
+    checkpoint_dir: str | None = Field(
+        None,
+        description="Directory every node can reach: --migration checkpoint saves there; "
+        "with --checkpoint-interval, periodic checkpoints.",
+    )
+    checkpoint_interval: int = Field(
+        0,
+        ge=0,
+        description="Every N steps, an asynchronous DCP checkpoint in --checkpoint-dir; "
+        "state that a failure leaves without any live copy is restored from it (only that "
+        "state), and the steps since are trained again. 0: none.",
+    )
     checkpoint_keep: int = Field(2, ge=1, description="Complete periodic checkpoints kept (older ones are deleted).")
     placement: Literal["fast", "resilient"] = Field(
-        "fast", description="fast: move the least state, with the DP replicas of a stage on different nodes where that "
+        "fast",
+        description="fast: move the least state, with the DP replicas of a stage on different nodes where that "
         "costs nothing (first generation, ties); resilient: the DP replicas of every pipeline stage on different nodes "
         "where the devices allow (a node loss then loses no state), then the least state moved. A generation where one "
-        "node's loss would lose state says so in its record and log.")
-    sidecar: bool = Field(False, description="Start no workers: run beside --nproc-per-node worker-API processes that another "
-                          "launcher starts with ETC_AGENT_ADDR and LOCAL_RANK (what `etc-agent sidecar` runs).")
-    control_addr: str | None = Field(None, description="host:port the workers reach this agent on (ETC_AGENT_ADDR); default "
-                                     "127.0.0.1 on a free port, or 127.0.0.1:29401 with --sidecar.")
+        "node's loss would lose state says so in its record and log.",
+    )
+    sidecar: bool = Field(
+        False,
+        description="Start no workers: run beside --nproc-per-node worker-API processes that another "
+        "launcher starts with ETC_AGENT_ADDR and LOCAL_RANK (what `etc-agent sidecar` runs).",
+    )
+    control_addr: str | None = Field(
+        None,
+        description="host:port the workers reach this agent on (ETC_AGENT_ADDR); default "
+        "127.0.0.1 on a free port, or 127.0.0.1:29401 with --sidecar.",
+    )
 
     @field_validator("max_nodes")
     @classmethod
@@ -95,10 +134,14 @@ class AgentConfig(BaseModel):
         if (spec.tp is None or spec.pp is None) and info.data.get("model") is None:
             raise ValueError(f"{value}: tp/pp auto needs --model (a model spec YAML for the policy)")
         if spec.tp is not None and nproc is not None and spec.tp > nproc:
-            raise ValueError(f"{value}: a TP group stays inside one node, and nodes run {nproc} workers (--nproc-per-node)")
+            raise ValueError(
+                f"{value}: a TP group stays inside one node, and nodes run {nproc} workers (--nproc-per-node)"
+            )
         if spec.fully_fixed and nproc is not None and nodes is not None and spec.tp * spec.pp * spec.dp > nodes * nproc:
-            raise ValueError(f"{value} needs {spec.tp * spec.pp * spec.dp} workers; --nnodes MAX {nodes} x --nproc-per-node "
-                             f"{nproc} allows at most {nodes * nproc}")
+            raise ValueError(
+                f"{value} needs {spec.tp * spec.pp * spec.dp} workers; --nnodes MAX {nodes} x --nproc-per-node "
+                f"{nproc} allows at most {nodes * nproc}"
+            )
         return spec.short()
 
     @field_validator("control_addr")

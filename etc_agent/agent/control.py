@@ -6,7 +6,7 @@ the model) before the agent acts on it; anything else gets an error reply naming
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 
@@ -112,7 +112,17 @@ class Migration(_Request):
 
 
 ControlRequest = Annotated[
-    Union[Hello, Attach, Exiting, Heartbeat, AssignmentQuery, GenerationQuery, SwitchFailed, Fatal, Finished, Trained, Migration],
+    Hello
+    | Attach
+    | Exiting
+    | Heartbeat
+    | AssignmentQuery
+    | GenerationQuery
+    | SwitchFailed
+    | Fatal
+    | Finished
+    | Trained
+    | Migration,
     Field(discriminator="op"),
 ]
 CONTROL_REQUEST: TypeAdapter[ControlRequest] = TypeAdapter(ControlRequest)
@@ -157,14 +167,16 @@ class Assignment(_Reply):
 
     @property
     def sender_devices(self) -> list[str]:
-        return self.devices[self.world_size:]
+        return self.devices[self.world_size :]
 
 
 class HelloReply(_Reply):
     node_id: str
     generation: int | None
     sidecar: bool = False
-    env: dict[str, str] = Field(default_factory=dict, description="Sidecar: what etcrun puts in its children's environment.")
+    env: dict[str, str] = Field(
+        default_factory=dict, description="Sidecar: what etcrun puts in its children's environment."
+    )
 
 
 class AssignmentReply(_Reply):
@@ -174,5 +186,7 @@ class AssignmentReply(_Reply):
     latest_status: str | None
     assignment: Assignment | None
     finished: bool = Field(description="Training rank 0 reported the last step done.")
-    standby: bool = Field(description="The node serves no generation yet (a warm joiner waits as long as its node does).")
+    standby: bool = Field(
+        description="The node serves no generation yet (a warm joiner waits as long as its node does)."
+    )
     stop: bool = Field(False, description="Sidecar: the agent asks this worker to stop.")

@@ -13,8 +13,8 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from etc_agent.agent.config import AgentConfig
 from etc_agent.agent.records import RecordReader, where
@@ -39,9 +39,18 @@ class _Basis:
 class Leader:
     """Election and decisions of one agent (``run_election`` is that agent's election thread)."""
 
-    def __init__(self, store: MembershipStore, config: AgentConfig, node_id: str, emit: Callable[[str, dict], None],
-                 reader: RecordReader, leaving: threading.Event, stop_requested: threading.Event,
-                 lease: Callable[[], Lease], latest: Callable[[], GenerationRecord | None]):
+    def __init__(
+        self,
+        store: MembershipStore,
+        config: AgentConfig,
+        node_id: str,
+        emit: Callable[[str, dict], None],
+        reader: RecordReader,
+        leaving: threading.Event,
+        stop_requested: threading.Event,
+        lease: Callable[[], Lease],
+        latest: Callable[[], GenerationRecord | None],
+    ):
         """``lease``: the agent's current lease (it changes when the agent registers again);
         ``latest``: the newest generation the agent read (numbers are never reused)."""
         self.store, self.config, self.node_id, self.emit, self.reader = store, config, node_id, emit, reader
@@ -68,7 +77,7 @@ class Leader:
                     self.is_leader = False
             except StoreError as err:
                 self.emit("store_unreachable", {"error": str(err)})
-            except Exception as err:  # noqa: BLE001 - the election must outlive any bug in one decision
+            except Exception as err:
                 self.is_leader = False
                 self.emit("leader_error", {"error": f"{type(err).__name__}: {err}", "where": where(err)})
                 log.exception("leader loop failed; standing for election again")
@@ -154,7 +163,13 @@ class Leader:
                 continue
             if (include_leaving or not record.leaving) and record.ready:
                 nodes.append((record, kv.mod_revision))
-        nodes.sort(key=lambda item: (item[0].node_rank_hint if item[0].node_rank_hint is not None else 1 << 30, item[1], item[0].node_id))
+        nodes.sort(
+            key=lambda item: (
+                item[0].node_rank_hint if item[0].node_rank_hint is not None else 1 << 30,
+                item[1],
+                item[0].node_id,
+            )
+        )
         return [n for n, _ in nodes]
 
     def _requested_spec(self) -> ParallelSpec | None:
@@ -186,7 +201,8 @@ class Leader:
         alive_ids = [n.node_id for n in alive]
         # Keep surviving members in their order, then newcomers.
         ordered = [n for n in (current.members if current else []) if n in alive_ids] + [
-            n for n in alive_ids if not current or n not in current.members]
+            n for n in alive_ids if not current or n not in current.members
+        ]
         ordered = ordered[: self.config.max_nodes]
         devices = {n.node_id: n.num_devices for n in alive}
         fitted = self._fit(basis, ordered, devices)
@@ -200,10 +216,17 @@ class Leader:
         if reason is None:
             joined = [n for n in ordered if n not in current.members]
             left = [n for n in current.members if n not in ordered]
-            reason = ", ".join(p for p in (f"{len(left)} left" if left else "", f"{len(joined)} joined" if joined else "") if p) or "membership"
+            reason = (
+                ", ".join(
+                    p for p in (f"{len(left)} left" if left else "", f"{len(joined)} joined" if joined else "") if p
+                )
+                or "membership"
+            )
         if len(ordered) < self.config.min_nodes:
             if not (current and current.status == "waiting" and current.members == ordered):
-                self._publish_waiting(basis, ordered, devices, f"{len(ordered)} of at least {self.config.min_nodes} nodes")
+                self._publish_waiting(
+                    basis, ordered, devices, f"{len(ordered)} of at least {self.config.min_nodes} nodes"
+                )
             return
         self._publish_running(basis, ordered, devices, alive_ids, parallel, reason)
 
@@ -213,13 +236,19 @@ class Leader:
         current = self.reader.parse(GenerationRecord, kv) if kv else None
         if current and current.status in ("failed", "succeeded"):
             return None
-        basis = _Basis(current=current, version=kv.version if kv else 0, number=(current.number + 1) if current else 0,
-                       restart_count=current.restart_count if current else 0,
-                       started=bool(current and (current.started or current.status == "running")))
+        basis = _Basis(
+            current=current,
+            version=kv.version if kv else 0,
+            number=(current.number + 1) if current else 0,
+            restart_count=current.restart_count if current else 0,
+            started=bool(current and (current.started or current.status == "running")),
+        )
         if kv is not None and current is None:
             # Overwritten by something foreign: continue after every number the job has used, so no
             # agent ever sees an old number again; the state of the job is unknown, so say it started.
-            used = [int(k.key.split("/")[1]) for k in self.store.get_prefix("generations/") if k.key.split("/")[1].isdigit()]
+            used = [
+                int(k.key.split("/")[1]) for k in self.store.get_prefix("generations/") if k.key.split("/")[1].isdigit()
+            ]
             latest = self._latest()
             basis.number = max([*used, latest.number if latest else -1]) + 1
             basis.started = True
@@ -230,22 +259,44 @@ class Leader:
         the reason for a next running one, or None for a membership/layout change; the restart count)."""
         current, number, restart_count = basis.current, basis.number, basis.restart_count
         statuses = self.statuses(current.number)
-        abandoned = [r for r in (self.reader.parse(AbandonRecord, akv)
-                                 for akv in self.store.get_prefix(f"generations/{current.number}/abandoned/")) if r is not None]
+        abandoned = [
+            r
+            for r in (
+                self.reader.parse(AbandonRecord, akv)
+                for akv in self.store.get_prefix(f"generations/{current.number}/abandoned/")
+            )
+            if r is not None
+        ]
         failed = [n for n, s in statuses.items() if s.state == "failed" and n in current.members]
         fatal = [s.message for n, s in statuses.items() if s.state == "failed" and s.fatal]
         if fatal:
-            return current.model_copy(update={"number": number, "status": "failed", "reason": fatal[0]}), None, restart_count
+            return (
+                current.model_copy(update={"number": number, "status": "failed", "reason": fatal[0]}),
+                None,
+                restart_count,
+            )
         if failed:
             if restart_count >= self.config.max_restarts:
                 why = f"worker failure on {', '.join(failed)}; {restart_count}/{self.config.max_restarts} restarts used"
-                return current.model_copy(update={"number": number, "status": "failed", "reason": why}), None, restart_count
+                return (
+                    current.model_copy(update={"number": number, "status": "failed", "reason": why}),
+                    None,
+                    restart_count,
+                )
             restart_count += 1
-            return None, f"worker failure on {', '.join(failed)} (restart {restart_count}/{self.config.max_restarts})", restart_count
+            return (
+                None,
+                f"worker failure on {', '.join(failed)} (restart {restart_count}/{self.config.max_restarts})",
+                restart_count,
+            )
         if abandoned:
             return None, f"generation {current.number} abandoned: {abandoned[0].reason}", restart_count
         if all_succeeded(current, statuses):
-            return current.model_copy(update={"number": number, "status": "succeeded", "reason": "all workers exited 0"}), None, restart_count
+            return (
+                current.model_copy(update={"number": number, "status": "succeeded", "reason": "all workers exited 0"}),
+                None,
+                restart_count,
+            )
         return None, None, restart_count
 
     def _fit(self, basis: _Basis, ordered: list[str], devices: dict[str, int]) -> tuple[list[str], str | None] | None:
@@ -263,16 +314,38 @@ class Leader:
         current = basis.current
         if not (current and current.status == "waiting" and current.members == ordered):
             total = sum(devices[n] for n in ordered)
-            self._publish_waiting(basis, ordered, devices, f"--parallel {spec.short()} fits no group of the {len(ordered)} nodes ({total} devices)")
+            self._publish_waiting(
+                basis,
+                ordered,
+                devices,
+                f"--parallel {spec.short()} fits no group of the {len(ordered)} nodes ({total} devices)",
+            )
         return None
 
     def _publish_waiting(self, basis: _Basis, ordered: list[str], devices: dict[str, int], reason: str) -> None:
-        self._publish(GenerationRecord(number=basis.number, status="waiting", members=ordered, num_devices=[devices[n] for n in ordered],
-                                       restart_count=basis.restart_count, started=basis.started, published_at=time.time(),
-                                       reason=reason), basis.version)
+        self._publish(
+            GenerationRecord(
+                number=basis.number,
+                status="waiting",
+                members=ordered,
+                num_devices=[devices[n] for n in ordered],
+                restart_count=basis.restart_count,
+                started=basis.started,
+                published_at=time.time(),
+                reason=reason,
+            ),
+            basis.version,
+        )
 
-    def _publish_running(self, basis: _Basis, ordered: list[str], devices: dict[str, int], alive_ids: list[str],
-                         parallel: str | None, reason: str) -> None:
+    def _publish_running(
+        self,
+        basis: _Basis,
+        ordered: list[str],
+        devices: dict[str, int],
+        alive_ids: list[str],
+        parallel: str | None,
+        reason: str,
+    ) -> None:
         current = basis.current
         # Departing members that are still alive send their state before they exit.
         # So do members left out as spares (the layout uses fewer devices): they may hold the only
@@ -280,7 +353,11 @@ class Leader:
         leaving = {n.node_id: n for n in self.members_now(include_leaving=True) if n.leaving}
         previous = current.members if current else []
         sender_devices = {n: leaving[n].num_devices if n in leaving else devices.get(n) for n in previous}
-        senders = [n for n in previous if n not in ordered and (n in leaving or (n in alive_ids and self.config.migration == "live"))]
+        senders = [
+            n
+            for n in previous
+            if n not in ordered and (n in leaving or (n in alive_ids and self.config.migration == "live"))
+        ]
         placement = self._place(parallel, ordered, devices, current)
         gaps = []
         if placement is not None:
@@ -288,19 +365,46 @@ class Leader:
             from etc_agent.planner.placement import resilience_gaps
 
             gaps = resilience_gaps(ParallelConfig.parse(parallel), placement)
-        self._publish(GenerationRecord(number=basis.number, status="running", members=ordered, num_devices=[devices[n] for n in ordered],
-                                       restart_count=basis.restart_count, reason=reason, parallel=parallel, senders=senders,
-                                       sender_devices=[sender_devices[n] for n in senders], started=basis.started,
-                                       published_at=time.time(), placement=placement, not_resilient=gaps), basis.version)
+        self._publish(
+            GenerationRecord(
+                number=basis.number,
+                status="running",
+                members=ordered,
+                num_devices=[devices[n] for n in ordered],
+                restart_count=basis.restart_count,
+                reason=reason,
+                parallel=parallel,
+                senders=senders,
+                sender_devices=[sender_devices[n] for n in senders],
+                started=basis.started,
+                published_at=time.time(),
+                placement=placement,
+                not_resilient=gaps,
+            ),
+            basis.version,
+        )
         if gaps:
-            self.emit("not_resilient", {"generation": basis.number, "placement": self.config.placement, "gaps": "; ".join(gaps)})
+            self.emit(
+                "not_resilient",
+                {"generation": basis.number, "placement": self.config.placement, "gaps": "; ".join(gaps)},
+            )
 
     def _publish(self, record: GenerationRecord, version: int) -> None:
         if self.store.compare_and_set("generation", record.dumps(), version):
-            self.emit("generation_published", {"generation": record.number, "status": record.status, "members": len(record.members),
-                                               "world_size": record.world_size, "reason": record.reason})
+            self.emit(
+                "generation_published",
+                {
+                    "generation": record.number,
+                    "status": record.status,
+                    "members": len(record.members),
+                    "world_size": record.world_size,
+                    "reason": record.reason,
+                },
+            )
 
-    def _place(self, parallel: str | None, ordered: list[str], devices: dict[str, int], current: GenerationRecord | None) -> list[str] | None:
+    def _place(
+        self, parallel: str | None, ordered: list[str], devices: dict[str, int], current: GenerationRecord | None
+    ) -> list[str] | None:
         """Training rank -> device for a new generation (``--placement``), from the previous placement."""
         if parallel is None:
             return None
@@ -313,8 +417,13 @@ class Leader:
             order = current.placement or current.member_devices()
             previous = {device: rank for rank, device in enumerate(order)}
         names = [f"{n}:{d}" for n in ordered for d in range(devices[n])]
-        return live_placement(ParallelConfig.parse(parallel), names, previous, previous_config,
-                              "resilience" if self.config.placement == "resilient" else "cost")
+        return live_placement(
+            ParallelConfig.parse(parallel),
+            names,
+            previous,
+            previous_config,
+            "resilience" if self.config.placement == "resilient" else "cost",
+        )
 
 
 def all_succeeded(gen: GenerationRecord, statuses: dict[str, NodeStatus]) -> bool:

@@ -45,7 +45,9 @@ class Phase(str, enum.Enum):
     FAILED = "failed"
 
 
-_LIVE = frozenset({Phase.PENDING, Phase.MIGRATING, Phase.RECOVERING, Phase.DEPARTING, Phase.SPARE, Phase.FINISHED, Phase.FAILED})
+_LIVE = frozenset(
+    {Phase.PENDING, Phase.MIGRATING, Phase.RECOVERING, Phase.DEPARTING, Phase.SPARE, Phase.FINISHED, Phase.FAILED}
+)
 
 TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     Phase.SPARE: frozenset({Phase.MIGRATING, Phase.DEPARTING, Phase.FINISHED, Phase.FAILED}),
@@ -75,7 +77,8 @@ class PhaseTracker:
 
     def to(self, phase: Phase, generation: int | None = None) -> None:
         assert phase == self.phase or phase in TRANSITIONS[self.phase], (
-            f"{self.who}: no transition {self.phase.value} -> {phase.value} in the protocol")
+            f"{self.who}: no transition {self.phase.value} -> {phase.value} in the protocol"
+        )
         if phase != self.phase or generation != self.generation:
             log.debug("%s: %s -> %s (generation %s)", self.who, self.phase.value, phase.value, generation)
         self.phase = phase

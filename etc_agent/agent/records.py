@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 from etc_agent.rendezvous.records import Record
 from etc_agent.rendezvous.store import KeyValue

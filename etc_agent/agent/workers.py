@@ -27,13 +27,19 @@ class WorkerSpec(BaseModel):
     no_python: bool = Field(False, description="--no-python: run the entrypoint as an executable, not through python.")
     role: str = Field("default", description="ROLE_NAME of the workers.")
     log_dir: Path | None = Field(None, description="Per-worker stdout/stderr files and error files go under it.")
-    redirects: dict[int, int] = Field(default_factory=dict, description="Local rank -> 0 none, 1 stdout, 2 stderr, 3 both to files.")
+    redirects: dict[int, int] = Field(
+        default_factory=dict, description="Local rank -> 0 none, 1 stdout, 2 stderr, 3 both to files."
+    )
     tee: dict[int, int] = Field(default_factory=dict, description="Like redirects, but also shown on the console.")
     local_ranks_filter: set[int] | None = Field(None, description="Only these local ranks' output reaches the console.")
     duplicate_filters: dict[str, list[str]] = Field(
-        default_factory=dict, description="'stdout'/'stderr' -> substrings: matching lines of every local worker are also "
-        "written to filtered_<stream>.log in the attempt's directory (torchrun's --duplicate-*-filters).")
-    virtual_local_rank: bool = Field(False, description="LOCAL_RANK=0 in every worker, CUDA_VISIBLE_DEVICES narrowed to its device.")
+        default_factory=dict,
+        description="'stdout'/'stderr' -> substrings: matching lines of every local worker are also "
+        "written to filtered_<stream>.log in the attempt's directory (torchrun's --duplicate-*-filters).",
+    )
+    virtual_local_rank: bool = Field(
+        False, description="LOCAL_RANK=0 in every worker, CUDA_VISIBLE_DEVICES narrowed to its device."
+    )
 
     def command(self) -> list[str]:
         if self.no_python:
@@ -137,7 +143,8 @@ class WorkerGroup:
                 files.append(sink)
             prefix = f"[{self.spec.role}{env['RANK']}]:"
             thread = threading.Thread(
-                target=_pump, args=(getattr(proc, name), sink, console if to_console else None, prefix, self._filtered_log(name)),
+                target=_pump,
+                args=(getattr(proc, name), sink, console if to_console else None, prefix, self._filtered_log(name)),
                 daemon=True,
             )
             thread.start()
@@ -209,7 +216,9 @@ class WorkerGroup:
             if code in (None, 0):
                 continue
             try:
-                failure = ProcessFailure(local_rank=w.local_rank, pid=w.proc.pid, exitcode=code, error_file=str(w.error_file))
+                failure = ProcessFailure(
+                    local_rank=w.local_rank, pid=w.proc.pid, exitcode=code, error_file=str(w.error_file)
+                )
             except (OSError, ValueError, KeyError, TypeError):  # an error file the worker left half-written
                 failure = ProcessFailure(local_rank=w.local_rank, pid=w.proc.pid, exitcode=code, error_file="")
                 failure.message = f"(unreadable error file {w.error_file}) {failure.message}"
@@ -222,7 +231,9 @@ class WorkerGroup:
             return ""
         # torch's root cause is the first of the smallest timestamp: equal ones (one-second
         # resolution) go in the order the agent saw the exits.
-        return ChildFailedError(name, {rank: failure for _, _, rank, failure in sorted(failures, key=lambda f: f[:3])}).format_msg()
+        return ChildFailedError(
+            name, {rank: failure for _, _, rank, failure in sorted(failures, key=lambda f: f[:3])}
+        ).format_msg()
 
     def failure_summary(self, host: str) -> str:
         """One line per failed worker (what the store's status record carries)."""
@@ -235,14 +246,24 @@ class WorkerGroup:
             if w.error_file.exists():
                 try:
                     data = json.loads(w.error_file.read_text())
-                    message = data.get("message", {}).get("message", "") if isinstance(data.get("message"), dict) else str(data.get("message", ""))
+                    message = (
+                        data.get("message", {}).get("message", "")
+                        if isinstance(data.get("message"), dict)
+                        else str(data.get("message", ""))
+                    )
                 except (OSError, ValueError):
                     message = f"(unreadable error file {w.error_file})"
             reason = f"signal {-code} ({signal.Signals(-code).name})" if code < 0 else f"exit code {code}"
             if w.killed_because:
                 reason += f", killed by the agent: {w.killed_because}"
-            lines.append(f"  rank {w.global_rank} (local_rank {w.local_rank}) on {host}: {reason}"
-                         + (f"; error_file {w.error_file}: {message.splitlines()[0] if message else ''}" if w.error_file.exists() else ""))
+            lines.append(
+                f"  rank {w.global_rank} (local_rank {w.local_rank}) on {host}: {reason}"
+                + (
+                    f"; error_file {w.error_file}: {message.splitlines()[0] if message else ''}"
+                    if w.error_file.exists()
+                    else ""
+                )
+            )
         return "\n".join(lines)
 
 
@@ -281,7 +302,9 @@ class _FilteredLog:
                 self._file = None
 
 
-def _pump(stream: IO[bytes], sink: IO | None, console: IO | None, prefix: str, filtered: _FilteredLog | None = None) -> None:
+def _pump(
+    stream: IO[bytes], sink: IO | None, console: IO | None, prefix: str, filtered: _FilteredLog | None = None
+) -> None:
     for raw in iter(stream.readline, b""):
         line = raw.decode(errors="replace")
         if filtered is not None:
@@ -416,7 +439,8 @@ class AttachedWorkers:
                 a.stop_requested = True
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and any(
-                (a := self._state(r)) is not None and a.exit_code is None for r in self.local_ranks):
+            (a := self._state(r)) is not None and a.exit_code is None for r in self.local_ranks
+        ):
             time.sleep(0.05)
         for r in self.local_ranks:
             a = self._state(r)
@@ -440,7 +464,11 @@ class AttachedWorkers:
             a = self._state(r)
             if a is None or a.exit_code in (None, 0):
                 continue
-            reason = f"exit code {a.reported}" if a.reported is not None else "its connection to the agent closed without an exit report (killed or crashed)"
+            reason = (
+                f"exit code {a.reported}"
+                if a.reported is not None
+                else "its connection to the agent closed without an exit report (killed or crashed)"
+            )
             if a.killed_because:
                 reason += f", stopped by the agent: {a.killed_because}"
             lines.append(f"  local_rank {r} (pid {a.pid}) on {host}: {reason}")

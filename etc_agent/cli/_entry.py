@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import typer
 
 
-def run_app(app: typer.Typer, argv: list[str] | None, prog: str, user_errors: tuple[type[BaseException], ...],
-            prepare: Callable[[list[str]], tuple[list[str], dict[str, Any]]] | None = None) -> None:
+def run_app(
+    app: typer.Typer,
+    argv: list[str] | None,
+    prog: str,
+    user_errors: tuple[type[BaseException], ...],
+    prepare: Callable[[list[str]], tuple[list[str], dict[str, Any]]] | None = None,
+) -> None:
     """``prepare(argv) -> (argv, click context settings)`` runs first (its ValueErrors are user errors too)."""
     try:
         settings: dict[str, Any] = {}

@@ -41,15 +41,33 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_mar
 
 
 SETTING_FLAGS: dict[str, str] = {
-    "run_id": "--rdzv-id", "max_restarts": "--max-restarts", "monitor_interval": "--monitor-interval",
-    "local_addr": "--local-addr", "node_rank": "--node-rank", "shutdown_timeout": "--shutdown-timeout",
-    "migration": "--migration", "checkpoint_dir": "--checkpoint-dir", "checkpoint_interval": "--checkpoint-interval",
-    "checkpoint_keep": "--checkpoint-keep", "parallel": "--parallel", "model": "--model", "reconfig_delay": "--reconfig-delay",
-    "lease_ttl": "--lease-ttl", "log_format": "--log-format", "worker_heartbeat_timeout": "--worker-heartbeat-timeout",
-    "placement": "--placement", "sidecar": "--sidecar", "control_addr": "--control-addr",
+    "run_id": "--rdzv-id",
+    "max_restarts": "--max-restarts",
+    "monitor_interval": "--monitor-interval",
+    "local_addr": "--local-addr",
+    "node_rank": "--node-rank",
+    "shutdown_timeout": "--shutdown-timeout",
+    "migration": "--migration",
+    "checkpoint_dir": "--checkpoint-dir",
+    "checkpoint_interval": "--checkpoint-interval",
+    "checkpoint_keep": "--checkpoint-keep",
+    "parallel": "--parallel",
+    "model": "--model",
+    "reconfig_delay": "--reconfig-delay",
+    "lease_ttl": "--lease-ttl",
+    "log_format": "--log-format",
+    "worker_heartbeat_timeout": "--worker-heartbeat-timeout",
+    "placement": "--placement",
+    "sidecar": "--sidecar",
+    "control_addr": "--control-addr",
 }
 """AgentConfig field -> the flag that sets it (and nothing else): the flag's help is the field's description."""
-SHARED_FLAG_PARAMS = {"min_nodes": "nnodes", "max_nodes": "nnodes", "nproc_per_node": "nproc_per_node", "join_timeout": "rdzv_conf"}
+SHARED_FLAG_PARAMS = {
+    "min_nodes": "nnodes",
+    "max_nodes": "nnodes",
+    "nproc_per_node": "nproc_per_node",
+    "join_timeout": "rdzv_conf",
+}
 """AgentConfig field -> the etcrun parameter of a flag that sets it among other things (its help names the field)."""
 RDZV_CONF_SETTINGS = ("join_timeout", "lease_ttl")
 """--rdzv-conf keys that are AgentConfig fields (the others, is_host and read_timeout, go to the store)."""
@@ -141,7 +159,9 @@ def _is_local(host: str) -> bool:
         return False
 
 
-def open_store(backend: str, endpoint: str, run_id: str, host_store: bool | None, etcd: EtcdOptions | None, wait_s: float):
+def open_store(
+    backend: str, endpoint: str, run_id: str, host_store: bool | None, etcd: EtcdOptions | None, wait_s: float
+):
     """The membership store for this agent (and, for the embedded backend, the server when we host it)."""
     if backend in ETCD_BACKENDS:
         assert etcd is not None
@@ -178,11 +198,14 @@ def open_static_store(master_addr: str, master_port: int, node_rank: int, run_id
 
     if node_rank == 0:
         try:
-            workers_store = TCPStore(master_addr, master_port, is_master=True, wait_for_workers=False,
-                                     timeout=timedelta(seconds=wait_s))
+            workers_store = TCPStore(
+                master_addr, master_port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=wait_s)
+            )
         except RuntimeError as err:
-            raise ValueError(f"--master-port {master_port}: cannot listen on it ({str(err).splitlines()[0]}); "
-                             "is another job using it?") from None
+            raise ValueError(
+                f"--master-port {master_port}: cannot listen on it ({str(err).splitlines()[0]}); "
+                "is another job using it?"
+            ) from None
         bind = "127.0.0.1" if master_addr in ("", "localhost") else master_addr
         if not _is_local(bind):
             bind = "0.0.0.0"
@@ -191,11 +214,15 @@ def open_static_store(master_addr: str, master_port: int, node_rank: int, run_id
         workers_store.set(STATIC_ENDPOINT_KEY, endpoint)
         return EmbeddedStore(endpoint, run_id, connect_timeout_s=wait_s), server, workers_store
     try:
-        bootstrap = TCPStore(master_addr, master_port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=wait_s))
+        bootstrap = TCPStore(
+            master_addr, master_port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=wait_s)
+        )
         endpoint = bootstrap.get(STATIC_ENDPOINT_KEY).decode()
     except RuntimeError as err:
-        raise StoreError(f"static rendezvous: node rank 0 did not answer at {master_addr}:{master_port} within {wait_s:.0f} s "
-                         f"({str(err).splitlines()[0]})") from None
+        raise StoreError(
+            f"static rendezvous: node rank 0 did not answer at {master_addr}:{master_port} within {wait_s:.0f} s "
+            f"({str(err).splitlines()[0]})"
+        ) from None
     return EmbeddedStore(endpoint, run_id, connect_timeout_s=wait_s), None, None
 
 
@@ -220,48 +247,140 @@ def _setting(field: str, torchrun: bool = False) -> Any:
 @app.command(
     context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]},
     help="Launch a training script on this node like torchrun, with live re-configuration when nodes come and go. "
-         "Every torchrun option can also be set by its PET_* environment variable (PET_NPROC_PER_NODE=2); a flag wins over it. "
-         f"Options marked {WORKERS} shape how this node's workers start, {RDZV} how the nodes find each other; "
-         "the others are the agent's settings.",
+    "Every torchrun option can also be set by its PET_* environment variable (PET_NPROC_PER_NODE=2); a flag wins over it. "
+    f"Options marked {WORKERS} shape how this node's workers start, {RDZV} how the nodes find each other; "
+    "the others are the agent's settings.",
 )
 def etcrun(
     ctx: typer.Context,
-    training_script: Annotated[str | None, typer.Argument(help="Script to run (or module with -m, executable with --no-python).")] = None,
+    training_script: Annotated[
+        str | None, typer.Argument(help="Script to run (or module with -m, executable with --no-python).")
+    ] = None,
     training_script_args: Annotated[list[str] | None, typer.Argument(help="Arguments for the script.")] = None,
-    nnodes: Annotated[str, _torchrun("--nnodes", help=f"N, or MIN:MAX for an elastic job. MIN: {_describe('min_nodes')} "
-                                     f"MAX: {_describe('max_nodes')}")] = "1:1",
-    nproc_per_node: Annotated[str, _torchrun("--nproc-per-node", help=f"{_describe('nproc_per_node')} N, auto (the GPUs, else "
-                                             "the CPUs), cpu or gpu.")] = "1",
-    rdzv_backend: Annotated[str, _torchrun("--rdzv-backend", help=f"etcd-v3 (etcd), or embedded (c10d, static): a store hosted by one agent. {RDZV}")] = "static",
-    rdzv_endpoint: Annotated[str, _torchrun("--rdzv-endpoint", help=f"host:port of etcd or of the embedded store. {RDZV}")] = "",
+    nnodes: Annotated[
+        str,
+        _torchrun(
+            "--nnodes",
+            help=f"N, or MIN:MAX for an elastic job. MIN: {_describe('min_nodes')} MAX: {_describe('max_nodes')}",
+        ),
+    ] = "1:1",
+    nproc_per_node: Annotated[
+        str,
+        _torchrun(
+            "--nproc-per-node", help=f"{_describe('nproc_per_node')} N, auto (the GPUs, else the CPUs), cpu or gpu."
+        ),
+    ] = "1",
+    rdzv_backend: Annotated[
+        str,
+        _torchrun(
+            "--rdzv-backend", help=f"etcd-v3 (etcd), or embedded (c10d, static): a store hosted by one agent. {RDZV}"
+        ),
+    ] = "static",
+    rdzv_endpoint: Annotated[
+        str, _torchrun("--rdzv-endpoint", help=f"host:port of etcd or of the embedded store. {RDZV}")
+    ] = "",
     rdzv_id: Annotated[str, _setting("run_id", torchrun=True)] = "none",
-    rdzv_conf: Annotated[str, _torchrun("--rdzv-conf", help=f"key=value,... Agent settings: join_timeout: {_describe('join_timeout')} "
-                                        f"lease_ttl: as --lease-ttl (wins over it). Store options {RDZV}: is_host: 1 if this agent "
-                                        "hosts the embedded store, 0 if not; read_timeout: seconds per etcd request.")] = "",
-    standalone: Annotated[bool, _torchrun("--standalone", help=f"One node, embedded store on a free local port, random run id. {RDZV}")] = False,
+    rdzv_conf: Annotated[
+        str,
+        _torchrun(
+            "--rdzv-conf",
+            help=f"key=value,... Agent settings: join_timeout: {_describe('join_timeout')} "
+            f"lease_ttl: as --lease-ttl (wins over it). Store options {RDZV}: is_host: 1 if this agent "
+            "hosts the embedded store, 0 if not; read_timeout: seconds per etcd request.",
+        ),
+    ] = "",
+    standalone: Annotated[
+        bool, _torchrun("--standalone", help=f"One node, embedded store on a free local port, random run id. {RDZV}")
+    ] = False,
     max_restarts: Annotated[int, _setting("max_restarts", torchrun=True)] = 0,
     monitor_interval: Annotated[float, _setting("monitor_interval", torchrun=True)] = 0.1,
-    start_method: Annotated[str, _torchrun("--start-method", help=f"Accepted for compatibility; workers are always separate processes. {WORKERS}")] = "spawn",
+    start_method: Annotated[
+        str,
+        _torchrun(
+            "--start-method", help=f"Accepted for compatibility; workers are always separate processes. {WORKERS}"
+        ),
+    ] = "spawn",
     role: Annotated[str, _torchrun("--role", help=f"Worker role name (ROLE_NAME). {WORKERS}")] = "default",
     module: Annotated[bool, _torchrun("--module", "-m", help=f"Run the script as a Python module. {WORKERS}")] = False,
-    no_python: Annotated[bool, _torchrun("--no-python", help=f"Run the script directly, not through python. {WORKERS}")] = False,
-    run_path: Annotated[bool, _torchrun("--run-path", help=f"Run the script as a path (the default way here). {WORKERS}")] = False,
-    log_dir: Annotated[Path | None, _torchrun("--log-dir", help=f"Directory for worker logs and error files. {WORKERS}")] = None,
-    redirects: Annotated[str, _torchrun("--redirects", "-r", help=f"Workers' std streams to files in --log-dir: 0-3 or rank:value,... {WORKERS}")] = "0",
+    no_python: Annotated[
+        bool, _torchrun("--no-python", help=f"Run the script directly, not through python. {WORKERS}")
+    ] = False,
+    run_path: Annotated[
+        bool, _torchrun("--run-path", help=f"Run the script as a path (the default way here). {WORKERS}")
+    ] = False,
+    log_dir: Annotated[
+        Path | None, _torchrun("--log-dir", help=f"Directory for worker logs and error files. {WORKERS}")
+    ] = None,
+    redirects: Annotated[
+        str,
+        _torchrun(
+            "--redirects", "-r", help=f"Workers' std streams to files in --log-dir: 0-3 or rank:value,... {WORKERS}"
+        ),
+    ] = "0",
     tee: Annotated[str, _torchrun("--tee", "-t", help=f"Like --redirects but also to the console. {WORKERS}")] = "0",
-    local_ranks_filter: Annotated[str, _torchrun("--local-ranks-filter", help=f"Only these local ranks' output on the console, e.g. 0,1. {WORKERS}")] = "",
+    local_ranks_filter: Annotated[
+        str,
+        _torchrun("--local-ranks-filter", help=f"Only these local ranks' output on the console, e.g. 0,1. {WORKERS}"),
+    ] = "",
     node_rank: Annotated[int, _setting("node_rank", torchrun=True)] = 0,
-    master_addr: Annotated[str, _torchrun("--master-addr", help=f"Static rendezvous: address of node rank 0. {RDZV}")] = "127.0.0.1",
-    master_port: Annotated[int, _torchrun("--master-port", help=f"Static rendezvous: port on node rank 0. {RDZV}")] = 29500,
+    master_addr: Annotated[
+        str, _torchrun("--master-addr", help=f"Static rendezvous: address of node rank 0. {RDZV}")
+    ] = "127.0.0.1",
+    master_port: Annotated[
+        int, _torchrun("--master-port", help=f"Static rendezvous: port on node rank 0. {RDZV}")
+    ] = 29500,
     local_addr: Annotated[str | None, _setting("local_addr", torchrun=True)] = None,
     shutdown_timeout: Annotated[int | None, _setting("shutdown_timeout", torchrun=True)] = None,
-    event_log_handler: Annotated[str, _torchrun("--event-log-handler", help="Accepted for compatibility: torch's event handlers are not called; the agent's events go to its log (--log-format json for one JSON line each).")] = "null",
-    duplicate_stdout_filters: Annotated[str, _torchrun("--duplicate-stdout-filters", help="Comma-separated substrings: workers' stdout lines containing any of them are also written to filtered_stdout.log in the attempt's log directory (',,' is a literal comma). " + WORKERS)] = "",
-    duplicate_stderr_filters: Annotated[str, _torchrun("--duplicate-stderr-filters", help=f"Like --duplicate-stdout-filters, for stderr (filtered_stderr.log). {WORKERS}")] = "",
-    logs_specs: Annotated[str | None, _torchrun("--logs-specs", help=f"torchrun.logs_specs entry point: only the default layout is supported (log files under --log-dir). {WORKERS}")] = None,
-    numa_binding: Annotated[str | None, _torchrun("--numa-binding", help=f"node, socket, exclusive or core-complex: not supported (CPU affinity is left to the system); rejected rather than ignored. {WORKERS}")] = None,
-    signals_to_handle: Annotated[str, _torchrun("--signals-to-handle", help="Signals that end this node's part of the job (planned departure; a second one stops at once), comma-separated.")] = "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
-    virtual_local_rank: Annotated[bool, _torchrun("--virtual-local-rank", help=f"LOCAL_RANK=0 in every worker, CUDA_VISIBLE_DEVICES narrowed to its own device (index 0). {WORKERS}")] = False,
+    event_log_handler: Annotated[
+        str,
+        _torchrun(
+            "--event-log-handler",
+            help="Accepted for compatibility: torch's event handlers are not called; the agent's events go to its log (--log-format json for one JSON line each).",
+        ),
+    ] = "null",
+    duplicate_stdout_filters: Annotated[
+        str,
+        _torchrun(
+            "--duplicate-stdout-filters",
+            help="Comma-separated substrings: workers' stdout lines containing any of them are also written to filtered_stdout.log in the attempt's log directory (',,' is a literal comma). "
+            + WORKERS,
+        ),
+    ] = "",
+    duplicate_stderr_filters: Annotated[
+        str,
+        _torchrun(
+            "--duplicate-stderr-filters",
+            help=f"Like --duplicate-stdout-filters, for stderr (filtered_stderr.log). {WORKERS}",
+        ),
+    ] = "",
+    logs_specs: Annotated[
+        str | None,
+        _torchrun(
+            "--logs-specs",
+            help=f"torchrun.logs_specs entry point: only the default layout is supported (log files under --log-dir). {WORKERS}",
+        ),
+    ] = None,
+    numa_binding: Annotated[
+        str | None,
+        _torchrun(
+            "--numa-binding",
+            help=f"node, socket, exclusive or core-complex: not supported (CPU affinity is left to the system); rejected rather than ignored. {WORKERS}",
+        ),
+    ] = None,
+    signals_to_handle: Annotated[
+        str,
+        _torchrun(
+            "--signals-to-handle",
+            help="Signals that end this node's part of the job (planned departure; a second one stops at once), comma-separated.",
+        ),
+    ] = "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+    virtual_local_rank: Annotated[
+        bool,
+        _torchrun(
+            "--virtual-local-rank",
+            help=f"LOCAL_RANK=0 in every worker, CUDA_VISIBLE_DEVICES narrowed to its own device (index 0). {WORKERS}",
+        ),
+    ] = False,
     migration: Annotated[str, _setting("migration")] = "live",
     checkpoint_dir: Annotated[Path | None, _setting("checkpoint_dir")] = None,
     checkpoint_interval: Annotated[int, _setting("checkpoint_interval")] = 0,
@@ -269,10 +388,19 @@ def etcrun(
     parallel: Annotated[str | None, _setting("parallel")] = None,
     model: Annotated[Path | None, _setting("model")] = None,
     etcd_ca_cert: Annotated[str | None, typer.Option("--etcd-ca-cert", help=f"CA bundle for etcd TLS. {RDZV}")] = None,
-    etcd_cert: Annotated[str | None, typer.Option("--etcd-cert", help=f"Client certificate for etcd mutual TLS. {RDZV}")] = None,
+    etcd_cert: Annotated[
+        str | None, typer.Option("--etcd-cert", help=f"Client certificate for etcd mutual TLS. {RDZV}")
+    ] = None,
     etcd_key: Annotated[str | None, typer.Option("--etcd-key", help=f"Client key for etcd mutual TLS. {RDZV}")] = None,
     etcd_user: Annotated[str | None, typer.Option("--etcd-user", help=f"etcd user name. {RDZV}")] = None,
-    etcd_password: Annotated[str | None, typer.Option("--etcd-password", help=f"etcd password (or ETC_AGENT_ETCD_PASSWORD). {RDZV}", envvar="ETC_AGENT_ETCD_PASSWORD")] = None,
+    etcd_password: Annotated[
+        str | None,
+        typer.Option(
+            "--etcd-password",
+            help=f"etcd password (or ETC_AGENT_ETCD_PASSWORD). {RDZV}",
+            envvar="ETC_AGENT_ETCD_PASSWORD",
+        ),
+    ] = None,
     reconfig_delay: Annotated[float, _setting("reconfig_delay")] = 1.0,
     lease_ttl: Annotated[float, _setting("lease_ttl")] = 5.0,
     log_format: Annotated[str, _setting("log_format")] = "text",
@@ -280,10 +408,18 @@ def etcrun(
     placement: Annotated[str, _setting("placement")] = "fast",
     sidecar: Annotated[bool, _setting("sidecar")] = False,
     control_addr: Annotated[str | None, _setting("control_addr")] = None,
-    config: Annotated[Path | None, typer.Option("--config", help="Job YAML (configs/jobs/*.yaml): etcrun's options by name, "
-                                                   "script and script_args; flags given here win.")] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            help="Job YAML (configs/jobs/*.yaml): etcrun's options by name, "
+            "script and script_args; flags given here win.",
+        ),
+    ] = None,
 ) -> None:
-    flags = SimpleNamespace(**locals())  # parse the flags -> WorkerSpec and AgentConfig (a rejected value: one line) -> run
+    flags = SimpleNamespace(
+        **locals()
+    )  # parse the flags -> WorkerSpec and AgentConfig (a rejected value: one line) -> run
     # Compared by name: click's ParameterSource lives in typer's vendored copy of click, not in an importable package.
     if _source(ctx, "training_script") == "COMMANDLINE" and _source(ctx, "training_script_args") == "DEFAULT_MAP":
         flags.training_script_args = None  # a script named on the command line comes with its own arguments
@@ -302,15 +438,23 @@ def _source(ctx: typer.Context, name: str) -> str:
 
 def _refuse_what_cannot_be_honoured(f: SimpleNamespace) -> None:
     if f.logs_specs is not None:
-        raise ValueError(f"--logs-specs {f.logs_specs}: custom LogsSpecs are not supported; worker logs go under --log-dir "
-                         "(<run>_<node>/attempt_<n>/<local_rank>/stdout.log)")
+        raise ValueError(
+            f"--logs-specs {f.logs_specs}: custom LogsSpecs are not supported; worker logs go under --log-dir "
+            "(<run>_<node>/attempt_<n>/<local_rank>/stdout.log)"
+        )
     if f.numa_binding is not None:
-        raise ValueError(f"--numa-binding {f.numa_binding}: not supported by etcrun (set CPU affinity with numactl or your scheduler)")
+        raise ValueError(
+            f"--numa-binding {f.numa_binding}: not supported by etcrun (set CPU affinity with numactl or your scheduler)"
+        )
     if f.sidecar and f.training_script is not None:
-        raise ValueError(f"--sidecar starts no workers: remove the training script ({f.training_script}); start it with "
-                         "`etc-agent workers` or your own launcher, ETC_AGENT_ADDR pointing here")
+        raise ValueError(
+            f"--sidecar starts no workers: remove the training script ({f.training_script}); start it with "
+            "`etc-agent workers` or your own launcher, ETC_AGENT_ADDR pointing here"
+        )
     if not f.sidecar and f.training_script is None:
-        raise ValueError("the training script is missing (or use --sidecar / `etc-agent sidecar` to run beside workers started elsewhere)")
+        raise ValueError(
+            "the training script is missing (or use --sidecar / `etc-agent sidecar` to run beside workers started elsewhere)"
+        )
     if f.module and f.no_python:
         raise ValueError("-m/--module and --no-python cannot be used together")
 
@@ -327,8 +471,15 @@ class Rendezvous:
     etcd: EtcdOptions | None = None
 
 
-ETCD_OPTION_FLAGS = {"endpoint": "--rdzv-endpoint", "ca_cert": "--etcd-ca-cert", "cert_key": "--etcd-key", "cert_cert": "--etcd-cert",
-                     "user": "--etcd-user", "password": "--etcd-password", "timeout_s": "--rdzv-conf read_timeout"}
+ETCD_OPTION_FLAGS = {
+    "endpoint": "--rdzv-endpoint",
+    "ca_cert": "--etcd-ca-cert",
+    "cert_key": "--etcd-key",
+    "cert_cert": "--etcd-cert",
+    "user": "--etcd-user",
+    "password": "--etcd-password",
+    "timeout_s": "--rdzv-conf read_timeout",
+}
 
 
 def _rendezvous(f: SimpleNamespace) -> Rendezvous:
@@ -348,21 +499,48 @@ def _rendezvous(f: SimpleNamespace) -> Rendezvous:
     if "is_host" in rdzv.conf:
         rdzv.host_store = rdzv.conf["is_host"].lower() in ("1", "true", "yes")
     if rdzv.backend in ETCD_BACKENDS:
-        rdzv.etcd = build_model(EtcdOptions, dict(
-            endpoint=rdzv.endpoint, ca_cert=f.etcd_ca_cert, cert_key=f.etcd_key, cert_cert=f.etcd_cert, user=f.etcd_user,
-            password=f.etcd_password, timeout_s=rdzv.conf.get("read_timeout", 5)), names=ETCD_OPTION_FLAGS)
+        rdzv.etcd = build_model(
+            EtcdOptions,
+            dict(
+                endpoint=rdzv.endpoint,
+                ca_cert=f.etcd_ca_cert,
+                cert_key=f.etcd_key,
+                cert_cert=f.etcd_cert,
+                user=f.etcd_user,
+                password=f.etcd_password,
+                timeout_s=rdzv.conf.get("read_timeout", 5),
+            ),
+            names=ETCD_OPTION_FLAGS,
+        )
     return rdzv
 
 
 def _settings(ctx: typer.Context, f: SimpleNamespace, rdzv: Rendezvous) -> dict[str, Any]:
     """AgentConfig's fields from the flags, as given: checking them is AgentConfig's part."""
     low, high = parse_nnodes(f.nnodes)
-    values = {name: getattr(f, name) for name in (
-        "max_restarts", "monitor_interval", "reconfig_delay", "log_format", "parallel", "migration", "checkpoint_interval",
-        "checkpoint_keep", "worker_heartbeat_timeout", "sidecar", "control_addr", "placement")}
+    values = {
+        name: getattr(f, name)
+        for name in (
+            "max_restarts",
+            "monitor_interval",
+            "reconfig_delay",
+            "log_format",
+            "parallel",
+            "migration",
+            "checkpoint_interval",
+            "checkpoint_keep",
+            "worker_heartbeat_timeout",
+            "sidecar",
+            "control_addr",
+            "placement",
+        )
+    }
     values.update(
-        run_id=rdzv.run_id, min_nodes=1 if f.standalone else low, max_nodes=1 if f.standalone else high,
-        nproc_per_node=parse_nproc(f.nproc_per_node), lease_ttl=f.lease_ttl,
+        run_id=rdzv.run_id,
+        min_nodes=1 if f.standalone else low,
+        max_nodes=1 if f.standalone else high,
+        nproc_per_node=parse_nproc(f.nproc_per_node),
+        lease_ttl=f.lease_ttl,
         shutdown_timeout=f.shutdown_timeout if f.shutdown_timeout is not None else os.environ.get(SHUTDOWN_ENV, 30),
         local_addr=f.local_addr or ("127.0.0.1" if f.standalone else None),
         node_rank=f.node_rank if rdzv.backend == "static" or _source(ctx, "node_rank") != "DEFAULT" else None,
@@ -395,12 +573,22 @@ def _setting_names(ctx: typer.Context, f: SimpleNamespace, conf: dict[str, str])
 
 
 def _worker_spec(f: SimpleNamespace, nproc: int) -> WorkerSpec:
-    filter_ranks = {int(r) for r in f.local_ranks_filter.split(",") if r.strip()} if f.local_ranks_filter.strip() else None
+    filter_ranks = (
+        {int(r) for r in f.local_ranks_filter.split(",") if r.strip()} if f.local_ranks_filter.strip() else None
+    )
     spec = WorkerSpec(
         entrypoint=[f.training_script, *(f.training_script_args or [])] if f.training_script else [],
-        module=f.module, no_python=f.no_python, role=f.role, log_dir=f.log_dir,
-        redirects=parse_std_spec(f.redirects, nproc), tee=parse_std_spec(f.tee, nproc), local_ranks_filter=filter_ranks,
-        duplicate_filters={"stdout": parse_filters(f.duplicate_stdout_filters), "stderr": parse_filters(f.duplicate_stderr_filters)},
+        module=f.module,
+        no_python=f.no_python,
+        role=f.role,
+        log_dir=f.log_dir,
+        redirects=parse_std_spec(f.redirects, nproc),
+        tee=parse_std_spec(f.tee, nproc),
+        local_ranks_filter=filter_ranks,
+        duplicate_filters={
+            "stdout": parse_filters(f.duplicate_stdout_filters),
+            "stderr": parse_filters(f.duplicate_stderr_filters),
+        },
         virtual_local_rank=f.virtual_local_rank,
     )
     if (any(spec.redirects.values()) or any(spec.tee.values())) and f.log_dir is None:
@@ -408,7 +596,9 @@ def _worker_spec(f: SimpleNamespace, nproc: int) -> WorkerSpec:
     return spec
 
 
-def _run(config: AgentConfig, spec: WorkerSpec, rdzv: Rendezvous, f: SimpleNamespace, handled_signals: list[signal.Signals]) -> int:
+def _run(
+    config: AgentConfig, spec: WorkerSpec, rdzv: Rendezvous, f: SimpleNamespace, handled_signals: list[signal.Signals]
+) -> int:
     """Open the stores, run the agent until the job ends for this node; its exit code."""
     if config.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = "1"
@@ -416,7 +606,9 @@ def _run(config: AgentConfig, spec: WorkerSpec, rdzv: Rendezvous, f: SimpleNames
     workers_store = None
     wait_s = min(config.join_timeout, 60.0)
     if rdzv.backend == "static" and "is_host" not in rdzv.conf:
-        store, server, workers_store = open_static_store(f.master_addr, f.master_port, f.node_rank, rdzv.run_id, wait_s=wait_s)
+        store, server, workers_store = open_static_store(
+            f.master_addr, f.master_port, f.node_rank, rdzv.run_id, wait_s=wait_s
+        )
     else:
         store, server = open_store(rdzv.backend, rdzv.endpoint, rdzv.run_id, rdzv.host_store, rdzv.etcd, wait_s=wait_s)
     agent = Agent(config, spec, store, workers_store=workers_store)
@@ -444,9 +636,14 @@ def _keep_serving_store(store, agent: Agent) -> None:
         if not others:
             return
         if not announced:
-            agent.emit("store_host_staying", {"other_agents": len(others),
-                                              "note": "this agent hosts the embedded store and serves it until the others leave; "
-                                                      "a second SIGTERM stops it now (use etcd to avoid this)"})
+            agent.emit(
+                "store_host_staying",
+                {
+                    "other_agents": len(others),
+                    "note": "this agent hosts the embedded store and serves it until the others leave; "
+                    "a second SIGTERM stops it now (use etcd to avoid this)",
+                },
+            )
             announced = True
         agent.hard_stop.wait(1.0)
 
@@ -462,7 +659,9 @@ def _with_job_config(argv: list[str]) -> tuple[list[str], dict]:
     path, argv = split_config_flag(argv, value_options)
     if path is None:
         return argv, {}
-    return argv, {"default_map": {**load_job_config(path, etcrun), "config": path}}  # config: to name the file in errors
+    return argv, {
+        "default_map": {**load_job_config(path, etcrun), "config": path}
+    }  # config: to name the file in errors
 
 
 def main(argv: list[str] | None = None, prog: str = "etcrun") -> None:

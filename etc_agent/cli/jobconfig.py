@@ -55,7 +55,11 @@ def load_job_config(path: Path, command: Callable) -> dict[str, Any]:
     except ValidationError as err:
         first = err.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        hint = "; keys are etcrun's long options with underscores, plus script and script_args" if first["type"] == "extra_forbidden" else ""
+        hint = (
+            "; keys are etcrun's long options with underscores, plus script and script_args"
+            if first["type"] == "extra_forbidden"
+            else ""
+        )
         raise ValueError(f"--config {path}: {where}: {first['msg']}{hint}") from None
     values = parsed.model_dump(exclude_unset=True)
     return {RENAMED.get(key, key): value for key, value in values.items()}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -16,6 +16,9 @@ from etc_agent.layout.config import ParallelConfig
 from etc_agent.layout.devices import Device, DeviceSet
 from etc_agent.layout.model import ModelSpec
 from etc_agent.rendezvous.store import StoreError
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 app = typer.Typer(
     name="etc-agent",
@@ -65,26 +68,44 @@ def _bandwidth_model():
 
 
 @app.command()
-@model_options(_bandwidth_model(), "bandwidth_flags", panel="Bandwidth model for the estimates (GB/s = 1e9 bytes/s per direction)")
+@model_options(
+    _bandwidth_model(), "bandwidth_flags", panel="Bandwidth model for the estimates (GB/s = 1e9 bytes/s per direction)"
+)
 def plan(
     model: Annotated[Path, typer.Option("--model", help="Model spec YAML (configs/models/*.yaml).")],
     from_: Annotated[str, typer.Option("--from", help="Current parallel config, e.g. tp=4,pp=2,dp=2,zero=1.")],
     old: Annotated[str, typer.Option("--old", help="Current devices, e.g. n0:8,n1:8 (old rank r runs on the r-th).")],
     to: Annotated[str, typer.Option("--to", help="New parallel config, or 'auto' to let the policy choose.")],
     new: Annotated[str, typer.Option("--new", help="New devices, e.g. n0:8 or n0:[0-2,4-7].")],
-    failed: Annotated[Optional[str], typer.Option("--failed", help="Old devices or nodes whose state is lost (crash), e.g. n1 or n0:3.")] = None,
+    failed: Annotated[
+        str | None, typer.Option("--failed", help="Old devices or nodes whose state is lost (crash), e.g. n1 or n0:3.")
+    ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
-    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG heatmap of bytes between nodes/devices.")] = None,
-    mem_cap_gib: Annotated[float, typer.Option("--mem-cap", help="GiB of send and of receive buffers per device and round.")] = 2.0,
-    max_messages: Annotated[int, typer.Option("--max-messages-per-round", help="Messages a device sends (and receives) per round.")] = 64,
-    device_memory_gib: Annotated[float, typer.Option("--device-memory-gib", help="Device memory, for --to auto.")] = 80.0,
+    plot: Annotated[
+        Path | None, typer.Option("--plot", help="Write a PNG heatmap of bytes between nodes/devices.")
+    ] = None,
+    mem_cap_gib: Annotated[
+        float, typer.Option("--mem-cap", help="GiB of send and of receive buffers per device and round.")
+    ] = 2.0,
+    max_messages: Annotated[
+        int, typer.Option("--max-messages-per-round", help="Messages a device sends (and receives) per round.")
+    ] = 64,
+    device_memory_gib: Annotated[
+        float, typer.Option("--device-memory-gib", help="Device memory, for --to auto.")
+    ] = 80.0,
     seq_length: Annotated[int, typer.Option(help="Sequence length, for --to auto.")] = 2048,
     micro_batch_size: Annotated[int, typer.Option(help="Micro-batch size, for --to auto.")] = 1,
     global_batch_size: Annotated[int, typer.Option(help="Global batch size, for --to auto.")] = 512,
-    placement: Annotated[str, typer.Option("--placement", help="fast (the default, as etcrun's): fewest bytes moved, copies spread "
-                                           "over nodes where that costs nothing (the report says what a node loss would lose and "
-                                           "what the resilient placement would move to avoid it); resilient: spread the copies of "
-                                           "every shard over nodes first, then move the fewest bytes.")] = "fast",
+    placement: Annotated[
+        str,
+        typer.Option(
+            "--placement",
+            help="fast (the default, as etcrun's): fewest bytes moved, copies spread "
+            "over nodes where that costs nothing (the report says what a node loss would lose and "
+            "what the resilient placement would move to avoid it); resilient: spread the copies of "
+            "every shard over nodes first, then move the fewest bytes.",
+        ),
+    ] = "fast",
     bandwidth_flags: dict | None = None,
 ) -> None:
     """Plan a migration between two parallel configurations and show what it moves."""
@@ -123,18 +144,33 @@ def plan(
             inter_node_gbps=bandwidth.inter_node_gbps,
         )
         decision = choose_config(
-            spec, new_devices, policy, old_config=old_config, old_devices=old_devices, failed=failed_devices, planner_options=options
+            spec,
+            new_devices,
+            policy,
+            old_config=old_config,
+            old_devices=old_devices,
+            failed=failed_devices,
+            planner_options=options,
         )
         new_config = decision.winner.config
     else:
         new_config = ParallelConfig.parse(to)
         new_config.check_world_size(len(new_devices))
         spec.check_parallel(new_config)
-    result = plan_model_migration(spec, old_config, old_devices, new_config, new_devices, failed=failed_devices, options=options)
+    result = plan_model_migration(
+        spec, old_config, old_devices, new_config, new_devices, failed=failed_devices, options=options
+    )
     domains = result.failure_domains
     if placement == "fast" and domains and domains["single_domain_bytes"] > domains["unavoidable_single_domain_bytes"]:
-        resilient = plan_model_migration(spec, old_config, old_devices, new_config, new_devices, failed=failed_devices,
-                                         options=options.model_copy(update={"placement": "resilient"}))
+        resilient = plan_model_migration(
+            spec,
+            old_config,
+            old_devices,
+            new_config,
+            new_devices,
+            failed=failed_devices,
+            options=options.model_copy(update={"placement": "resilient"}),
+        )
         result.resilient_alternative = resilience_advice(result, resilient)
     if plot is not None:
         plot_heatmap(result, plot)
@@ -168,11 +204,11 @@ def plan(
 RdzvEndpoint = Annotated[str, typer.Option("--rdzv-endpoint", help="host:port of etcd or of the embedded store.")]
 RdzvId = Annotated[str, typer.Option("--rdzv-id", help="Job id.")]
 RdzvBackend = Annotated[str, typer.Option("--rdzv-backend", help="etcd-v3 or embedded.")]
-EtcdCaCert = Annotated[Optional[str], typer.Option("--etcd-ca-cert")]
-EtcdCert = Annotated[Optional[str], typer.Option("--etcd-cert")]
-EtcdKey = Annotated[Optional[str], typer.Option("--etcd-key")]
-EtcdUser = Annotated[Optional[str], typer.Option("--etcd-user")]
-EtcdPassword = Annotated[Optional[str], typer.Option("--etcd-password", envvar="ETC_AGENT_ETCD_PASSWORD")]
+EtcdCaCert = Annotated[str | None, typer.Option("--etcd-ca-cert")]
+EtcdCert = Annotated[str | None, typer.Option("--etcd-cert")]
+EtcdKey = Annotated[str | None, typer.Option("--etcd-key")]
+EtcdUser = Annotated[str | None, typer.Option("--etcd-user")]
+EtcdPassword = Annotated[str | None, typer.Option("--etcd-password", envvar="ETC_AGENT_ETCD_PASSWORD")]
 
 
 _FORWARD = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
@@ -215,7 +251,9 @@ def status(
 
     from etc_agent.rendezvous.records import GenerationRecord, LeaderRecord, MigrationRecord, NodeRecord, NodeStatus
 
-    store = _open_store(rdzv_backend, rdzv_endpoint, rdzv_id, etcd_ca_cert, etcd_cert, etcd_key, etcd_user, etcd_password)
+    store = _open_store(
+        rdzv_backend, rdzv_endpoint, rdzv_id, etcd_ca_cert, etcd_cert, etcd_key, etcd_user, etcd_password
+    )
     with store:
         nodes, rejected = [], []
         for kv in store.get_prefix("nodes/"):
@@ -291,7 +329,9 @@ def reconfigure(
     from etc_agent.layout.config import ParallelSpec
 
     spec = ParallelSpec.parse(parallel)
-    with _open_store(rdzv_backend, rdzv_endpoint, rdzv_id, etcd_ca_cert, etcd_cert, etcd_key, etcd_user, etcd_password) as store:
+    with _open_store(
+        rdzv_backend, rdzv_endpoint, rdzv_id, etcd_ca_cert, etcd_cert, etcd_key, etcd_user, etcd_password
+    ) as store:
         store.put("parallel", json.dumps({"spec": spec.short()}))
     sys.stdout.write(f"requested {spec.short()} for run {rdzv_id}\n")
 
@@ -305,16 +345,34 @@ def _simulate_costs():
 @app.command()
 @model_options(_simulate_costs(), "cost_flags", panel="Cost model (GB/s = 1e9 bytes/s per direction)")
 def simulate(
-    suite: Annotated[str, typer.Option("--suite", help="paper: Megatron-style jobs on 8-1024 GPUs; bench: the transitions of "
-                                       "scripts/bench_migration.py (1 GB example GPT, this machine's shape).")] = "paper",
-    models: Annotated[Optional[str], typer.Option("--models", help="paper suite: comma-separated model names (default: all four).")] = None,
-    costs_file: Annotated[Optional[Path], typer.Option("--costs", help="JSON of cost fields (scripts/calibrate_sim.py writes one); "
-                                                       "flags override it.")] = None,
-    measured: Annotated[Optional[Path], typer.Option("--measured", help="bench suite: the JSON line of scripts/bench_migration.py "
-                                                     "to compare with; exit 1 when a prediction is off by more than --tolerance.")] = None,
+    suite: Annotated[
+        str,
+        typer.Option(
+            "--suite",
+            help="paper: Megatron-style jobs on 8-1024 GPUs; bench: the transitions of "
+            "scripts/bench_migration.py (1 GB example GPT, this machine's shape).",
+        ),
+    ] = "paper",
+    models: Annotated[
+        str | None, typer.Option("--models", help="paper suite: comma-separated model names (default: all four).")
+    ] = None,
+    costs_file: Annotated[
+        Path | None,
+        typer.Option("--costs", help="JSON of cost fields (scripts/calibrate_sim.py writes one); flags override it."),
+    ] = None,
+    measured: Annotated[
+        Path | None,
+        typer.Option(
+            "--measured",
+            help="bench suite: the JSON line of scripts/bench_migration.py "
+            "to compare with; exit 1 when a prediction is off by more than --tolerance.",
+        ),
+    ] = None,
     tolerance: Annotated[float, typer.Option("--tolerance", help="Relative error allowed by --measured.")] = 0.3,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON line after the tables.")] = False,
-    plot: Annotated[Optional[Path], typer.Option("--plot", help="PNG to write (default simulate-<suite>.png; '-' for none).")] = None,
+    plot: Annotated[
+        Path | None, typer.Option("--plot", help="PNG to write (default simulate-<suite>.png; '-' for none).")
+    ] = None,
     cost_flags: dict | None = None,
 ) -> None:
     """Estimate migration stalls, live vs checkpoint, with the real planner on real model specs."""
@@ -333,7 +391,9 @@ def simulate(
             wanted = [m.strip() for m in models.split(",") if m.strip()]
             unknown = [m for m in wanted if m not in PAPER_SIZES]
             if unknown or not wanted:
-                raise UserError(f"--models: unknown {', '.join(unknown) or '(none given)'}; the paper suite has {', '.join(PAPER_SIZES)}")
+                raise UserError(
+                    f"--models: unknown {', '.join(unknown) or '(none given)'}; the paper suite has {', '.join(PAPER_SIZES)}"
+                )
             sizes = {m: PAPER_SIZES[m] for m in wanted}
         scenarios = paper_suite(sizes)
     elif suite == "bench":
@@ -358,11 +418,18 @@ def simulate(
     results = [run(s, costs) for s in scenarios]
     console.print(report.costs_table(costs))
     console.print(report.results_table(results, f"simulated stall, suite {suite}"))
-    data = {"suite": suite, "costs": costs.model_dump(), "results": [r.to_json() for r in results], **report.summary(results)}
+    data = {
+        "suite": suite,
+        "costs": costs.model_dump(),
+        "results": [r.to_json() for r in results],
+        **report.summary(results),
+    }
     if data["median_ratio"] is None:
         raise UserError("no scenario to simulate")
-    console.print(f"median ratio {data['median_ratio']:.2f}x (range {data['min_ratio']:.2f}x-{data['max_ratio']:.2f}x); by scenario: "
-                  + ", ".join(f"{k} {v:.2f}x" for k, v in data["median_ratio_by_scenario"].items()))
+    console.print(
+        f"median ratio {data['median_ratio']:.2f}x (range {data['min_ratio']:.2f}x-{data['max_ratio']:.2f}x); by scenario: "
+        + ", ".join(f"{k} {v:.2f}x" for k, v in data["median_ratio_by_scenario"].items())
+    )
     failed = []
     if measured_data is not None:
         table, rows = report.compare(results, measured_data, tolerance)
@@ -388,13 +455,18 @@ def _open_store(rdzv_backend, rdzv_endpoint, rdzv_id, ca_cert, cert, key, user, 
 
     backend = rdzv_backend.lower()
     if backend in ("etcd", "etcd-v2", "etcd-v3"):
-        return EtcdStore(EtcdOptions(endpoint=rdzv_endpoint, ca_cert=ca_cert, cert_key=key, cert_cert=cert, user=user, password=password), rdzv_id)
+        return EtcdStore(
+            EtcdOptions(
+                endpoint=rdzv_endpoint, ca_cert=ca_cert, cert_key=key, cert_cert=cert, user=user, password=password
+            ),
+            rdzv_id,
+        )
     if backend in ("embedded", "c10d", "static"):
         return EmbeddedStore(rdzv_endpoint, rdzv_id)
     raise UserError(f"--rdzv-backend {rdzv_backend!r}: use etcd-v3 or embedded")
 
 
-def migration_table(m, title: str = "last migration") -> "Table":
+def migration_table(m, title: str = "last migration") -> Table:
     """One migration record: what changed, what moved, and where the stall went."""
     from rich.table import Table
 
@@ -406,11 +478,17 @@ def migration_table(m, title: str = "last migration") -> "Table":
     if m.senders or m.lost:
         table.add_row("departed / lost devices", f"{', '.join(m.senders) or '-'} / {', '.join(m.lost) or '-'}")
     table.add_row("state", _mb(m.state_bytes))
-    table.add_row("moved", f"{_mb(m.bytes_moved)} (intra-node {_mb(m.bytes_moved_intra_node)}, inter-node {_mb(m.bytes_moved_inter_node)}); "
-                           f"kept in place {_mb(m.bytes_reused)}")
+    table.add_row(
+        "moved",
+        f"{_mb(m.bytes_moved)} (intra-node {_mb(m.bytes_moved_intra_node)}, inter-node {_mb(m.bytes_moved_inter_node)}); "
+        f"kept in place {_mb(m.bytes_reused)}",
+    )
     table.add_row("a checkpoint would move", f"{_mb(m.checkpoint_bytes)} (write once, every new rank reads its shards)")
-    table.add_row("stall", f"{m.total_stall_s:.3f} s: detect {m.detect_s:.3f}, agree {m.agree_s:.3f}, rebuild {m.rebuild_s:.3f}, "
-                           f"plan {m.plan_s:.3f}, transfer {m.transfer_s:.3f}")
+    table.add_row(
+        "stall",
+        f"{m.total_stall_s:.3f} s: detect {m.detect_s:.3f}, agree {m.agree_s:.3f}, rebuild {m.rebuild_s:.3f}, "
+        f"plan {m.plan_s:.3f}, transfer {m.transfer_s:.3f}",
+    )
     return table
 
 

@@ -32,9 +32,20 @@ def model_options(model_cls: type[BaseModel], dest: str, panel: str | None = Non
         params = [p for p in sig.parameters.values() if p.name != dest]
         for name, field in fields.items():
             default = f"{field.default:g}" if isinstance(field.default, (int, float)) else "none"
-            option = typer.Option(flag_name(name), help=f"{field.description} (default {default})", show_default=False, rich_help_panel=panel)
-            params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None,
-                                            annotation=Annotated[_value_type(field.annotation) | None, option]))
+            option = typer.Option(
+                flag_name(name),
+                help=f"{field.description} (default {default})",
+                show_default=False,
+                rich_help_panel=panel,
+            )
+            params.append(
+                inspect.Parameter(
+                    name,
+                    inspect.Parameter.KEYWORD_ONLY,
+                    default=None,
+                    annotation=Annotated[_value_type(field.annotation) | None, option],
+                )
+            )
 
         @functools.wraps(fn)
         def command(*args: Any, **kwargs: Any) -> Any:
@@ -56,7 +67,9 @@ def _value_type(annotation: Any) -> Any:
     return annotation
 
 
-def build_model(model_cls: type[BaseModel], values: dict[str, Any], source: str = "", names: Mapping[str, str] | None = None) -> BaseModel:
+def build_model(
+    model_cls: type[BaseModel], values: dict[str, Any], source: str = "", names: Mapping[str, str] | None = None
+) -> BaseModel:
     """``model_cls(**values)``; a rejected value raises :class:`OptionsError` naming its flag
     (``names``: field -> how the user set it, e.g. ``--rdzv-conf lease_ttl``; default ``--field-name``)."""
     try:

@@ -47,7 +47,11 @@ def summary_table(plan: MigrationPlan) -> Table:
         ("lower bound", fmt_bytes(plan.lower_bound_bytes), "no placement moves less"),
         ("naive placement moves", fmt_bytes(plan.naive_bytes_moved), "new rank r on the r-th device"),
         ("checkpoint way moves", fmt_bytes(plan.checkpoint_bytes), "write all + read every new shard"),
-        ("messages / rounds", f"{plan.num_messages} / {plan.num_rounds}", f"mem cap {fmt_bytes(plan.mem_cap_bytes)} per device and round"),
+        (
+            "messages / rounds",
+            f"{plan.num_messages} / {plan.num_rounds}",
+            f"mem cap {fmt_bytes(plan.mem_cap_bytes)} per device and round",
+        ),
         ("estimated seconds (ETC)", f"{plan.estimated_seconds:.3f}", "bandwidth model"),
         ("estimated seconds (checkpoint)", f"{plan.checkpoint_estimated_seconds:.3f}", "save + restart + load"),
         ("plan seconds", f"{plan.plan_seconds:.3f}", "time to compute this plan"),
@@ -57,25 +61,43 @@ def summary_table(plan: MigrationPlan) -> Table:
     if domains is not None:
         worst = domains["worst_node_loss"]
         rows += [
-            ("shards with one failure domain", str(domains["single_domain_shards"]),
-             f"{fmt_bytes(domains['single_domain_bytes'])} with every copy in one node"
-             + (f" ({fmt_bytes(domains['unavoidable_single_domain_bytes'])} held once: ZeRO ranges, dp=1)"
-                if domains["unavoidable_single_domain_bytes"] else "")),
+            (
+                "shards with one failure domain",
+                str(domains["single_domain_shards"]),
+                f"{fmt_bytes(domains['single_domain_bytes'])} with every copy in one node"
+                + (
+                    f" ({fmt_bytes(domains['unavoidable_single_domain_bytes'])} held once: ZeRO ranges, dp=1)"
+                    if domains["unavoidable_single_domain_bytes"]
+                    else ""
+                ),
+            ),
         ]
         if worst is not None and domains["num_nodes"] > 1:
-            rows.append(("worst single node loss", f"{fmt_bytes(worst['bytes_lost'])} lost",
-                         f"{worst['node']}: {fmt_bytes(worst['bytes_from_peers'])} from peers"))
+            rows.append(
+                (
+                    "worst single node loss",
+                    f"{fmt_bytes(worst['bytes_lost'])} lost",
+                    f"{worst['node']}: {fmt_bytes(worst['bytes_from_peers'])} from peers",
+                )
+            )
             losing = [n for n in domains["node_loss"] if n["bytes_lost"]]
             for node in losing[:MAX_NODE_LOSS_ROWS]:
-                rows.append((f"  loss of {node['node']}", f"{fmt_bytes(node['bytes_lost'])} lost", "only a checkpoint has it"))
+                rows.append(
+                    (f"  loss of {node['node']}", f"{fmt_bytes(node['bytes_lost'])} lost", "only a checkpoint has it")
+                )
             if len(losing) > MAX_NODE_LOSS_ROWS:
                 rows.append(("", f"{len(losing) - MAX_NODE_LOSS_ROWS} more nodes", "see --json node_loss"))
     advice = plan.resilient_alternative
     if advice is not None:
-        rows.append(("resilient placement would move", fmt_bytes(advice["bytes_moved"]),
-                     f"+{fmt_bytes(advice['extra_bytes_moved'])}; then a node loss loses "
-                     f"{fmt_bytes(advice['worst_node_loss']['bytes_lost'] if advice['worst_node_loss'] else 0)} "
-                     "(--placement resilient applies it)"))
+        rows.append(
+            (
+                "resilient placement would move",
+                fmt_bytes(advice["bytes_moved"]),
+                f"+{fmt_bytes(advice['extra_bytes_moved'])}; then a node loss loses "
+                f"{fmt_bytes(advice['worst_node_loss']['bytes_lost'] if advice['worst_node_loss'] else 0)} "
+                "(--placement resilient applies it)",
+            )
+        )
     if plan.failed:
         rows.insert(0, ("failed devices", str(len(plan.failed)), ", ".join(map(str, plan.failed[:8]))))
     for row in rows:

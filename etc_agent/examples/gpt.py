@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 
@@ -31,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import etc_agent
@@ -96,7 +95,9 @@ def init_weights(module: nn.Module, seed: int) -> None:
     """Every parameter from its own generator seeded by its global name: identical in every layout."""
     with torch.no_grad():
         for name, p in module.named_parameters():
-            g = torch.Generator().manual_seed(seed * 1_000_003 + sum(ord(c) * 31**i for i, c in enumerate(name)) % (1 << 31))
+            g = torch.Generator().manual_seed(
+                seed * 1_000_003 + sum(ord(c) * 31**i for i, c in enumerate(name)) % (1 << 31)
+            )
             if name.endswith("bias"):
                 p.zero_()
             elif "ln" in name or "norm" in name:
@@ -116,8 +117,16 @@ class ShardedAdamW(torch.optim.Optimizer):
     result is the same whatever the layout.
     """
 
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], lr: float, betas=(0.9, 0.95), eps=1e-8,
-                 weight_decay=0.01, ctx: etc_agent.ParallelContext | None = None, zero_state: bool = True):
+    def __init__(
+        self,
+        named_params: list[tuple[str, nn.Parameter]],
+        lr: float,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        weight_decay=0.01,
+        ctx: etc_agent.ParallelContext | None = None,
+        zero_state: bool = True,
+    ):
         params = [p for _, p in named_params]
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         # The context, not its group: holding a group object would keep its connections open after
@@ -175,7 +184,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             # fails all ranks here, so no dp group steps while another cannot.
             dist.all_reduce(torch.zeros(1))
         # Commit only after every collective completed: a failure above leaves the state at the last step.
-        for i, (p, state, local, new_x, new_m, new_v, m, v, step) in enumerate(pending):
+        for i, (_p, state, local, new_x, new_m, new_v, m, v, step) in enumerate(pending):
             if gathered is None:
                 local.copy_(new_x)
             else:
@@ -211,7 +220,11 @@ class ShardedAdamW(torch.optim.Optimizer):
 
 
 def _storage(value):
-    return value.tensor if hasattr(value, "flat_range") else (value.to_local() if isinstance(value, DTensor) else value).view(-1)
+    return (
+        value.tensor
+        if hasattr(value, "flat_range")
+        else (value.to_local() if isinstance(value, DTensor) else value).view(-1)
+    )
 
 
 def etc_agent_boxed(tensor: torch.Tensor, param: nn.Parameter, flat_range: tuple[int, int]):
@@ -262,13 +275,24 @@ def make_build(args: argparse.Namespace):
             if cfg.zero:
                 raise ValueError("--optimizer torch has no ZeRO-1 split; use the default optimizer with zero=1")
             # Parameters mix DTensors (TP-split) and plain tensors (norms): no foreach kernels.
-            optim = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, foreach=False)
+            optim = torch.optim.AdamW(
+                model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, foreach=False
+            )
         else:
-            optim = ShardedAdamW(list(model.named_parameters()), lr=args.lr, weight_decay=args.weight_decay,
-                                 ctx=ctx if cfg.zero else None, zero_state=not ctx.restoring)
+            optim = ShardedAdamW(
+                list(model.named_parameters()),
+                lr=args.lr,
+                weight_decay=args.weight_decay,
+                ctx=ctx if cfg.zero else None,
+                zero_state=not ctx.restoring,
+            )
         warmup = max(1, args.steps // 10)
         sched = torch.optim.lr_scheduler.LambdaLR(
-            optim, lambda s: min(1.0, (s + 1) / warmup) * (0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)) * 0.9 + 0.1)
+            optim,
+            lambda s: (
+                min(1.0, (s + 1) / warmup)
+                * (0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)) * 0.9 + 0.1)
+            ),
         )
         return {"model": model, "optim": optim, "sched": sched}
 
@@ -343,7 +367,11 @@ def elementwise_step(job: etc_agent.Job) -> None:
     for p in model.parameters():
         local = p.to_local() if isinstance(p, DTensor) else p
         g = torch.sin(local.detach() * 3.0 + 0.5) * 0.01
-        p.grad = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()) if isinstance(p, DTensor) else g
+        p.grad = (
+            DTensor.from_local(g, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+            if isinstance(p, DTensor)
+            else g
+        )
     optim.step()
     sched.step()
 
@@ -352,7 +380,9 @@ def elementwise_step(job: etc_agent.Job) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--stop-at", type=int, default=None, help="Stop before this step (the LR schedule still spans --steps).")
+    ap.add_argument(
+        "--stop-at", type=int, default=None, help="Stop before this step (the LR schedule still spans --steps)."
+    )
     ap.add_argument("--global-batch", type=int, default=12, help="Sequences per step, whatever dp is.")
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=64)
@@ -365,14 +395,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--weight-decay", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--parallel", default="tp=1,pp=1,dp=auto", help="Layout when etcrun --parallel does not give one.")
-    ap.add_argument("--optimizer", choices=("sharded", "torch"), default="sharded",
-                    help="sharded: this file's AdamW (ZeRO-1 capable); torch: torch.optim.AdamW (zero=0 only).")
+    ap.add_argument(
+        "--optimizer",
+        choices=("sharded", "torch"),
+        default="sharded",
+        help="sharded: this file's AdamW (ZeRO-1 capable); torch: torch.optim.AdamW (zero=0 only).",
+    )
     ap.add_argument("--elementwise", action="store_true", help="Layout-independent update (for bitwise state checks).")
     ap.add_argument("--step-delay", type=float, default=0.0, help="Seconds to sleep per step (to watch a run).")
-    ap.add_argument("--slow-while", default=None, metavar="FILE",
-                    help="While FILE exists, the steps from the number it holds on sleep --slow-step-delay instead (a "
-                         "test keeps the run from ending before a membership event has taken effect, however long a "
-                         "busy machine takes).")
+    ap.add_argument(
+        "--slow-while",
+        default=None,
+        metavar="FILE",
+        help="While FILE exists, the steps from the number it holds on sleep --slow-step-delay instead (a "
+        "test keeps the run from ending before a membership event has taken effect, however long a "
+        "busy machine takes).",
+    )
     ap.add_argument("--slow-step-delay", type=float, default=4.0)
     ap.add_argument("--loss-log", default=None, help="Append {step, loss, ...} JSON lines here.")
     ap.add_argument("--dump-state", default=None, help="At the end, save the full unsharded state here (torch.save).")
@@ -411,8 +449,14 @@ def main(argv: list[str] | None = None) -> None:
         else:
             loss = train_step(job, args, step)
         if loss is not None:
-            record = {"step": step, "loss": loss, "config": job.ctx.config.short(), "generation": job.ctx.generation,
-                      "step_s": round(time.perf_counter() - started, 4), "wall": round(time.time(), 4)}
+            record = {
+                "step": step,
+                "loss": loss,
+                "config": job.ctx.config.short(),
+                "generation": job.ctx.generation,
+                "step_s": round(time.perf_counter() - started, 4),
+                "wall": round(time.time(), 4),
+            }
             print(json.dumps(record), flush=True)
             if args.loss_log:
                 with open(args.loss_log, "a") as f:

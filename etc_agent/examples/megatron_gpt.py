@@ -47,25 +47,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--bf16", action="store_true", help="bf16 parameters, fp32 main parameters in the optimizer")
-    parser.add_argument("--no-distributed-optimizer", dest="distributed_optimizer", action="store_false",
-                        help="replicate the optimizer state across dp instead of sharding it")
-    parser.add_argument("--parallel", default=None, help="default parallel spec when etcrun gives none (tp=1,pp=1,dp=auto)")
-    parser.add_argument("--step-delay", type=float, default=0.0, help="seconds to sleep per step (tests pace membership events)")
-    parser.add_argument("--slow-while", default=None, metavar="FILE",
-                        help="while FILE exists, the steps from the number it holds on sleep --slow-step-delay instead "
-                             "(a test keeps the run from ending before a membership event has taken effect)")
+    parser.add_argument(
+        "--no-distributed-optimizer",
+        dest="distributed_optimizer",
+        action="store_false",
+        help="replicate the optimizer state across dp instead of sharding it",
+    )
+    parser.add_argument(
+        "--parallel", default=None, help="default parallel spec when etcrun gives none (tp=1,pp=1,dp=auto)"
+    )
+    parser.add_argument(
+        "--step-delay", type=float, default=0.0, help="seconds to sleep per step (tests pace membership events)"
+    )
+    parser.add_argument(
+        "--slow-while",
+        default=None,
+        metavar="FILE",
+        help="while FILE exists, the steps from the number it holds on sleep --slow-step-delay instead "
+        "(a test keeps the run from ending before a membership event has taken effect)",
+    )
     parser.add_argument("--slow-step-delay", type=float, default=4.0)
     parser.add_argument("--loss-log", default=None, help="rank 0 appends {step, loss, layout} JSON lines here")
-    parser.add_argument("--dump-state", default=None, help="rank 0 saves the whole state, unsharded, here after the last step")
-    parser.add_argument("--digest-log", default=None,
-                        help="rank 0 appends a digest of the whole state before and after every step here (JSON lines): "
-                             "a migration between two steps must not change it")
+    parser.add_argument(
+        "--dump-state", default=None, help="rank 0 saves the whole state, unsharded, here after the last step"
+    )
+    parser.add_argument(
+        "--digest-log",
+        default=None,
+        help="rank 0 appends a digest of the whole state before and after every step here (JSON lines): "
+        "a migration between two steps must not change it",
+    )
     return parser.parse_args(argv)
 
 
 def make_build(args: argparse.Namespace):
     def build(ctx) -> dict:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.models.gpt import GPTModel
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.transformer import TransformerConfig
@@ -74,28 +95,50 @@ def make_build(args: argparse.Namespace):
         on_cpu = ctx.device.type == "cpu"
         dtype = torch.bfloat16 if args.bf16 else torch.float32
         config = TransformerConfig(
-            num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-            num_query_groups=args.query_groups, ffn_hidden_size=args.ffn, gated_linear_unit=True,
-            add_bias_linear=False, normalization="RMSNorm", hidden_dropout=0.0, attention_dropout=0.0,
-            tensor_model_parallel_size=ctx.tp, pipeline_model_parallel_size=ctx.pp,
-            pipeline_dtype=dtype, params_dtype=dtype, bf16=args.bf16,
-            use_cpu_initialization=on_cpu, perform_initialization=not ctx.restoring,
+            num_layers=args.layers,
+            hidden_size=args.hidden,
+            num_attention_heads=args.heads,
+            num_query_groups=args.query_groups,
+            ffn_hidden_size=args.ffn,
+            gated_linear_unit=True,
+            add_bias_linear=False,
+            normalization="RMSNorm",
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            tensor_model_parallel_size=ctx.tp,
+            pipeline_model_parallel_size=ctx.pp,
+            pipeline_dtype=dtype,
+            params_dtype=dtype,
+            bf16=args.bf16,
+            use_cpu_initialization=on_cpu,
+            perform_initialization=not ctx.restoring,
         )
         model = GPTModel(
-            config, _layer_spec(on_cpu), vocab_size=args.vocab, max_sequence_length=args.seq,
-            pre_process=ctx.pp_rank == 0, post_process=ctx.pp_rank == ctx.pp - 1,
+            config,
+            _layer_spec(on_cpu),
+            vocab_size=args.vocab,
+            max_sequence_length=args.seq,
+            pre_process=ctx.pp_rank == 0,
+            post_process=ctx.pp_rank == ctx.pp - 1,
             share_embeddings_and_output_weights=False,
         )
         config.finalize_model_grads_func = finalize_model_grads  # dp gradient reduction after the schedule
         if not on_cpu:
             model.cuda(ctx.device)
-        ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=args.distributed_optimizer, grad_reduce_in_fp32=True)
+        ddp_config = DistributedDataParallelConfig(
+            use_distributed_optimizer=args.distributed_optimizer, grad_reduce_in_fp32=True
+        )
         chunks = [DistributedDataParallel(config, ddp_config, model)]
         if not ctx.restoring:
             init_weights(chunks, args.seed)  # before the optimizer copies them into its main parameters
         optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=0.01, bf16=args.bf16,
-                            use_distributed_optimizer=args.distributed_optimizer),
+            OptimizerConfig(
+                optimizer="adam",
+                lr=args.lr,
+                weight_decay=0.01,
+                bf16=args.bf16,
+                use_distributed_optimizer=args.distributed_optimizer,
+            ),
             chunks,
         )
         return {"model": chunks, "optimizer": optimizer}
@@ -171,8 +214,13 @@ def train_step(args: argparse.Namespace, job, step: int) -> float | None:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     losses = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=micro, model=chunks, num_microbatches=num_micro,
-        seq_length=args.seq, micro_batch_size=args.micro_batch, forward_only=False,
+        forward_step_func=forward_step,
+        data_iterator=micro,
+        model=chunks,
+        num_microbatches=num_micro,
+        seq_length=args.seq,
+        micro_batch_size=args.micro_batch,
+        forward_only=False,
     )
     optimizer.step()
     if ctx.pp_rank != ctx.pp - 1:
@@ -200,7 +248,10 @@ def _append(path: str | None, record: dict) -> None:
 def _log_digest(args: argparse.Namespace, job, step: int, when: str) -> None:
     full = job.gather_state()  # every rank takes part
     if full is not None:
-        _append(args.digest_log, {"step": step, "when": when, "digest": state_digest(full), "layout": job.ctx.config.short()})
+        _append(
+            args.digest_log,
+            {"step": step, "when": when, "digest": state_digest(full), "layout": job.ctx.config.short()},
+        )
 
 
 def compare_digests(path: str | os.PathLike) -> tuple[list[tuple[str, str]], list[str]]:
@@ -220,8 +271,10 @@ def compare_digests(path: str | os.PathLike) -> tuple[list[tuple[str, str]], lis
             if before["layout"] != record["layout"]:
                 crossings.append((before["layout"], record["layout"]))
             if before["digest"] != record["digest"]:
-                mismatches.append(f"step {record['step']}: state differs from the end of the step before "
-                                  f"({before['layout']} -> {record['layout']})")
+                mismatches.append(
+                    f"step {record['step']}: state differs from the end of the step before "
+                    f"({before['layout']} -> {record['layout']})"
+                )
     return crossings, mismatches
 
 

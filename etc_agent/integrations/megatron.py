@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -109,7 +110,9 @@ def model_tensors(model: Any) -> tuple[dict[str, BoxedTensor], dict[tuple, Param
             if data is None:
                 raise ValueError(f"{key}: a ShardedTensor without data cannot be migrated")
             if key in tensors:
-                raise ValueError(f"{key}: two local boxes of one tensor on this rank ({tensors[key].offsets} and {offsets})")
+                raise ValueError(
+                    f"{key}: two local boxes of one tensor on this rank ({tensors[key].offsets} and {offsets})"
+                )
             view = data.detach()
             view = view.view(lengths) if tuple(view.shape) != lengths else view
             tensors[key] = BoxedTensor(view, global_shape, offsets, lengths)
@@ -125,15 +128,19 @@ def _unprepend(sh: Any) -> tuple[str, tuple[tuple[int, ...], tuple[int, ...], tu
     """``(key with prepended offsets, (global shape, offsets, lengths, data))`` without prepended axes."""
     prepend = sh.prepend_axis_num
     if getattr(sh, "flattened_range", None) is not None:
-        raise ValueError(f"{sh.key}: a flattened ShardedTensor (distributed-optimizer checkpoint format) is not a model "
-                         "tensor; pass the optimizer itself in the app state")
+        raise ValueError(
+            f"{sh.key}: a flattened ShardedTensor (distributed-optimizer checkpoint format) is not a model "
+            "tensor; pass the optimizer itself in the app state"
+        )
     key = sh.key + "".join(f"[{offset}]" for offset in sh.global_offset[:prepend])
     global_shape = tuple(sh.global_shape[prepend:])
     offsets = tuple(sh.global_offset[prepend:])
     lengths = tuple(sh.local_shape)
     if len(global_shape) != len(lengths):
-        raise ValueError(f"{sh.key}: local shape {lengths} does not match global shape {global_shape} without "
-                         f"{prepend} prepended axes")
+        raise ValueError(
+            f"{sh.key}: local shape {lengths} does not match global shape {global_shape} without "
+            f"{prepend} prepended axes"
+        )
     if not global_shape:  # a scalar: a one-element box
         global_shape, offsets, lengths = (1,), (0,), (1,)
     return key, (global_shape, offsets, lengths, sh.data)
@@ -162,14 +169,20 @@ def _fold(key: str, data: torch.Tensor, boxes: list) -> tuple[str, tuple]:
     axis = axes[0]
     part = global_shape[axis] // count
     starts = [o[axis] for o in offsets]
-    if sorted(starts) != starts or any(s - starts[0] != i * part for i, s in enumerate(starts)) or starts[0] + local[axis] > part:
+    if (
+        sorted(starts) != starts
+        or any(s - starts[0] != i * part for i, s in enumerate(starts))
+        or starts[0] + local[axis] > part
+    ):
         raise ValueError(f"{out_key}: boxes along axis {axis} at {starts} are not one box per part of {part}")
-    stacked = local[:axis] + (count * local[axis],) + local[axis + 1:]
+    stacked = local[:axis] + (count * local[axis],) + local[axis + 1 :]
     if tuple(data.shape) != stacked or not data.is_contiguous():
-        raise ValueError(f"{out_key}: local tensor {tuple(data.shape)} is not the {count} boxes {local} stacked on axis {axis}")
-    folded_shape = global_shape[:axis] + (count, part) + global_shape[axis + 1:]
-    folded_offsets = offsets[0][:axis] + (0, starts[0]) + offsets[0][axis + 1:]
-    folded_lengths = local[:axis] + (count, local[axis]) + local[axis + 1:]
+        raise ValueError(
+            f"{out_key}: local tensor {tuple(data.shape)} is not the {count} boxes {local} stacked on axis {axis}"
+        )
+    folded_shape = global_shape[:axis] + (count, part) + global_shape[axis + 1 :]
+    folded_offsets = offsets[0][:axis] + (0, starts[0]) + offsets[0][axis + 1 :]
+    folded_lengths = local[:axis] + (count, local[axis]) + local[axis + 1 :]
     return out_key, (folded_shape, folded_offsets, folded_lengths, data)
 
 
@@ -191,13 +204,17 @@ def optimizer_tensors(optimizer: Any, params: Mapping[tuple, ParamBox]) -> dict[
     out: dict[str, BoxedTensor] = {}
     for opt in _inner_optimizers(optimizer):
         if getattr(getattr(opt, "config", None), "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False):
-            raise ValueError("Megatron's precision-aware optimizer keeps its state scaled and gives copies of it; "
-                             "it cannot be migrated in place (set use_precision_aware_optimizer=False)")
+            raise ValueError(
+                "Megatron's precision-aware optimizer keeps its state scaled and gives copies of it; "
+                "it cannot be migrated in place (set use_precision_aware_optimizer=False)"
+            )
         for model_param, main_param, state, flat in _param_states(opt, isinstance(opt, DistributedOptimizer)):
             box = params.get(tensor_id(model_param))
             if box is None:
-                raise ValueError(f"an optimizer parameter of shape {tuple(model_param.shape)} is not in any Megatron model "
-                                 "of the app state (put the model chunks the optimizer was built for in the app state)")
+                raise ValueError(
+                    f"an optimizer parameter of shape {tuple(model_param.shape)} is not in any Megatron model "
+                    "of the app state (put the model chunks the optimizer was built for in the app state)"
+                )
             tensors = {"param": main_param, **{k: v for k, v in state.items() if k != "step"}}
             for name, tensor in tensors.items():
                 if not isinstance(tensor, torch.Tensor):
@@ -206,7 +223,9 @@ def optimizer_tensors(optimizer: Any, params: Mapping[tuple, ParamBox]) -> dict[
                     continue  # the model's box already carries these elements
                 expected = (flat[1] - flat[0]) if flat else math.prod(box.lengths)
                 if tensor.numel() != expected:
-                    raise ValueError(f"{box.key}: optimizer state {name} has {tensor.numel()} elements, expected {expected}")
+                    raise ValueError(
+                        f"{box.key}: optimizer state {name} has {tensor.numel()} elements, expected {expected}"
+                    )
                 data = tensor.detach()
                 key = f"{name}.{box.key}"
                 if key in out:
@@ -218,7 +237,9 @@ def optimizer_tensors(optimizer: Any, params: Mapping[tuple, ParamBox]) -> dict[
     return out
 
 
-def _param_states(opt: Any, distributed: bool) -> Iterable[tuple[torch.Tensor, torch.Tensor, dict, tuple[int, int] | None]]:
+def _param_states(
+    opt: Any, distributed: bool
+) -> Iterable[tuple[torch.Tensor, torch.Tensor, dict, tuple[int, int] | None]]:
     """``(model param, main param, optimizer state, flat range or None)`` for every parameter of one optimizer."""
     inner = opt.optimizer
     if distributed:
@@ -283,14 +304,24 @@ def optimizer_plain(optimizer: Any, path: str) -> dict:
         inner = getattr(opt, "optimizer", None)
         settings = []
         for gi, group in enumerate(inner.param_groups if inner is not None else []):
-            settings.append({k: to_json(v, f"{path}[{i}].param_groups[{gi}].{k}") for k, v in group.items()
-                             if k != "params" and _jsonable(v)})
+            settings.append(
+                {
+                    k: to_json(v, f"{path}[{i}].param_groups[{gi}].{k}")
+                    for k, v in group.items()
+                    if k != "params" and _jsonable(v)
+                }
+            )
             for p in group["params"]:
                 step = inner.state.get(p, {}).get("step")
                 if step is not None:
                     steps.add(float(step))
         scaler = getattr(opt, "grad_scaler", None)
-        groups.append({"param_groups": settings, "grad_scaler": to_json(scaler.state_dict(), f"{path}[{i}].grad_scaler") if scaler else None})
+        groups.append(
+            {
+                "param_groups": settings,
+                "grad_scaler": to_json(scaler.state_dict(), f"{path}[{i}].grad_scaler") if scaler else None,
+            }
+        )
     if len(steps) > 1:
         raise ValueError(f"{path}: parameters of one optimizer are at different steps ({sorted(steps)})")
     return {"optimizers": groups, "step": steps.pop() if steps else None}
@@ -309,7 +340,9 @@ def load_optimizer_plain(optimizer: Any, plain: Mapping[str, Any]) -> None:
 
     optimizers = _inner_optimizers(optimizer)
     if len(optimizers) != len(plain["optimizers"]):
-        raise ValueError(f"the new Megatron optimizer chains {len(optimizers)} optimizers, the migrating one {len(plain['optimizers'])}")
+        raise ValueError(
+            f"the new Megatron optimizer chains {len(optimizers)} optimizers, the migrating one {len(plain['optimizers'])}"
+        )
     step = plain["step"]
     for opt, saved in zip(optimizers, plain["optimizers"]):
         inner = getattr(opt, "optimizer", None)
@@ -341,16 +374,23 @@ def initialize_model_parallel(ctx: Any, seed: int | None = None, **kwargs: Any) 
 
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
         if name in kwargs:
-            raise ValueError(f"{name} comes from the job's parallel configuration ({ctx.config.short()}); do not pass it")
+            raise ValueError(
+                f"{name} comes from the job's parallel configuration ({ctx.config.short()}); do not pass it"
+            )
     for name in ("context_parallel_size", "expert_model_parallel_size"):
         if kwargs.get(name, 1) != 1:
             raise ValueError(f"{name}={kwargs[name]}: etc_agent lays out tp, pp and dp only")
     destroy_model_parallel()
     timeout_s = getattr(ctx, "timeout_s", None) or 1800.0
     kwargs.setdefault("distributed_timeout_minutes", max(1, math.ceil(timeout_s / 60)))
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=ctx.tp, pipeline_model_parallel_size=ctx.pp, **kwargs)
-    found = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank(),
-             parallel_state.get_data_parallel_rank())
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=ctx.tp, pipeline_model_parallel_size=ctx.pp, **kwargs
+    )
+    found = (
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_data_parallel_rank(),
+    )
     assert found == (ctx.tp_rank, ctx.pp_rank, ctx.dp_rank), (
         f"Megatron placed rank {ctx.rank} at (tp, pp, dp) {found}, the job at {(ctx.tp_rank, ctx.pp_rank, ctx.dp_rank)}"
     )

@@ -53,7 +53,9 @@ class ParallelConfig(BaseModel):
                 continue
             name, sep, raw = item.partition("=")
             if not sep or name not in _FIELDS:
-                raise ValueError(f"bad parallel config {text!r}: expected items like tp=4,pp=2,dp=2,zero=1, got {item!r}")
+                raise ValueError(
+                    f"bad parallel config {text!r}: expected items like tp=4,pp=2,dp=2,zero=1, got {item!r}"
+                )
             if name in values:
                 raise ValueError(f"bad parallel config {text!r}: {name} given twice")
             try:
@@ -102,14 +104,10 @@ class ParallelConfig(BaseModel):
         return [list(range(start, start + self.tp)) for start in range(0, self.world_size, self.tp)]
 
     def dp_groups(self) -> list[list[int]]:
-        return [
-            [self.rank(pp, dp, tp) for dp in range(self.dp)] for pp in range(self.pp) for tp in range(self.tp)
-        ]
+        return [[self.rank(pp, dp, tp) for dp in range(self.dp)] for pp in range(self.pp) for tp in range(self.tp)]
 
     def pp_groups(self) -> list[list[int]]:
-        return [
-            [self.rank(pp, dp, tp) for pp in range(self.pp)] for dp in range(self.dp) for tp in range(self.tp)
-        ]
+        return [[self.rank(pp, dp, tp) for pp in range(self.pp)] for dp in range(self.dp) for tp in range(self.tp)]
 
 
 def _first_error(err: Exception) -> str:

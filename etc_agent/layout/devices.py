@@ -8,8 +8,8 @@ local indices ``n0:[0-2,4-7]`` when some devices of a node are missing. A device
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable, Iterator
 
 _NODE_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 

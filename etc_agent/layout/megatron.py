@@ -86,7 +86,13 @@ def model_tensors(spec: ModelSpec, pp: int) -> list[tuple[str, TensorKind, tuple
     embed_stages = (first, last) if spec.tied_embeddings and pp > 1 else (first,)
     out.append(("embedding.word_embeddings.weight", TensorKind("weight", (v, h), 0), embed_stages))
     if spec.position_embedding_type == "learned":
-        out.append(("embedding.position_embeddings.weight", TensorKind("weight", (spec.max_position_embeddings, h), None), (first,)))
+        out.append(
+            (
+                "embedding.position_embeddings.weight",
+                TensorKind("weight", (spec.max_position_embeddings, h), None),
+                (first,),
+            )
+        )
     kinds = layer_tensors(spec)
     for stage in range(pp):
         for layer in stage_layers(spec.num_layers, pp, stage):
@@ -148,7 +154,7 @@ def _geometry(kind: TensorKind, tp: int, dp: int, zero_split: bool) -> Geometry:
             lengths = tuple(length if d == kind.split_dim else n for d, n in enumerate(kind.shape))
             boxes.append((offsets, lengths))
     if not zero_split:
-        return Geometry(kind.shape, [(o, l, None) for o, l in boxes])
+        return Geometry(kind.shape, [(o, n, None) for o, n in boxes])
     shard_boxes = []
     for offsets, lengths in boxes:
         numel = int(np.prod(lengths))

@@ -10,7 +10,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from etc_agent.layout.config import ParallelConfig, _first_error
 
-DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4, "uint8": 1, "int8": 1, "bool": 1}
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "float64": 8,
+    "int64": 8,
+    "int32": 4,
+    "uint8": 1,
+    "int8": 1,
+    "bool": 1,
+}
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 
 
@@ -35,7 +45,9 @@ class ModelSpec(BaseModel):
     num_query_groups: int | None = Field(
         None, ge=1, description="Key/value heads (GQA); None means one per query head (plain multi-head attention)."
     )
-    kv_channels: int | None = Field(None, ge=1, description="Per-head width; None means hidden_size / num_attention_heads.")
+    kv_channels: int | None = Field(
+        None, ge=1, description="Per-head width; None means hidden_size / num_attention_heads."
+    )
     ffn_hidden_size: int = Field(ge=1, description="MLP inner width (per branch when gated).")
     vocab_size: int = Field(ge=1, description="Tokenizer vocabulary before padding.")
     make_vocab_size_divisible_by: int = Field(
@@ -43,10 +55,15 @@ class ModelSpec(BaseModel):
     )
     max_position_embeddings: int = Field(2048, ge=1, description="Rows of the learned position table (if any).")
     position_embedding_type: Literal["learned", "rope"] = Field(
-        "learned", description="'learned' adds a replicated position table on the first stage; 'rope' has no parameters."
+        "learned",
+        description="'learned' adds a replicated position table on the first stage; 'rope' has no parameters.",
     )
-    normalization: Literal["layernorm", "rmsnorm"] = Field("layernorm", description="LayerNorm has weight and bias, RMSNorm weight only.")
-    add_bias_linear: bool = Field(True, description="Biases on the QKV, projection and MLP linears (GPT yes, Llama no).")
+    normalization: Literal["layernorm", "rmsnorm"] = Field(
+        "layernorm", description="LayerNorm has weight and bias, RMSNorm weight only."
+    )
+    add_bias_linear: bool = Field(
+        True, description="Biases on the QKV, projection and MLP linears (GPT yes, Llama no)."
+    )
     gated_mlp: bool = Field(False, description="SwiGLU: FC1 holds gate and up projections, stored as [2, ffn, hidden].")
     tied_embeddings: bool = Field(
         True,
@@ -67,7 +84,9 @@ class ModelSpec(BaseModel):
     def _check(self) -> ModelSpec:
         groups = self.query_groups
         if self.num_attention_heads % groups:
-            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of num_query_groups={groups}")
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of num_query_groups={groups}"
+            )
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size={self.hidden_size} is not a multiple of num_attention_heads={self.num_attention_heads}; set kv_channels"

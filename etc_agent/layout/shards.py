@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import hashlib
 from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from math import prod
-from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -57,16 +57,18 @@ class Shard:
 
     def validate(self) -> None:
         if not (len(self.global_shape) == len(self.offsets) == len(self.lengths)):
-            raise ValueError(f"shard of {self.key}: shape {self.global_shape}, offsets {self.offsets}, lengths {self.lengths} differ in rank")
+            raise ValueError(
+                f"shard of {self.key}: shape {self.global_shape}, offsets {self.offsets}, lengths {self.lengths} differ in rank"
+            )
         for dim, (size, off, length) in enumerate(zip(self.global_shape, self.offsets, self.lengths)):
             if off < 0 or length < 0 or off + length > size:
-                raise ValueError(
-                    f"shard of {self.key}: dim {dim} range [{off}, {off + length}) outside size {size}"
-                )
+                raise ValueError(f"shard of {self.key}: dim {dim} range [{off}, {off + length}) outside size {size}")
         if self.flat_range is not None:
             start, stop = self.flat_range
             if not 0 <= start <= stop <= prod(self.lengths):
-                raise ValueError(f"shard of {self.key}: flat range [{start}, {stop}) outside box of {prod(self.lengths)} elements")
+                raise ValueError(
+                    f"shard of {self.key}: flat range [{start}, {stop}) outside box of {prod(self.lengths)} elements"
+                )
         canonical_dtype(self.dtype)
 
 
@@ -185,7 +187,9 @@ class Placement:
 class StateLayout:
     """All shards of a training state over ``num_ranks`` ranks, grouped by placement."""
 
-    def __init__(self, num_ranks: int, placements: Sequence[Placement], key_placement: dict[str, int], key_dtype: dict[str, str]):
+    def __init__(
+        self, num_ranks: int, placements: Sequence[Placement], key_placement: dict[str, int], key_dtype: dict[str, str]
+    ):
         self.num_ranks = num_ranks
         self.placements = list(placements)
         self.key_placement = dict(key_placement)
@@ -215,9 +219,13 @@ class StateLayout:
             for rank, shard in entries:
                 shard.validate()
                 if shard.global_shape != first.global_shape:
-                    raise ValueError(f"{key}: rank {rank} says global shape {shard.global_shape}, rank {entries[0][0]} says {first.global_shape}")
+                    raise ValueError(
+                        f"{key}: rank {rank} says global shape {shard.global_shape}, rank {entries[0][0]} says {first.global_shape}"
+                    )
                 if canonical_dtype(shard.dtype) != dtype:
-                    raise ValueError(f"{key}: rank {rank} holds {shard.dtype}, rank {entries[0][0]} holds {first.dtype}")
+                    raise ValueError(
+                        f"{key}: rank {rank} holds {shard.dtype}, rank {entries[0][0]} holds {first.dtype}"
+                    )
             boxes = sorted({(s.offsets, s.lengths, s.flat_range) for _, s in entries}, key=_box_sort_key)
             geometry = Geometry(first.global_shape, boxes)
             geometry = geometries.setdefault(geometry.fingerprint, geometry)
@@ -312,7 +320,9 @@ def _check_rank_disjoint(key: str, geometry: Geometry, ranks: np.ndarray, shard_
         if len(np.unique(mine)) != len(mine):
             raise ValueError(f"{key}: rank {int(rank)} lists the same shard twice")
         sel = np.isin(geometry.piece_shard, mine)
-        ov = overlap_volumes(geometry.piece_off[sel], geometry.piece_len[sel], geometry.piece_off[sel], geometry.piece_len[sel])
+        ov = overlap_volumes(
+            geometry.piece_off[sel], geometry.piece_len[sel], geometry.piece_off[sel], geometry.piece_len[sel]
+        )
         np.fill_diagonal(ov, 0)
         if ov.any():
             raise ValueError(f"{key}: rank {int(rank)} holds overlapping shards")

@@ -13,9 +13,10 @@ Everything else (numbers, strings, param-group settings) is not state to move an
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from math import prod
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -44,7 +45,9 @@ class BoxedTensor:
             self.lengths = tuple(self.tensor.shape)
         expected = (self.flat_range[1] - self.flat_range[0],) if self.flat_range else tuple(self.lengths)
         if tuple(self.tensor.shape) != expected and self.tensor.numel() != prod(expected):
-            raise ValueError(f"BoxedTensor: tensor of shape {tuple(self.tensor.shape)} does not hold a box of {expected}")
+            raise ValueError(
+                f"BoxedTensor: tensor of shape {tuple(self.tensor.shape)} does not hold a box of {expected}"
+            )
 
 
 @dataclass
@@ -77,7 +80,9 @@ class LocalShard:
         for p_off, view in self.piece_views():
             if all(po <= o and o + n <= po + pn for po, pn, o, n in zip(p_off, view.shape, offsets, lengths)):
                 return view[tuple(slice(o - po, o - po + n) for o, po, n in zip(offsets, p_off, lengths))]
-        raise ValueError(f"{self.shard.key}: region {offsets}/{lengths} is not inside one piece of {self.shard.flat_range or 'its box'}")
+        raise ValueError(
+            f"{self.shard.key}: region {offsets}/{lengths} is not inside one piece of {self.shard.flat_range or 'its box'}"
+        )
 
 
 _PIECES: dict[tuple, list] = {}
@@ -96,7 +101,11 @@ def flatten_state(state: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[
         key = f"{prefix}{name}"
         if isinstance(value, Mapping):
             yield from flatten_state(value, key + ".")
-        elif isinstance(value, (list, tuple)) and value and all(isinstance(v, (Mapping, torch.Tensor, BoxedTensor)) for v in value):
+        elif (
+            isinstance(value, (list, tuple))
+            and value
+            and all(isinstance(v, (Mapping, torch.Tensor, BoxedTensor)) for v in value)
+        ):
             yield from flatten_state({str(i): v for i, v in enumerate(value)}, key + ".")
         else:
             yield key, value
@@ -107,7 +116,14 @@ def describe_tensor(key: str, value: Any) -> LocalShard | None:
     from torch.distributed.tensor import DTensor
 
     if isinstance(value, BoxedTensor):
-        shard = Shard(key, tuple(value.global_shape), tuple(value.offsets), tuple(value.lengths), canonical_dtype(str(value.tensor.dtype)), value.flat_range)
+        shard = Shard(
+            key,
+            tuple(value.global_shape),
+            tuple(value.offsets),
+            tuple(value.lengths),
+            canonical_dtype(str(value.tensor.dtype)),
+            value.flat_range,
+        )
         shard.validate()
         return LocalShard(shard, value.tensor)
     if isinstance(value, DTensor):

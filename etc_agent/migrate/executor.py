@@ -26,9 +26,10 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from math import prod
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -106,7 +107,10 @@ class MigrationResult:
 
 
 def _to_wire(shards: Sequence[LocalShard]) -> list[tuple]:
-    return [(s.shard.key, s.shard.global_shape, s.shard.offsets, s.shard.lengths, s.shard.dtype, s.shard.flat_range) for s in shards]
+    return [
+        (s.shard.key, s.shard.global_shape, s.shard.offsets, s.shard.lengths, s.shard.dtype, s.shard.flat_range)
+        for s in shards
+    ]
 
 
 def _from_wire(items: list[list]) -> list[Shard]:
@@ -154,7 +158,13 @@ def migrate_state(
     new_local = describe_state(new_state) if new_rank is not None else []
     t_describe = time.perf_counter()
 
-    payload = {"device": str(device), "old_rank": old_rank, "new_rank": new_rank, "old": _to_wire(old_local), "new": _to_wire(new_local)}
+    payload = {
+        "device": str(device),
+        "old_rank": old_rank,
+        "new_rank": new_rank,
+        "old": _to_wire(old_local),
+        "new": _to_wire(new_local),
+    }
     descriptions = transport.all_gather_object(payload)
     t_exchange = time.perf_counter()
 
@@ -165,7 +175,9 @@ def migrate_state(
     hashes = transport.all_gather_object(plan.plan_hash)
     if len(set(hashes)) != 1:
         differing = [names[r] for r, h in enumerate(hashes) if h != plan.plan_hash]
-        raise MigrationError(f"plan hash mismatch: {plan.plan_hash} here on {device}, different on {', '.join(differing)}")
+        raise MigrationError(
+            f"plan hash mismatch: {plan.plan_hash} here on {device}, different on {', '.join(differing)}"
+        )
 
     if on_plan is not None:
         on_plan(plan)
@@ -210,7 +222,9 @@ def migrate_state(
     return MigrationResult(plan, metrics, runner.tensors)
 
 
-def _check_same_keys(new_by_rank: dict[int, tuple[Device, list[Shard]]], same_keys: Mapping[str, Sequence[int]]) -> None:
+def _check_same_keys(
+    new_by_rank: dict[int, tuple[Device, list[Shard]]], same_keys: Mapping[str, Sequence[int]]
+) -> None:
     for label, ranks in same_keys.items():
         boxes = {r: {s.key for s in new_by_rank[r][1] if s.flat_range is None} for r in ranks if r in new_by_rank}
         ranged = {s.key for r in ranks if r in new_by_rank for s in new_by_rank[r][1] if s.flat_range is not None}
@@ -218,11 +232,15 @@ def _check_same_keys(new_by_rank: dict[int, tuple[Device, list[Shard]]], same_ke
             without = [r for r in boxes if key not in boxes[r]]
             if without:
                 having = [r for r in boxes if key in boxes[r]]
-                raise ValueError(f"{key}: new rank {', '.join(map(str, having))} {'holds' if len(having) == 1 else 'hold'} it but rank "
-                                 f"{', '.join(map(str, without))} of the same {label} {'does' if len(without) == 1 else 'do'} not")
+                raise ValueError(
+                    f"{key}: new rank {', '.join(map(str, having))} {'holds' if len(having) == 1 else 'hold'} it but rank "
+                    f"{', '.join(map(str, without))} of the same {label} {'does' if len(without) == 1 else 'do'} not"
+                )
 
 
-def _plan(descriptions, tp, options, failed, lost_old_ranks, same_keys) -> tuple[MigrationPlan, dict[Device, int], dict[int, str]]:
+def _plan(
+    descriptions, tp, options, failed, lost_old_ranks, same_keys
+) -> tuple[MigrationPlan, dict[Device, int], dict[int, str]]:
     names = {r: d["device"] for r, d in enumerate(descriptions)}
     peer_of: dict[Device, int] = {}
     old_by_rank: dict[int, tuple[Device, list[Shard]]] = {}
@@ -328,7 +346,13 @@ BUFFERS = BufferPool()
 
 class _Runner:
     def __init__(
-        self, plan: MigrationPlan, device: Device, old_local: list[LocalShard], new_local: list[LocalShard], buffer_device, direct_min_bytes: int
+        self,
+        plan: MigrationPlan,
+        device: Device,
+        old_local: list[LocalShard],
+        new_local: list[LocalShard],
+        buffer_device,
+        direct_min_bytes: int,
     ):
         self.plan, self.device, self.direct_min_bytes = plan, device, direct_min_bytes
         self.old_by_key: dict[str, list[LocalShard]] = {}
@@ -418,7 +442,9 @@ class _Runner:
         by_tag = getattr(transport, "matches_by_tag", False)
         for round_index in range(self.plan.num_rounds):
             ready: list[tuple[int, torch.Tensor, int]] = []  # sends straight from a tensor
-            later: list[tuple[int, torch.Tensor, int, torch.Tensor | None]] = []  # (peer, buffer, tag, source or None if packed)
+            later: list[
+                tuple[int, torch.Tensor, int, torch.Tensor | None]
+            ] = []  # (peer, buffer, tag, source or None if packed)
             packs: list[tuple[torch.Tensor, list[tuple[_Chunk, torch.Tensor]]]] = []
             recvs: list[tuple[int, torch.Tensor, int]] = []
             unpack: list[tuple[torch.Tensor, torch.Tensor]] = []  # (staged data, destination view)
@@ -432,7 +458,11 @@ class _Runner:
                     if packed_size:
                         buf = pool.get(packed_size, self.buffer_device)
                         staged += packed_size
-                        sources = [(c, self._find(self.old_by_key.get(c.key), c.key, c.region, where)) for c in chunks if c.offset >= 0]
+                        sources = [
+                            (c, self._find(self.old_by_key.get(c.key), c.key, c.region, where))
+                            for c in chunks
+                            if c.offset >= 0
+                        ]
                         packs.append((buf, sources))
                         later.append((peer, buf, 0, None))
                     for i, c in enumerate(chunks):

@@ -19,8 +19,8 @@ Call sequences:
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -52,15 +52,20 @@ class _Pieces:
 
     @classmethod
     def of(cls, shards: Sequence[LocalShard]) -> _Pieces:
-        return cls((s.shard.key, offsets, view, s.shard.global_shape) for s in shards for offsets, view in s.piece_views())
+        return cls(
+            (s.shard.key, offsets, view, s.shard.global_shape) for s in shards for offsets, view in s.piece_views()
+        )
 
     def lookup(self, index: MetadataIndex) -> torch.Tensor:
         return self.views[(index.fqn, tuple(index.offset))]
 
     def describe(self) -> list[list]:
         """JSON form of this rank's write items (what :func:`_write_items` turns back)."""
-        return [[key, list(offsets), list(view.shape), str(view.dtype).removeprefix("torch."), list(self.global_shape[key])]
-                for key, views in self.by_key.items() for offsets, view in views]
+        return [
+            [key, list(offsets), list(view.shape), str(view.dtype).removeprefix("torch."), list(self.global_shape[key])]
+            for key, views in self.by_key.items()
+            for offsets, view in views
+        ]
 
 
 def _write_items(described: list[list]) -> list[WriteItem]:
@@ -113,13 +118,20 @@ class _BoxLoadPlanner(DefaultLoadPlanner):
 def save_shards(shards: Sequence[LocalShard], path: str | Path, process_group=None) -> None:
     """Write every shard (replicas once) to ``path`` with DCP's file system writer (files synced)."""
     pieces = _Pieces.of(shards)
-    dcp.save({}, storage_writer=dcp.FileSystemWriter(str(path), sync_files=True), planner=_BoxSavePlanner(pieces), process_group=process_group)
+    dcp.save(
+        {},
+        storage_writer=dcp.FileSystemWriter(str(path), sync_files=True),
+        planner=_BoxSavePlanner(pieces),
+        process_group=process_group,
+    )
 
 
 def load_shards(shards: Sequence[LocalShard], path: str | Path, process_group=None) -> None:
     """Fill every shard's storage from the checkpoint at ``path``, resharding as needed."""
     pieces = _Pieces.of(shards)
-    dcp.load({}, storage_reader=dcp.FileSystemReader(str(path)), planner=_BoxLoadPlanner(pieces), process_group=process_group)
+    dcp.load(
+        {}, storage_reader=dcp.FileSystemReader(str(path)), planner=_BoxLoadPlanner(pieces), process_group=process_group
+    )
 
 
 def save_shards_on(shards: Sequence[LocalShard], path: str | Path, transport: GroupTransport) -> int:
@@ -142,15 +154,33 @@ def save_shards_on(shards: Sequence[LocalShard], path: str | Path, transport: Gr
     pending = writer.write_data(planner.finish_plan(plans[rank]), planner)
     pending.wait()
     results: list[WriteResult] = pending.value()
-    written = [[r.index.fqn, list(r.index.offset), r.index.index, r.size_in_bytes, r.storage_data.relative_path,
-                r.storage_data.offset, r.storage_data.length, r.storage_data.transform_descriptors] for r in results]
+    written = [
+        [
+            r.index.fqn,
+            list(r.index.offset),
+            r.index.index,
+            r.size_in_bytes,
+            r.storage_data.relative_path,
+            r.storage_data.offset,
+            r.storage_data.length,
+            r.storage_data.transform_descriptors,
+        ]
+        for r in results
+    ]
     all_written = transport.all_gather_object(written)
     if is_coordinator:
-        writer.finish(metadata, [
-            [WriteResult(MetadataIndex(fqn, torch.Size(offset), index), size, _StorageInfo(rel, off, length, transforms))
-             for fqn, offset, index, size, rel, off, length, transforms in rank_results]
-            for rank_results in all_written
-        ])
+        writer.finish(
+            metadata,
+            [
+                [
+                    WriteResult(
+                        MetadataIndex(fqn, torch.Size(offset), index), size, _StorageInfo(rel, off, length, transforms)
+                    )
+                    for fqn, offset, index, size, rel, off, length, transforms in rank_results
+                ]
+                for rank_results in all_written
+            ],
+        )
     return sum(r.size_in_bytes for r in results)
 
 
@@ -161,5 +191,7 @@ def read_regions(path: str | Path, regions: Sequence[tuple[str, tuple[int, ...],
         return
     pieces = _Pieces((key, tuple(offsets), out, ()) for key, offsets, out in regions)
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process reading alone is the point
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled"
+        )  # one process reading alone is the point
         dcp.load({}, storage_reader=dcp.FileSystemReader(str(path)), planner=_BoxLoadPlanner(pieces), no_dist=True)

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -146,7 +147,9 @@ def json_all_gather(obj: Any, gather) -> list[Any]:
 
 
 class _TorchPending:
-    def __init__(self, round_index: int, works: list, labels: list[str], deadline: float, timeout_s: float, cuda_sync: bool):
+    def __init__(
+        self, round_index: int, works: list, labels: list[str], deadline: float, timeout_s: float, cuda_sync: bool
+    ):
         self.round_index, self.works, self.labels = round_index, works, labels
         self.deadline, self.timeout_s, self.cuda_sync = deadline, timeout_s, cuda_sync
 
@@ -158,7 +161,9 @@ class _TorchPending:
             except Exception as err:
                 raise MigrationError(f"round {self.round_index}: {label} did not complete: {_first_line(err)}") from err
             if ok is False:
-                raise MigrationError(f"round {self.round_index}: {label} did not complete within {self.timeout_s:.0f} s")
+                raise MigrationError(
+                    f"round {self.round_index}: {label} did not complete within {self.timeout_s:.0f} s"
+                )
         if self.cuda_sync and self.works:
             torch.cuda.current_stream().synchronize()
 

@@ -22,8 +22,8 @@ order and keeps the first minimum, so every process computes the same placement.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from math import comb, floor
-from typing import Sequence
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment
@@ -44,8 +44,13 @@ def lsa(cost: np.ndarray) -> tuple[np.ndarray, float]:
     return out, float(cost[rows, cols].sum())
 
 
-def assign_ranks(cost: np.ndarray, node_of_device: np.ndarray, tp: int, replica_sets: Sequence[tuple[tuple[int, ...], int]] = (),
-                 prefer: str = "cost") -> np.ndarray:
+def assign_ranks(
+    cost: np.ndarray,
+    node_of_device: np.ndarray,
+    tp: int,
+    replica_sets: Sequence[tuple[tuple[int, ...], int]] = (),
+    prefer: str = "cost",
+) -> np.ndarray:
     """Device index of every new rank minimising ``sum(cost[device, rank])``.
 
     ``cost`` is ``(num_devices, num_ranks)``; consecutive blocks of ``tp`` ranks form a TP group and
@@ -109,8 +114,14 @@ def _num_distributions(num_groups: int, capacity: list[int]) -> int:
 
 
 class _NodeSolver:
-    def __init__(self, cost: np.ndarray, node_devices: list[np.ndarray], tp: int,
-                 sets: Sequence[tuple[tuple[int, ...], int]] = (), prefer: str = "cost"):
+    def __init__(
+        self,
+        cost: np.ndarray,
+        node_devices: list[np.ndarray],
+        tp: int,
+        sets: Sequence[tuple[tuple[int, ...], int]] = (),
+        prefer: str = "cost",
+    ):
         self.cost = cost
         self.node_devices = node_devices
         self.tp = tp
@@ -166,8 +177,11 @@ class _NodeSolver:
         current = self.key(distribution, sum(node_cost))
         for _ in range(MAX_REPAIR_MOVES):
             where = {g: n for n, gs in enumerate(distribution) for g in gs}
-            crowded = [groups for groups, _ in sorted(self.sets, key=lambda item: -item[1])
-                       if len({where[g] for g in groups}) == 1]
+            crowded = [
+                groups
+                for groups, _ in sorted(self.sets, key=lambda item: -item[1])
+                if len({where[g] for g in groups}) == 1
+            ]
             best = None
             for groups in crowded:
                 for g in groups:

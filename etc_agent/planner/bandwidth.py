@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Iterable
+from collections.abc import Iterable
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -21,21 +21,35 @@ class BandwidthModel(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    intra_node_gbps: float = Field(150.0, gt=0, description="GB/s one device achieves point-to-point inside a node (NVLink-class, effective).")
-    inter_node_gbps: float = Field(25.0, gt=0, description="GB/s one device achieves to another node (one 200 Gb/s NIC per GPU).")
+    intra_node_gbps: float = Field(
+        150.0, gt=0, description="GB/s one device achieves point-to-point inside a node (NVLink-class, effective)."
+    )
+    inter_node_gbps: float = Field(
+        25.0, gt=0, description="GB/s one device achieves to another node (one 200 Gb/s NIC per GPU)."
+    )
     message_latency_s: float = Field(2e-5, ge=0, description="Fixed cost of one message (launch + handshake).")
     stream_gbps: float | None = Field(
-        None, gt=0, description="GB/s one point-to-point stream reaches, when below the link's: a device then needs several "
-        "peers at once to reach intra/inter_node_gbps (e.g. TCP over loopback). None: one stream reaches the link's speed."
+        None,
+        gt=0,
+        description="GB/s one point-to-point stream reaches, when below the link's: a device then needs several "
+        "peers at once to reach intra/inter_node_gbps (e.g. TCP over loopback). None: one stream reaches the link's speed.",
     )
-    storage_write_gbps_per_node: float = Field(5.0, gt=0, description="GB/s one node writes a checkpoint to shared storage.")
-    storage_read_gbps_per_node: float = Field(10.0, gt=0, description="GB/s one node reads a checkpoint from shared storage.")
+    storage_write_gbps_per_node: float = Field(
+        5.0, gt=0, description="GB/s one node writes a checkpoint to shared storage."
+    )
+    storage_read_gbps_per_node: float = Field(
+        10.0, gt=0, description="GB/s one node reads a checkpoint from shared storage."
+    )
     storage_aggregate_gbps: float = Field(
         100.0, gt=0, description="GB/s the parallel file system absorbs from all nodes together (writes)."
     )
-    storage_aggregate_read_gbps: float = Field(200.0, gt=0, description="GB/s the parallel file system serves to all nodes together (reads).")
+    storage_aggregate_read_gbps: float = Field(
+        200.0, gt=0, description="GB/s the parallel file system serves to all nodes together (reads)."
+    )
     restart_seconds: float = Field(
-        20.0, ge=0, description="Checkpoint way only: stop every worker, start new processes, import torch, create the CUDA context."
+        20.0,
+        ge=0,
+        description="Checkpoint way only: stop every worker, start new processes, import torch, create the CUDA context.",
     )
 
     def etc_seconds(self, messages: Iterable[tuple[Device, Device, int, int]]) -> float:

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from math import prod
-from typing import Any, Iterable, Literal, Sequence
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -50,8 +51,12 @@ class PlannerOptions(BaseModel):
         description="Per device and round, the most bytes of send buffers and of receive buffers in flight "
         "(each); larger transfers are split over rounds.",
     )
-    max_messages_per_round: int = Field(64, ge=1, description="Per device and round, the most messages it sends (and receives).")
-    bandwidth: BandwidthModel = Field(default_factory=BandwidthModel, description="Link and storage speeds for the estimates.")
+    max_messages_per_round: int = Field(
+        64, ge=1, description="Per device and round, the most messages it sends (and receives)."
+    )
+    bandwidth: BandwidthModel = Field(
+        default_factory=BandwidthModel, description="Link and storage speeds for the estimates."
+    )
     placement: Literal["fast", "resilient"] = Field(
         "fast",
         description="fast: fewest bytes moved first, failure domains (bytes whose every copy sits in one node) only break "
@@ -155,7 +160,9 @@ def plan_migration(
     """
     started = time.perf_counter()
     options = options or PlannerOptions()
-    planner = _Planner(old, list(old_assignment), new, list(new_devices), tp, list(old_devices or old_assignment), set(failed), options)
+    planner = _Planner(
+        old, list(old_assignment), new, list(new_devices), tp, list(old_devices or old_assignment), set(failed), options
+    )
     plan = planner.run(old_config, new_config, fixed_assignment=assignment)
     plan.plan_seconds = time.perf_counter() - started
     return plan
@@ -223,7 +230,9 @@ class _Planner:
             if old_shape != new_shape:
                 raise ValueError(f"{key}: global shape {old_shape} in the old layout but {new_shape} in the new one")
             if self.old.key_dtype[key] != self.new.key_dtype[key]:
-                raise ValueError(f"{key}: dtype {self.old.key_dtype[key]} in the old layout but {self.new.key_dtype[key]} in the new one")
+                raise ValueError(
+                    f"{key}: dtype {self.old.key_dtype[key]} in the old layout but {self.new.key_dtype[key]} in the new one"
+                )
             by_pair[(op, np_)].append(key)
         groups = [
             KeyGroup(
@@ -357,7 +366,13 @@ class _Planner:
         return 1 if self.node_of[src] == self.node_of[dst] else 2
 
     def _partition(
-        self, geo_old: Geometry, geo_new: Geometry, overlap: np.ndarray, b: int, resident: tuple[int, ...], candidates: tuple[int, ...]
+        self,
+        geo_old: Geometry,
+        geo_new: Geometry,
+        overlap: np.ndarray,
+        b: int,
+        resident: tuple[int, ...],
+        candidates: tuple[int, ...],
     ) -> tuple[list[Box], list[tuple[int, Box]], list[Box]]:
         """Split new shard ``b`` into resident boxes, ``(old shard, box)`` to fetch, and boxes nobody has."""
         local: list[Box] = []
@@ -385,7 +400,7 @@ class _Planner:
     def _schedule(self, groups: list[KeyGroup], pair_regions) -> list[tuple[int, int, int, list[Region], int]]:
         cap = self.options.mem_cap_bytes
         messages: list[tuple[int, int, list[Region], int]] = []
-        for (src, dst) in sorted(pair_regions):
+        for src, dst in sorted(pair_regions):
             chunk: list[Region] = []
             chunk_bytes = 0
             for region, nbytes in pair_regions[(src, dst)]:
@@ -436,7 +451,10 @@ class _Planner:
 
     # ---- everything --------------------------------------------------------------
     def run(
-        self, old_config: ParallelConfig | None, new_config: ParallelConfig | None, fixed_assignment: Sequence[Device] | None = None
+        self,
+        old_config: ParallelConfig | None,
+        new_config: ParallelConfig | None,
+        fixed_assignment: Sequence[Device] | None = None,
     ) -> MigrationPlan:
         from etc_agent.planner.validate import validate_plan
 
@@ -482,13 +500,14 @@ class _Planner:
             )
         messages = self._schedule(groups, pair_regions)
         universe = self.universe
-        transfers = [Transfer(universe[s], universe[d], rnd, tuple(regions), nbytes) for s, d, rnd, regions, nbytes in messages]
-        local_copies = [
-            LocalCopy(universe[d], tuple(local[d]), int(local_bytes[d])) for d in sorted(local) if local[d]
+        transfers = [
+            Transfer(universe[s], universe[d], rnd, tuple(regions), nbytes) for s, d, rnd, regions, nbytes in messages
         ]
+        local_copies = [LocalCopy(universe[d], tuple(local[d]), int(local_bytes[d])) for d in sorted(local) if local[d]]
         restores = [
             Restore(universe[d], tuple(regions), sum(r.numel * groups[r.group].bytes_per_element for r in regions))
-            for d, regions in sorted(restore_regions.items()) if regions
+            for d, regions in sorted(restore_regions.items())
+            if regions
         ]
         bytes_restored = sum(r.num_bytes for r in restores)
         bytes_moved = sum(t.num_bytes for t in transfers)
@@ -563,7 +582,9 @@ def _split_region(region: Region, bytes_per_element: int, cap: int) -> list[Regi
         return [region]
     dims = [i for i, n in enumerate(region.lengths) if n > 1]
     if not dims:
-        raise ValueError(f"memory cap of {cap} bytes is below one element of key group {region.group} ({bytes_per_element} bytes)")
+        raise ValueError(
+            f"memory cap of {cap} bytes is below one element of key group {region.group} ({bytes_per_element} bytes)"
+        )
     dim = dims[0]
     unit = region.numel // region.lengths[dim] * bytes_per_element
     step = max(1, cap // unit)

@@ -16,8 +16,8 @@ Two uses:
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 
@@ -90,11 +90,17 @@ class FailureDomainReport:
     def to_json(self) -> dict:
         worst = self.worst
         return {
-            "single_domain_shards": self.single_domain_shards, "single_domain_bytes": self.single_domain_bytes,
-            "unavoidable_single_domain_bytes": self.unavoidable_single_domain_bytes, "num_nodes": self.num_nodes,
-            "worst_node_loss": None if worst is None else {"node": worst.node, "bytes_lost": worst.bytes_lost,
-                                                             "bytes_from_peers": worst.bytes_from_peers},
-            "node_loss": [{"node": n.node, "bytes_lost": n.bytes_lost, "bytes_from_peers": n.bytes_from_peers} for n in self.per_node],
+            "single_domain_shards": self.single_domain_shards,
+            "single_domain_bytes": self.single_domain_bytes,
+            "unavoidable_single_domain_bytes": self.unavoidable_single_domain_bytes,
+            "num_nodes": self.num_nodes,
+            "worst_node_loss": None
+            if worst is None
+            else {"node": worst.node, "bytes_lost": worst.bytes_lost, "bytes_from_peers": worst.bytes_from_peers},
+            "node_loss": [
+                {"node": n.node, "bytes_lost": n.bytes_lost, "bytes_from_peers": n.bytes_from_peers}
+                for n in self.per_node
+            ],
         }
 
 

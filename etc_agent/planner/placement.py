@@ -11,7 +11,7 @@ Pure and deterministic: every agent computes the same placement from the same re
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -29,8 +29,13 @@ def stage_replica_sets(config: ParallelConfig) -> list[tuple[tuple[int, ...], in
     return [(tuple(p * config.dp + d for d in range(config.dp)), 1) for p in range(config.pp)]
 
 
-def live_placement(config: ParallelConfig, devices: Sequence[str], previous: dict[str, int] | None = None,
-                   previous_config: ParallelConfig | None = None, prefer: str = "resilience") -> list[str]:
+def live_placement(
+    config: ParallelConfig,
+    devices: Sequence[str],
+    previous: dict[str, int] | None = None,
+    previous_config: ParallelConfig | None = None,
+    prefer: str = "resilience",
+) -> list[str]:
     """Device (``node:local``) of each new rank of ``config`` on ``devices`` (member order).
 
     ``previous``: device -> its rank in the previous generation (``previous_config``). Every TP group

@@ -186,7 +186,9 @@ class MigrationPlan:
             ],
             "bytes_restored": self.bytes_restored,
             "restored_keys": self.restored_keys,
-            "restores": [{"device": str(r.device), "bytes": r.num_bytes, "num_regions": len(r.regions)} for r in self.restores],
+            "restores": [
+                {"device": str(r.device), "bytes": r.num_bytes, "num_regions": len(r.regions)} for r in self.restores
+            ],
             "dropped_keys": self.dropped_keys,
             "plan_seconds": self.plan_seconds,
             "estimated_seconds": self.estimated_seconds,

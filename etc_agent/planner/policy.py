@@ -24,9 +24,9 @@ The model only has to rank configurations sensibly; absolute values are rough.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from math import ceil, prod
-from typing import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -54,7 +54,9 @@ class PolicyOptions(BaseModel):
     near_equal: float = Field(
         0.05, ge=0, description="Candidates within this fraction of the best step time are compared on migration cost."
     )
-    max_migration_candidates: int = Field(6, ge=1, description="How many near-equal candidates get a full migration plan.")
+    max_migration_candidates: int = Field(
+        6, ge=1, description="How many near-equal candidates get a full migration plan."
+    )
 
 
 @dataclass
@@ -188,10 +190,16 @@ def choose_config(
     near = fastest_fitting(candidates, opts)
     if old_config is None or old_devices is None:
         winner = near[0]
-        return PolicyDecision(winner, candidates, f"{winner.config.short()} has the lowest estimated step time ({winner.step_seconds:.3g} s)")
+        return PolicyDecision(
+            winner,
+            candidates,
+            f"{winner.config.short()} has the lowest estimated step time ({winner.step_seconds:.3g} s)",
+        )
     for c in near:
         try:
-            plan = plan_model_migration(spec, old_config, old_devices, c.config, new_devices, failed=failed, options=planner_options)
+            plan = plan_model_migration(
+                spec, old_config, old_devices, c.config, new_devices, failed=failed, options=planner_options
+            )
         except StateLostError as err:
             c.note = f"loses state: {err}"
             continue
@@ -229,7 +237,9 @@ def resolve_parallel(
         config = spec.resolve(total)
         return config if config is not None and config.world_size == total else None
     if model is None:
-        raise ValueError(f"--parallel {spec.short()}: tp/pp auto needs --model (the policy chooses them from the model spec)")
+        raise ValueError(
+            f"--parallel {spec.short()}: tp/pp auto needs --model (the policy chooses them from the model spec)"
+        )
     devices = DeviceSet.parse(",".join(f"n{i}:{size}" for i, size in enumerate(node_sizes)))
     for candidate in candidate_configs(model, devices, opts or PolicyOptions()):
         c = candidate.config

@@ -45,12 +45,14 @@ def validate_plan(plan: MigrationPlan, old: StateLayout, new: StateLayout) -> No
 
     def name(region: Region) -> str:
         g = plan.groups[region.group]
-        return f"{g.keys[0]}{' (+%d keys)' % (len(g.keys) - 1) if len(g.keys) > 1 else ''} region offsets={region.offsets} lengths={region.lengths}"
+        return f"{g.keys[0]}{f' (+{len(g.keys) - 1} keys)' if len(g.keys) > 1 else ''} region offsets={region.offsets} lengths={region.lengths}"
 
     for g in plan.groups:
         for key, dtype in zip(g.keys, g.dtypes):
             if (g.old_placement >= 0 and old.key_dtype[key] != dtype) or new.key_dtype[key] != dtype:
-                raise PlanValidationError(f"{key}: dtype differs between layouts ({old.key_dtype[key]} -> {new.key_dtype[key]})")
+                raise PlanValidationError(
+                    f"{key}: dtype differs between layouts ({old.key_dtype[key]} -> {new.key_dtype[key]})"
+                )
 
     incoming: dict[tuple[int, Device], list[Box]] = defaultdict(list)
 
@@ -93,13 +95,17 @@ def validate_plan(plan: MigrationPlan, old: StateLayout, new: StateLayout) -> No
             raise PlanValidationError(f"two messages {t.src} -> {t.dst} in round {t.round}")
         pairs.add((t.round, t.src, t.dst))
         if t.num_bytes != sum(r.numel * plan.groups[r.group].bytes_per_element for r in t.regions):
-            raise PlanValidationError(f"transfer {t.src} -> {t.dst} in round {t.round}: byte count does not match its regions")
+            raise PlanValidationError(
+                f"transfer {t.src} -> {t.dst} in round {t.round}: byte count does not match its regions"
+            )
         for end, dev in (("send", t.src), ("recv", t.dst)):
             slot = per_round[(t.round, dev, end)]
             slot[0] += t.num_bytes
             slot[1] += 1
             if slot[0] > cap:
-                raise PlanValidationError(f"{dev} would {end} {slot[0]} bytes in round {t.round}, above the cap of {cap}")
+                raise PlanValidationError(
+                    f"{dev} would {end} {slot[0]} bytes in round {t.round}, above the cap of {cap}"
+                )
             if slot[1] > plan.max_messages_per_round:
                 raise PlanValidationError(
                     f"{dev} would {end} {slot[1]} messages in round {t.round}, above the limit of {plan.max_messages_per_round}"
@@ -114,9 +120,11 @@ def validate_plan(plan: MigrationPlan, old: StateLayout, new: StateLayout) -> No
             device = plan.assignment[rank]
             need = pieces(new, "new", g.new_placement, rank)
             got = incoming.pop((gi, device), [])
-            _check_cover(need, got, lambda box: f"{g.keys[0]} on {device} (new rank {rank}) {box}")
+            _check_cover(need, got, lambda box: f"{g.keys[0]} on {device} (new rank {rank}) {box}")  # noqa: B023 - called at once
     for (gi, device), boxes in incoming.items():
-        raise PlanValidationError(f"{plan.groups[gi].keys[0]}: {len(boxes)} regions sent to {device}, which does not need them")
+        raise PlanValidationError(
+            f"{plan.groups[gi].keys[0]}: {len(boxes)} regions sent to {device}, which does not need them"
+        )
 
 
 def _check_cover(need: list[Box], got: list[Box], where) -> None:

@@ -14,12 +14,21 @@ import itertools
 import logging
 import threading
 import time
-from typing import Annotated, Any, Callable, Literal, Union
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from etc_agent.rendezvous.store import (
+    KeyValue,
+    Lease,
+    LeaseExpired,
+    MembershipStore,
+    StoreError,
+    WatchEvent,
+    WatchHandle,
+)
 from etc_agent.utils.jsonline import JsonLineError, JsonLineServer, parse_address, request
-from etc_agent.rendezvous.store import KeyValue, Lease, LeaseExpired, MembershipStore, StoreError, WatchEvent, WatchHandle
 
 log = logging.getLogger("etc_agent.rendezvous.embedded")
 EVENT_LOG_SIZE = 10_000
@@ -86,8 +95,12 @@ class _Ping(_Op):
     op: Literal["ping"]
 
 
-STORE_REQUEST: TypeAdapter = TypeAdapter(Annotated[
-    Union[_Get, _GetPrefix, _Put, _Cas, _Delete, _LeaseGrant, _LeaseRefresh, _LeaseRevoke, _Wait, _Ping], Field(discriminator="op")])
+STORE_REQUEST: TypeAdapter = TypeAdapter(
+    Annotated[
+        _Get | _GetPrefix | _Put | _Cas | _Delete | _LeaseGrant | _LeaseRefresh | _LeaseRevoke | _Wait | _Ping,
+        Field(discriminator="op"),
+    ]
+)
 """Every request the store server accepts (validated before it is handled)."""
 
 
@@ -115,7 +128,12 @@ class _State:
         if old and old["lease"] is not None and old["lease"] in self.leases:
             self.leases[old["lease"]]["keys"].discard(key)
         revision = self._record("put", key, value)
-        self.data[key] = {"value": value, "version": (old["version"] + 1) if old else 1, "mod": revision, "lease": lease}
+        self.data[key] = {
+            "value": value,
+            "version": (old["version"] + 1) if old else 1,
+            "mod": revision,
+            "lease": lease,
+        }
         if lease is not None:
             self.leases[lease]["keys"].add(key)
 
@@ -134,7 +152,13 @@ class _State:
                 item = self.data.get(req.key)
                 return {"kv": None if item is None else [req.key, item["value"], item["version"], item["mod"]]}
             if isinstance(req, _GetPrefix):
-                return {"kvs": [[k, v["value"], v["version"], v["mod"]] for k, v in sorted(self.data.items()) if k.startswith(req.prefix)]}
+                return {
+                    "kvs": [
+                        [k, v["value"], v["version"], v["mod"]]
+                        for k, v in sorted(self.data.items())
+                        if k.startswith(req.prefix)
+                    ]
+                }
             if isinstance(req, _Put):
                 self._put(req.key, req.value, req.lease)
                 return {}
@@ -234,7 +258,9 @@ class _EmbeddedWatch(WatchHandle):
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                reply = self.store._request({"op": "wait", "prefix": self.prefix, "after": self.after, "timeout": 1.0}, timeout=5.0)
+                reply = self.store._request(
+                    {"op": "wait", "prefix": self.prefix, "after": self.after, "timeout": 1.0}, timeout=5.0
+                )
             except StoreError as err:
                 if self._stop.is_set():
                     return
@@ -293,7 +319,13 @@ class EmbeddedStore(MembershipStore):
         self._request({"op": "put", "key": self.full_key(key), "value": value, "lease": lease.id if lease else None})
 
     def compare_and_set(self, key: str, value: str, expected_version: int, lease: Lease | None = None) -> bool:
-        req = {"op": "cas", "key": self.full_key(key), "value": value, "expected": expected_version, "lease": lease.id if lease else None}
+        req = {
+            "op": "cas",
+            "key": self.full_key(key),
+            "value": value,
+            "expected": expected_version,
+            "lease": lease.id if lease else None,
+        }
         return bool(self._request(req)["ok"])
 
     def delete(self, key: str) -> bool:

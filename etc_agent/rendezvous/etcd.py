@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Callable
+from collections.abc import Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from etc_agent.rendezvous.store import KeyValue, Lease, LeaseExpired, MembershipStore, StoreError, WatchEvent, WatchHandle
+from etc_agent.rendezvous.store import (
+    KeyValue,
+    Lease,
+    LeaseExpired,
+    MembershipStore,
+    StoreError,
+    WatchEvent,
+    WatchHandle,
+)
 
 log = logging.getLogger("etc_agent.rendezvous.etcd")
 
@@ -76,7 +84,7 @@ class _EtcdLease(Lease):
     def refresh(self) -> None:
         try:
             responses = self._lease.refresh()
-        except Exception as err:  # noqa: BLE001 - grpc and pyetcd errors
+        except Exception as err:
             raise StoreError(f"etcd lease refresh failed: {err}") from err
         if not responses or responses[0].TTL <= 0:
             raise LeaseExpired(f"etcd lease {self.id:x} expired")
@@ -84,7 +92,7 @@ class _EtcdLease(Lease):
     def revoke(self) -> None:
         try:
             self._lease.revoke()
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             raise StoreError(f"etcd lease revoke failed: {err}") from err
 
 
@@ -109,11 +117,11 @@ class EtcdStore(MembershipStore):
             self.client = _connect(options)
         except ValueError:
             raise
-        except Exception as err:  # noqa: BLE001 - grpc errors while authenticating
+        except Exception as err:
             raise StoreError(f"cannot reach etcd at {options.endpoint}: {_short(err)}") from err
         try:
             self.client.status()
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             raise StoreError(f"cannot reach etcd at {options.endpoint}: {_short(err)}") from err
 
     def _call(self, what: str, fn, *args, **kwargs):
@@ -121,7 +129,7 @@ class EtcdStore(MembershipStore):
             return fn(*args, **kwargs)
         except StoreError:
             raise
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             if "auth token" in _short(err).lower() and self.options.user is not None:
                 # A restarted etcd forgot the simple token: authenticate again, the caller retries.
                 try:

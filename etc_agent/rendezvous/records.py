@@ -50,8 +50,11 @@ class NodeRecord(Record):
     pid: int = Field(description="Agent process id.")
     node_rank_hint: int | None = Field(None, description="--node-rank, when the user fixed it.")
     leaving: bool = Field(False, description="The agent received SIGTERM and is departing.")
-    ready: bool = Field(True, description="False while a node joining an elastic job starts its workers; "
-                                          "the leader adds it once they run, so the others do not wait for their start.")
+    ready: bool = Field(
+        True,
+        description="False while a node joining an elastic job starts its workers; "
+        "the leader adds it once they run, so the others do not wait for their start.",
+    )
 
 
 class LeaderRecord(Record):
@@ -68,15 +71,25 @@ class GenerationRecord(Record):
     num_devices: list[int] = Field(default_factory=list, description="Workers per member, same order.")
     restart_count: int = Field(0, ge=0, description="Restarts after worker failures so far (torchrun's count).")
     reason: str = Field("", description="Why this generation exists (join, leave, failure, start).")
-    parallel: str | None = Field(None, description="Parallel config of this world (tp=..,pp=..,dp=..,zero=..), from --parallel.")
-    senders: list[str] = Field(default_factory=list, description="Departing nodes whose workers send their state, then exit.")
+    parallel: str | None = Field(
+        None, description="Parallel config of this world (tp=..,pp=..,dp=..,zero=..), from --parallel."
+    )
+    senders: list[str] = Field(
+        default_factory=list, description="Departing nodes whose workers send their state, then exit."
+    )
     sender_devices: list[int] = Field(default_factory=list, description="Workers per sender, same order.")
     started: bool = Field(False, description="An earlier generation ran: training state exists somewhere.")
     published_at: float = Field(0.0, description="Wall-clock time the leader published this generation.")
-    placement: list[str] | None = Field(None, description="Device (node:local) of each training rank, when the leader placed them "
-                                        "(worker-API jobs with --parallel); otherwise ranks follow member order.")
-    not_resilient: list[str] = Field(default_factory=list, description="Why one node's loss would lose state no survivor holds "
-                                     "(empty: every shard has copies on two nodes); --placement resilient spreads replicas first.")
+    placement: list[str] | None = Field(
+        None,
+        description="Device (node:local) of each training rank, when the leader placed them "
+        "(worker-API jobs with --parallel); otherwise ranks follow member order.",
+    )
+    not_resilient: list[str] = Field(
+        default_factory=list,
+        description="Why one node's loss would lose state no survivor holds "
+        "(empty: every shard has copies on two nodes); --placement resilient spreads replicas first.",
+    )
 
     @property
     def world_size(self) -> int:
@@ -123,8 +136,11 @@ class MigrationRecord(Record):
     """What one migration did, written by new rank 0 (``generations/<n>/migration``)."""
 
     generation: int
-    method: Literal["live", "checkpoint"] = Field("live", description="live: device to device; checkpoint: DCP save, "
-                                                                     "restart every worker, load with resharding (the baseline).")
+    method: Literal["live", "checkpoint"] = Field(
+        "live",
+        description="live: device to device; checkpoint: DCP save, "
+        "restart every worker, load with resharding (the baseline).",
+    )
     old_config: str | None
     new_config: str
     old_world_size: int
@@ -139,12 +155,19 @@ class MigrationRecord(Record):
     bytes_moved_inter_node: int
     bytes_reused: int = Field(0, description="Bytes of new state already in place on their device.")
     state_bytes: int = Field(description="Total bytes of model and optimizer state.")
-    checkpoint_bytes: int = Field(description="Bytes a checkpoint-based migration moves: every element written once, "
-                                  "every new rank reading its shards.")
-    bytes_restored: int = Field(0, description="Bytes read from a checkpoint: live, only what no live process held; "
-                                "checkpoint method, everything every new rank loaded.")
+    checkpoint_bytes: int = Field(
+        description="Bytes a checkpoint-based migration moves: every element written once, "
+        "every new rank reading its shards."
+    )
+    bytes_restored: int = Field(
+        0,
+        description="Bytes read from a checkpoint: live, only what no live process held; "
+        "checkpoint method, everything every new rank loaded.",
+    )
     restored_from: str | None = Field(None, description="The checkpoint directory they were read from.")
-    redone_steps: int = Field(0, description="Steps trained again: the live state was newer than the step resumed from.")
+    redone_steps: int = Field(
+        0, description="Steps trained again: the live state was newer than the step resumed from."
+    )
     detect_s: float = Field(description="Generation published (or failure seen) until every rank stopped.")
     agree_s: float = Field(description="Stopped until the new group formed.")
     rebuild_s: float = Field(description="Building the new layout's model and optimizer (build + state).")
@@ -160,6 +183,10 @@ class AbandonRecord(Record):
 
 class NodeStatus(Record):
     state: Literal["running", "succeeded", "failed"]
-    exit_codes: dict[int, int] = Field(default_factory=dict, description="Local rank -> exit code of workers that ended.")
+    exit_codes: dict[int, int] = Field(
+        default_factory=dict, description="Local rank -> exit code of workers that ended."
+    )
     message: str = ""
-    fatal: bool = Field(False, description="The failure cannot be fixed by a restart (training state lost): the job fails now.")
+    fatal: bool = Field(
+        False, description="The failure cannot be fixed by a restart (training state lost): the job fails now."
+    )

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 ROOT_PREFIX = "/etc-agent/"
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")

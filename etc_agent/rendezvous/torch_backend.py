@@ -88,7 +88,9 @@ class EtcdV3C10dStore(dist.Store):
         while True:
             kv = self.store.get(full)
             current = int(b64decode(kv.value)) if kv else 0
-            if self.store.compare_and_set(full, b64encode(str(current + num).encode()).decode(), kv.version if kv else 0):
+            if self.store.compare_and_set(
+                full, b64encode(str(current + num).encode()).decode(), kv.version if kv else 0
+            ):
                 return current + num
 
     def check(self, keys) -> bool:
@@ -99,7 +101,9 @@ class EtcdV3C10dStore(dist.Store):
         delay = 0.01
         while not self.check(keys):
             if time.monotonic() > deadline:
-                raise dist.DistStoreError(f"keys {list(keys)} did not appear in etcd within {(override_timeout or self._wait_timeout).total_seconds()} s")
+                raise dist.DistStoreError(
+                    f"keys {list(keys)} did not appear in etcd within {(override_timeout or self._wait_timeout).total_seconds()} s"
+                )
             time.sleep(delay)
             delay = min(0.2, delay * 2)
 

@@ -21,35 +21,57 @@ class CostModel(BandwidthModel):
     way adds storage and a process restart, the live way a control round and the transfers."""
 
     control_s: float = Field(
-        0.3, ge=0, description="Live switch: stop at the step boundary, agree on the generation through the store, arrival barrier (s)."
+        0.3,
+        ge=0,
+        description="Live switch: stop at the step boundary, agree on the generation through the store, arrival barrier (s).",
     )
     control_per_process_s: float = Field(
-        5e-4, ge=0, description="Live switch: added control time per process in the generation (store round trips, barrier) (s)."
+        5e-4,
+        ge=0,
+        description="Live switch: added control time per process in the generation (store round trips, barrier) (s).",
     )
     join_s: float = Field(
-        1.0, ge=0, description="Live switch: added when new processes join (their first switch: first collectives, first "
-        "DTensor dispatch, caches warming) (s)."
+        1.0,
+        ge=0,
+        description="Live switch: added when new processes join (their first switch: first collectives, first "
+        "DTensor dispatch, caches warming) (s).",
     )
     leave_s: float = Field(
-        0.2, ge=0, description="Live switch: added when processes leave (they join the migration group, send, then exit) (s)."
+        0.2,
+        ge=0,
+        description="Live switch: added when processes leave (they join the migration group, send, then exit) (s).",
     )
-    group_init_s: float = Field(1.0, ge=0, description="Creating one communicator for the new generation, fixed part (s).")
+    group_init_s: float = Field(
+        1.0, ge=0, description="Creating one communicator for the new generation, fixed part (s)."
+    )
     group_init_per_process_s: float = Field(
-        2e-3, ge=0, description="Creating one communicator, per member process (NCCL bootstrap grows with the world) (s)."
+        2e-3,
+        ge=0,
+        description="Creating one communicator, per member process (NCCL bootstrap grows with the world) (s).",
     )
     live_groups: int = Field(
-        2, ge=1, description="Communicators a live switch creates (training group and migration group; the checkpoint way: 1)."
+        2,
+        ge=1,
+        description="Communicators a live switch creates (training group and migration group; the checkpoint way: 1).",
     )
-    alloc_gbps: float = Field(500.0, gt=0, description="GB/s a process allocates its new state at when it rebuilds (both ways).")
+    alloc_gbps: float = Field(
+        500.0, gt=0, description="GB/s a process allocates its new state at when it rebuilds (both ways)."
+    )
     copy_gbps: float = Field(
-        1000.0, gt=0, description="GB/s of a device-local copy: resident regions (live), unpacking what a load read (checkpoint)."
+        1000.0,
+        gt=0,
+        description="GB/s of a device-local copy: resident regions (live), unpacking what a load read (checkpoint).",
     )
     restart_per_process_s: float = Field(
-        0.0, ge=0, description="Checkpoint way: added restart time per process started. 0 on a cluster (each node starts "
-        "its own in parallel); on one machine standing in for several nodes its processes share the cores (s)."
+        0.0,
+        ge=0,
+        description="Checkpoint way: added restart time per process started. 0 on a cluster (each node starts "
+        "its own in parallel); on one machine standing in for several nodes its processes share the cores (s).",
     )
     storage_latency_s: float = Field(
-        0.5, ge=0, description="Checkpoint way: fixed cost of one save or one load (metadata, file creation, sync, barriers) (s)."
+        0.5,
+        ge=0,
+        description="Checkpoint way: fixed cost of one save or one load (metadata, file creation, sync, barriers) (s).",
     )
 
     @classmethod

@@ -74,13 +74,21 @@ class SimResult:
     def to_json(self) -> dict[str, Any]:
         s, p = self.scenario, self.plan
         return {
-            "model": s.spec.name, "scenario": s.name, "kind": s.kind,
-            "num_devices_old": len(s.old_devices), "num_devices_new": len(s.new_devices),
-            "from": s.old_config.short(), "to": s.new_config.short(),
-            "state_bytes": p.state_bytes, "bytes_moved": p.bytes_moved, "bytes_moved_inter_node": p.bytes_moved_inter_node,
+            "model": s.spec.name,
+            "scenario": s.name,
+            "kind": s.kind,
+            "num_devices_old": len(s.old_devices),
+            "num_devices_new": len(s.new_devices),
+            "from": s.old_config.short(),
+            "to": s.new_config.short(),
+            "state_bytes": p.state_bytes,
+            "bytes_moved": p.bytes_moved,
+            "bytes_moved_inter_node": p.bytes_moved_inter_node,
             "checkpoint_bytes": self.checkpoint_bytes,
-            "num_rounds": p.num_rounds, "num_messages": p.num_messages,
-            "etc_s": round(self.etc_s, 4), "ckpt_s": round(self.ckpt_s, 4),
+            "num_rounds": p.num_rounds,
+            "num_messages": p.num_messages,
+            "etc_s": round(self.etc_s, 4),
+            "ckpt_s": round(self.ckpt_s, 4),
             "ratio": round(self.ratio, 3) if self.etc_s > 0 else None,
             "etc_phases_s": {k: round(v, 4) for k, v in self.etc_phases.items()},
             "ckpt_phases_s": {k: round(v, 4) for k, v in self.ckpt_phases.items()},
@@ -91,8 +99,16 @@ def simulate(scenario: Scenario, costs: CostModel, options: PlannerOptions | Non
     """Plan ``scenario`` with the real planner and price it both ways under ``costs``."""
     options = (options or PlannerOptions()).model_copy(update={"bandwidth": costs})
     s = scenario
-    plan = plan_model_migration(s.spec, s.old_config, s.old_devices, s.new_config, s.new_devices,
-                                failed=s.failed, options=options, ordered=s.ordered)
+    plan = plan_model_migration(
+        s.spec,
+        s.old_config,
+        s.old_devices,
+        s.new_config,
+        s.new_devices,
+        failed=s.failed,
+        options=options,
+        ordered=s.ordered,
+    )
     failed = set(s.failed)
     alive_old = {d for d in plan.old_assignment if d not in failed}
     num_processes = len(alive_old | set(plan.assignment))
@@ -107,9 +123,12 @@ def simulate(scenario: Scenario, costs: CostModel, options: PlannerOptions | Non
     leaving = alive_old - set(plan.assignment)
     result = SimResult(s, plan)
     result.etc_phases = {
-        "control_s": costs.control_s + costs.control_per_process_s * num_processes
-        + (costs.join_s if joining else 0.0) + (costs.leave_s if leaving else 0.0),
-        "group_init_s": costs.group_init_seconds(new_world) + (costs.live_groups - 1) * costs.group_init_seconds(num_processes),
+        "control_s": costs.control_s
+        + costs.control_per_process_s * num_processes
+        + (costs.join_s if joining else 0.0)
+        + (costs.leave_s if leaving else 0.0),
+        "group_init_s": costs.group_init_seconds(new_world)
+        + (costs.live_groups - 1) * costs.group_init_seconds(num_processes),
         "rebuild_s": rebuild_s,
         "plan_s": plan.plan_seconds,
         "transfer_s": costs.etc_seconds((t.src, t.dst, t.round, t.num_bytes) for t in plan.transfers),

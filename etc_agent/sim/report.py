@@ -18,13 +18,38 @@ def _gb(n: int) -> str:
 
 def results_table(results: list[SimResult], title: str) -> Table:
     table = Table(title=title)
-    for col in ("model", "GPUs", "scenario", "from -> to", "state GB", "moved GB", "inter-node GB", "live s", "checkpoint s", "ratio"):
+    for col in (
+        "model",
+        "GPUs",
+        "scenario",
+        "from -> to",
+        "state GB",
+        "moved GB",
+        "inter-node GB",
+        "live s",
+        "checkpoint s",
+        "ratio",
+    ):
         table.add_column(col, justify="right" if col not in ("model", "scenario", "from -> to") else "left")
     for r in results:
         s, p = r.scenario, r.plan
-        gpus = f"{len(s.old_devices)}" if len(s.old_devices) == len(s.new_devices) else f"{len(s.old_devices)}->{len(s.new_devices)}"
-        table.add_row(s.spec.name, gpus, s.name, f"{s.old_config.short()} -> {s.new_config.short()}", _gb(p.state_bytes),
-                      _gb(p.bytes_moved), _gb(p.bytes_moved_inter_node), f"{r.etc_s:.2f}", f"{r.ckpt_s:.2f}", f"{r.ratio:.1f}x")
+        gpus = (
+            f"{len(s.old_devices)}"
+            if len(s.old_devices) == len(s.new_devices)
+            else f"{len(s.old_devices)}->{len(s.new_devices)}"
+        )
+        table.add_row(
+            s.spec.name,
+            gpus,
+            s.name,
+            f"{s.old_config.short()} -> {s.new_config.short()}",
+            _gb(p.state_bytes),
+            _gb(p.bytes_moved),
+            _gb(p.bytes_moved_inter_node),
+            f"{r.etc_s:.2f}",
+            f"{r.ckpt_s:.2f}",
+            f"{r.ratio:.1f}x",
+        )
     return table
 
 
@@ -57,7 +82,15 @@ def compare(results: list[SimResult], measured: dict[str, Any], tolerance: float
     line. A row passes when both predictions are within ``tolerance`` (relative) of the medians."""
     by_name = {t["name"]: t for t in measured.get("transitions", [])}
     table = Table(title=f"simulator vs measured (medians of {measured.get('repeat', '?')}), tolerance {tolerance:.0%}")
-    for col in ("transition", "moved MB sim / meas", "live s sim / meas", "err", "checkpoint s sim / meas", "err", "ok"):
+    for col in (
+        "transition",
+        "moved MB sim / meas",
+        "live s sim / meas",
+        "err",
+        "checkpoint s sim / meas",
+        "err",
+        "ok",
+    ):
         table.add_column(col, justify="left" if col == "transition" else "right")
     rows = []
     for r in results:
@@ -66,17 +99,37 @@ def compare(results: list[SimResult], measured: dict[str, Any], tolerance: float
             continue
         state = m.get("state_bytes")
         if state is not None and abs(state - r.plan.state_bytes) > 0.01 * r.plan.state_bytes:
-            raise ValueError(f"measured {r.scenario.name!r} has {state / 1e6:.1f} MB of state, the simulated model "
-                             f"{r.plan.state_bytes / 1e6:.1f} MB: not the same benchmark")
+            raise ValueError(
+                f"measured {r.scenario.name!r} has {state / 1e6:.1f} MB of state, the simulated model "
+                f"{r.plan.state_bytes / 1e6:.1f} MB: not the same benchmark"
+            )
         etc_err = r.etc_s / m["etc_s"] - 1
         ckpt_err = r.ckpt_s / m["ckpt_s"] - 1
         ok = abs(etc_err) <= tolerance and abs(ckpt_err) <= tolerance
-        rows.append({"name": r.scenario.name, "sim_bytes_moved": r.plan.bytes_moved, "bytes_moved": m.get("bytes_moved"),
-                     "sim_etc_s": round(r.etc_s, 4), "etc_s": m["etc_s"], "etc_err": round(etc_err, 4),
-                     "sim_ckpt_s": round(r.ckpt_s, 4), "ckpt_s": m["ckpt_s"], "ckpt_err": round(ckpt_err, 4), "ok": ok})
+        rows.append(
+            {
+                "name": r.scenario.name,
+                "sim_bytes_moved": r.plan.bytes_moved,
+                "bytes_moved": m.get("bytes_moved"),
+                "sim_etc_s": round(r.etc_s, 4),
+                "etc_s": m["etc_s"],
+                "etc_err": round(etc_err, 4),
+                "sim_ckpt_s": round(r.ckpt_s, 4),
+                "ckpt_s": m["ckpt_s"],
+                "ckpt_err": round(ckpt_err, 4),
+                "ok": ok,
+            }
+        )
         moved = "-" if m.get("bytes_moved") is None else f"{m['bytes_moved'] / 1e6:.1f}"
-        table.add_row(r.scenario.name, f"{r.plan.bytes_moved / 1e6:.1f} / {moved}", f"{r.etc_s:.2f} / {m['etc_s']:.2f}", f"{etc_err:+.0%}",
-                      f"{r.ckpt_s:.2f} / {m['ckpt_s']:.2f}", f"{ckpt_err:+.0%}", "yes" if ok else "[red]no[/]")
+        table.add_row(
+            r.scenario.name,
+            f"{r.plan.bytes_moved / 1e6:.1f} / {moved}",
+            f"{r.etc_s:.2f} / {m['etc_s']:.2f}",
+            f"{etc_err:+.0%}",
+            f"{r.ckpt_s:.2f} / {m['ckpt_s']:.2f}",
+            f"{ckpt_err:+.0%}",
+            "yes" if ok else "[red]no[/]",
+        )
     return table, rows
 
 

@@ -46,7 +46,9 @@ def load_model(name_or_path: str) -> ModelSpec:
         path = MODELS_DIR / f"{name_or_path}.yaml"
     if not path.exists():
         known = ", ".join(sorted(p.stem for p in MODELS_DIR.glob("*.yaml")))
-        raise ValueError(f"model {name_or_path!r}: no such file, and no configs/models/{name_or_path}.yaml (known: {known})")
+        raise ValueError(
+            f"model {name_or_path!r}: no such file, and no configs/models/{name_or_path}.yaml (known: {known})"
+        )
     return ModelSpec.from_yaml(path)
 
 
@@ -56,7 +58,9 @@ def cluster(num_devices: int, per_node: int = GPUS_PER_NODE, first_node: int = 0
     return DeviceSet.parse(",".join(f"n{first_node + i}:{per_node}" for i in range(num_devices // per_node)))
 
 
-def smallest_layout(spec: ModelSpec, num_devices: int, zero: bool, memory: PolicyOptions | None = None) -> ParallelConfig:
+def smallest_layout(
+    spec: ModelSpec, num_devices: int, zero: bool, memory: PolicyOptions | None = None
+) -> ParallelConfig:
     """The smallest TP x PP (TP up to a node first, then PP) whose ranks fit in device memory, with DP
     using every device; ``zero`` turns on the distributed optimizer where dp > 1."""
     memory = memory or PolicyOptions()
@@ -98,7 +102,9 @@ def paper_suite(models: dict[str, tuple[int, ...]] | None = None) -> list[Scenar
             plain = smallest_layout(spec, n, zero=False)
             shrunk_plain = _shrunk(plain, n - GPUS_PER_NODE) if smaller else None
             if plain.dp > 1 and shrunk_plain is not None:
-                out.append(Scenario("fail 1 node", spec, plain, devices, shrunk_plain, smaller, failed=tuple(last_node)))
+                out.append(
+                    Scenario("fail 1 node", spec, plain, devices, shrunk_plain, smaller, failed=tuple(last_node))
+                )
             added = ceil(config.tp * config.pp / GPUS_PER_NODE) * GPUS_PER_NODE
             grown = ParallelConfig(tp=config.tp, pp=config.pp, dp=(n + added) // (config.tp * config.pp), zero=1)
             out.append(Scenario("scale out", spec, config, devices, grown, cluster(n + added)))
@@ -143,8 +149,13 @@ def bench_suite(model: str = "gpt-bench", per_agent: int = 2) -> list[Scenario]:
     out = []
     for t in BENCH_TRANSITIONS:
         old_world, new_world = t.initial_agents * per_agent, t.final_agents * per_agent
-        old, new = ParallelSpec.parse(t.parallel).resolve(old_world), ParallelSpec.parse(t.final_parallel).resolve(new_world)
+        old, new = (
+            ParallelSpec.parse(t.parallel).resolve(old_world),
+            ParallelSpec.parse(t.final_parallel).resolve(new_world),
+        )
         if old is None or new is None:
             raise ValueError(f"bench transition {t.name!r} does not fit {old_world} -> {new_world} devices")
-        out.append(Scenario(t.name, spec, old, cluster(old_world, per_agent), new, cluster(new_world, per_agent), ordered=True))
+        out.append(
+            Scenario(t.name, spec, old, cluster(old_world, per_agent), new, cluster(new_world, per_agent), ordered=True)
+        )
     return out

@@ -9,7 +9,8 @@ import json
 import socket
 import socketserver
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
@@ -71,14 +72,23 @@ class JsonLineServer:
     the connection's thread until the client closes it (a liveness signal that needs no polling).
     """
 
-    def __init__(self, handler: Handler, host: str = "127.0.0.1", port: int = 0, name: str = "jsonline",
-                 schema: TypeAdapter | None = None, on_held: Callable[[Any, socket.socket, Any], None] | None = None):
+    def __init__(
+        self,
+        handler: Handler,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        name: str = "jsonline",
+        schema: TypeAdapter | None = None,
+        on_held: Callable[[Any, socket.socket, Any], None] | None = None,
+    ):
         self.server = _Server((host, port), _RequestHandler)
         self.server.handler = handler  # type: ignore[attr-defined]
         self.server.schema = schema  # type: ignore[attr-defined]
         self.server.on_held = on_held  # type: ignore[attr-defined]
         self.host, self.port = self.server.server_address[:2]
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1}, name=name, daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.1}, name=name, daemon=True
+        )
         self.thread.start()
 
     @property

@@ -7,7 +7,8 @@ adapters in :mod:`etc_agent.integrations` (which carry their optimizers' setting
 from __future__ import annotations
 
 import base64
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -80,8 +81,11 @@ def to_json(value: Any, path: str) -> Any:
         return {"__bytes__": base64.b64encode(bytes(value)).decode()}
     if isinstance(value, torch.Tensor) and not hasattr(value, "placements") and value.numel() <= 1 << 16:
         raw = value.detach().cpu().contiguous()
-        return {"__tensor__": base64.b64encode(raw.view(torch.uint8).numpy().tobytes() if raw.numel() else b"").decode(),
-                "dtype": str(raw.dtype).removeprefix("torch."), "shape": list(raw.shape)}
+        return {
+            "__tensor__": base64.b64encode(raw.view(torch.uint8).numpy().tobytes() if raw.numel() else b"").decode(),
+            "dtype": str(raw.dtype).removeprefix("torch."),
+            "shape": list(raw.shape),
+        }
     raise ValueError(
         f"app state {path}: a {type(value).__name__} cannot be carried across a migration; "
         "return tensors, modules, optimizers, Statefuls or JSON-like values from build()"

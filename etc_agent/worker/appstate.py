@@ -20,7 +20,8 @@ migrated tensors and the carried plain values. Plain values travel as JSON, neve
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,7 +30,15 @@ from etc_agent.integrations import megatron
 from etc_agent.migrate.describe import BoxedTensor
 from etc_agent.utils.plainstate import from_json, json_key, load_param_group, materialize_optimizer_state, to_json
 
-__all__ = ["from_json", "load_param_group", "load_state", "materialize_optimizer_state", "param_names", "split_state", "to_json"]
+__all__ = [
+    "from_json",
+    "load_param_group",
+    "load_state",
+    "materialize_optimizer_state",
+    "param_names",
+    "split_state",
+    "to_json",
+]
 
 TensorLike = (torch.Tensor, BoxedTensor)
 
@@ -58,8 +67,12 @@ def split_state(app: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
         if megatron.is_model(obj):
             boxes, params = megatron.model_tensors(obj)
             tensors.update({f"{name}.{key}": box for key, box in boxes.items()})
-            megatron_params.update({pid: megatron.ParamBox(f"{name}.{b.key}", b.global_shape, b.offsets, b.lengths)
-                                    for pid, b in params.items()})
+            megatron_params.update(
+                {
+                    pid: megatron.ParamBox(f"{name}.{b.key}", b.global_shape, b.offsets, b.lengths)
+                    for pid, b in params.items()
+                }
+            )
     for name, obj in app.items():
         if megatron.is_model(obj):
             continue
@@ -73,7 +86,9 @@ def split_state(app: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
         elif isinstance(obj, torch.optim.Optimizer):
             groups = []
             for gi, group in enumerate(obj.param_groups):
-                groups.append({k: to_json(v, f"{name}.param_groups[{gi}].{k}") for k, v in group.items() if k != "params"})
+                groups.append(
+                    {k: to_json(v, f"{name}.param_groups[{gi}].{k}") for k, v in group.items() if k != "params"}
+                )
                 for pi, p in enumerate(group["params"]):
                     pname = names.get(id(p), f"group{gi}.param{pi}")
                     for k, v in obj.state.get(p, {}).items():

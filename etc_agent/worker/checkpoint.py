@@ -120,13 +120,26 @@ class PeriodicCheckpointer:
         that are trained again)."""
         self.snapshots = [s for s in self.snapshots if not which(s)]
 
-    def save(self, state_tensors: dict[str, Any], plain: dict[str, Any], step: int, generation: int, config: str, rank: int,
-             world_size: int, store) -> None:
+    def save(
+        self,
+        state_tensors: dict[str, Any],
+        plain: dict[str, Any],
+        step: int,
+        generation: int,
+        config: str,
+        rank: int,
+        world_size: int,
+        store,
+    ) -> None:
         """Snapshot this rank's shards now and write them in the background. Every rank calls it."""
         in_flight = self._write.step if self._write is not None else None
         if not self.settle(failure=False):  # it also forgets the write it gave up on
-            print(f"[etc_agent] rank {rank}: the checkpoint of step {in_flight} is still being written; "
-                  f"skipping the one of step {step}", file=sys.stderr, flush=True)
+            print(
+                f"[etc_agent] rank {rank}: the checkpoint of step {in_flight} is still being written; "
+                f"skipping the one of step {step}",
+                file=sys.stderr,
+                flush=True,
+            )
             return
         started = time.perf_counter()
         # Keep the newest written snapshot as the fallback while this one is written; the buffers of
@@ -140,11 +153,17 @@ class PeriodicCheckpointer:
             s = local.shard
             old = previous.get(s.key)
             if old is not None and (old.tensor.shape, old.tensor.dtype, old.offsets, old.lengths, old.flat_range) == (
-                    local.tensor.shape, local.tensor.dtype, s.offsets, s.lengths, s.flat_range):
+                local.tensor.shape,
+                local.tensor.dtype,
+                s.offsets,
+                s.lengths,
+                s.flat_range,
+            ):
                 copy = old.tensor
             else:
-                copy = torch.empty(local.tensor.shape, dtype=local.tensor.dtype, device="cpu",
-                                   pin_memory=local.tensor.is_cuda)
+                copy = torch.empty(
+                    local.tensor.shape, dtype=local.tensor.dtype, device="cpu", pin_memory=local.tensor.is_cuda
+                )
             copy.copy_(local.tensor.detach(), non_blocking=local.tensor.is_cuda)
             boxed[s.key] = BoxedTensor(copy, s.global_shape, s.offsets, s.lengths, s.flat_range)
         if torch.cuda.is_available():
@@ -153,14 +172,17 @@ class PeriodicCheckpointer:
         self.snapshots = ([fallback] if fallback is not None else []) + [snapshot]
         staged_s = time.perf_counter() - started
         if self._group is None or self._group[0] != generation:
-            group = dist.ProcessGroupGloo(dist.PrefixStore(f"gen{generation}/ckpt/", store), rank, world_size,
-                                          timedelta(seconds=self.timeout_s))
+            group = dist.ProcessGroupGloo(
+                dist.PrefixStore(f"gen{generation}/ckpt/", store), rank, world_size, timedelta(seconds=self.timeout_s)
+            )
             self._group = (generation, group)
         path = self.directory / f"step{step:08d}-g{generation}"
         write = _Write(thread=None, step=step, started=time.time(), snapshot=snapshot)  # type: ignore[arg-type]
         write.stats["staged_s"] = staged_s
         transport = GroupTransport(self._group[1], "gloo")
-        write.thread = threading.Thread(target=self._run, args=(write, snapshot, path, transport), name="etc-agent-checkpoint", daemon=True)
+        write.thread = threading.Thread(
+            target=self._run, args=(write, snapshot, path, transport), name="etc-agent-checkpoint", daemon=True
+        )
         self._write = write
         write.thread.start()
 
@@ -172,23 +194,45 @@ class PeriodicCheckpointer:
             write.stats["write_s"] = time.perf_counter() - t0
             snapshot.written = not write.abandoned
             if transport.rank == 0 and not write.abandoned:
-                state = {"step": snapshot.step, "generation": snapshot.generation, "config": snapshot.config,
-                         "world_size": transport.world_size, "bytes": sum(sizes), **snapshot.plain}
+                state = {
+                    "step": snapshot.step,
+                    "generation": snapshot.generation,
+                    "config": snapshot.config,
+                    "world_size": transport.world_size,
+                    "bytes": sum(sizes),
+                    **snapshot.plain,
+                }
                 tmp = path / f"{STATE_FILE}.tmp"
                 tmp.write_text(json.dumps(state))
                 os.replace(tmp, path / STATE_FILE)
                 self._prune()
-                print(json.dumps({"event": "etc_checkpoint", "step": snapshot.step, "generation": snapshot.generation,
-                                  "path": str(path), "bytes": sum(sizes), "staged_s": round(write.stats["staged_s"], 4),
-                                  "write_s": round(write.stats["write_s"], 4)}), file=sys.stderr, flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "event": "etc_checkpoint",
+                            "step": snapshot.step,
+                            "generation": snapshot.generation,
+                            "path": str(path),
+                            "bytes": sum(sizes),
+                            "staged_s": round(write.stats["staged_s"], 4),
+                            "write_s": round(write.stats["write_s"], 4),
+                        }
+                    ),
+                    file=sys.stderr,
+                    flush=True,
+                )
             write.done = True
-        except Exception as err:  # a peer failed or storage did: this checkpoint stays incomplete
+        except Exception as err:  # noqa: BLE001 - a peer failed or storage did: this checkpoint stays incomplete
             write.error = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-            print(f"[etc_agent] checkpoint of step {snapshot.step} not completed: {write.error}", file=sys.stderr, flush=True)
+            print(
+                f"[etc_agent] checkpoint of step {snapshot.step} not completed: {write.error}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _prune(self) -> None:
         complete = complete_checkpoints(self.directory)
-        kept = complete[-self.keep:]
+        kept = complete[-self.keep :]
         for old in complete[: -self.keep]:
             shutil.rmtree(old.path, ignore_errors=True)
         oldest_kept = kept[0].step if kept else 0
@@ -207,8 +251,12 @@ class PeriodicCheckpointer:
             return True
         write.thread.join(timeout=5.0 if failure else self.timeout_s)
         if write.thread.is_alive():
-            print(f"[etc_agent] checkpoint of step {write.step} abandoned (still writing after "
-                  f"{5.0 if failure else self.timeout_s:.0f} s)", file=sys.stderr, flush=True)
+            print(
+                f"[etc_agent] checkpoint of step {write.step} abandoned (still writing after "
+                f"{5.0 if failure else self.timeout_s:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
             write.abandoned = True
             write.snapshot.reusable = False  # the next snapshot gets fresh buffers: the thread may still read these
             self._write = None

@@ -75,8 +75,14 @@ class ParallelContext:
         return self.config.rank(pp_rank, self.dp_rank, self.tp_rank)
 
 
-def make_context(config: ParallelConfig, rank: int, generation: int, device: torch.device, restoring: bool = False,
-                 timeout: timedelta | None = None) -> ParallelContext:
+def make_context(
+    config: ParallelConfig,
+    rank: int,
+    generation: int,
+    device: torch.device,
+    restoring: bool = False,
+    timeout: timedelta | None = None,
+) -> ParallelContext:
     """Build the mesh and groups of ``config`` on the default process group (which must span the world).
 
     ``timeout`` bounds every collective of the mesh's groups (as the default group's is bounded):
@@ -90,7 +96,15 @@ def make_context(config: ParallelConfig, rank: int, generation: int, device: tor
             mesh.get_group(name).set_timeout(timeout)
     coord = config.coord(rank)
     return ParallelContext(
-        config=config, rank=rank, world_size=config.world_size, tp_rank=coord.tp, pp_rank=coord.pp, dp_rank=coord.dp,
-        mesh=mesh, device=device, generation=generation, restoring=restoring,
+        config=config,
+        rank=rank,
+        world_size=config.world_size,
+        tp_rank=coord.tp,
+        pp_rank=coord.pp,
+        dp_rank=coord.dp,
+        mesh=mesh,
+        device=device,
+        generation=generation,
+        restoring=restoring,
         timeout_s=timeout.total_seconds() if timeout is not None else None,
     )

@@ -39,7 +39,17 @@ class JobFinished(Exception):
     """Training completed its last step before this process got into the job."""
 
 
-_PEER_FAILURE_WORDS = ("gloo", "nccl", "connection", "timed out", "timeout", "peer", "process group", "processgroup", "socket")
+_PEER_FAILURE_WORDS = (
+    "gloo",
+    "nccl",
+    "connection",
+    "timed out",
+    "timeout",
+    "peer",
+    "process group",
+    "processgroup",
+    "socket",
+)
 """Words of the errors torch raises without a type of their own when a peer dies (gloo's
 ``RuntimeError: [../gloo/transport/tcp/pair.cc] Connection closed by peer``, a collective's
 ``Timed out waiting ...``); one test per word checks a real message of that kind."""

@@ -34,8 +34,9 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -82,7 +83,9 @@ class Job:
         self.timeout_s = _env_float("ETC_AGENT_TIMEOUT", 120.0)
         """Bound on forming a group, on every collective of the switch, and on waiting for a generation."""
         # ETC_AGENT_LOCAL_RANK: the agent's own count, which --virtual-local-rank leaves intact (LOCAL_RANK is then 0).
-        self.local_rank = int(os.environ.get("ETC_AGENT_LOCAL_RANK", os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0))))
+        self.local_rank = int(
+            os.environ.get("ETC_AGENT_LOCAL_RANK", os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
+        )
         address = os.environ.get("ETC_AGENT_ADDR")
         self.elastic = address is not None and os.environ.get("ETC_AGENT_ELASTIC", "1") != "0"
         self.link = AgentLink(address, self.local_rank) if self.elastic else None
@@ -193,15 +196,27 @@ class Job:
         """
         tensors, _ = split_state(self.state)
         transport = TorchTransport()
-        infos = transport.all_gather_object([[s.shard.key, list(s.shard.global_shape), s.shard.dtype] for s in describe_state(tensors)])
+        infos = transport.all_gather_object(
+            [[s.shard.key, list(s.shard.global_shape), s.shard.dtype] for s in describe_state(tensors)]
+        )
         full = None
         if self.ctx.rank == 0:
             from etc_agent.migrate.executor import TORCH_DTYPES
 
             shapes = {key: (tuple(shape), dtype) for info in infos for key, shape, dtype in info}
-            full = {key: BoxedTensor(torch.empty(shape, dtype=TORCH_DTYPES[dtype]), shape, (0,) * len(shape)) for key, (shape, dtype) in sorted(shapes.items())}
-        result = migrate_state(tensors, full, device=Device("g", self.ctx.rank), old_rank=self.ctx.rank,
-                               new_rank=0 if self.ctx.rank == 0 else None, transport=transport, timeout_s=self.timeout_s)
+            full = {
+                key: BoxedTensor(torch.empty(shape, dtype=TORCH_DTYPES[dtype]), shape, (0,) * len(shape))
+                for key, (shape, dtype) in sorted(shapes.items())
+            }
+        result = migrate_state(
+            tensors,
+            full,
+            device=Device("g", self.ctx.rank),
+            old_rank=self.ctx.rank,
+            new_rank=0 if self.ctx.rank == 0 else None,
+            transport=transport,
+            timeout_s=self.timeout_s,
+        )
         if full is None:
             return None
         return {key: result.tensors[key].view(full[key].global_shape) for key in full}
@@ -215,7 +230,9 @@ class Job:
             if world == 1 and "MASTER_ADDR" not in os.environ:
                 dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
             else:
-                dist.init_process_group(self.backend, init_method="env://", rank=rank, world_size=world, timeout=timeout)
+                dist.init_process_group(
+                    self.backend, init_method="env://", rank=rank, world_size=world, timeout=timeout
+                )
         config = self.config_for(os.environ.get("ETC_AGENT_PARALLEL"), world)
         self.ctx = make_context(config, rank, 0, self.device, timeout=timeout)
         self.state = self.build_state(self.ctx)
@@ -249,8 +266,16 @@ class Job:
     def _checkpoint(self) -> None:
         """Snapshot this rank's state and write it in the background (every rank at this boundary)."""
         tensors, plain = split_state(self.state)
-        self.checkpointer.save(tensors, {"app": plain, "rng": to_json(torch.get_rng_state(), "rng")}, self.next_step,
-                               self.generation, self.ctx.config.short(), self.ctx.rank, self.ctx.world_size, self.store)
+        self.checkpointer.save(
+            tensors,
+            {"app": plain, "rng": to_json(torch.get_rng_state(), "rng")},
+            self.next_step,
+            self.generation,
+            self.ctx.config.short(),
+            self.ctx.rank,
+            self.ctx.world_size,
+            self.store,
+        )
 
     def _before_optimizer_step(self, *args: Any) -> None:
         dist.all_reduce(torch.zeros(1))
@@ -286,7 +311,16 @@ class Job:
         from etc_agent.worker.baseline import save_and_exit
 
         tensors, plain = split_state(self.state)
-        save_and_exit(tensors, plain, self.checkpoint_dir, pending, self.next_step, self.ctx.rank, self.ctx.config.short(), stopped_at)
+        save_and_exit(
+            tensors,
+            plain,
+            self.checkpoint_dir,
+            pending,
+            self.next_step,
+            self.ctx.rank,
+            self.ctx.config.short(),
+            stopped_at,
+        )
 
     def recover(self, err: BaseException) -> bool:
         """After a peer failed mid-step: keep the state, switch to the next generation. False if ``err``
@@ -305,8 +339,12 @@ class Job:
         # group's connections only when its last reference goes, and peers blocked on this process
         # fail fast only then.
         traceback.clear_frames(err.__traceback__)
-        print(f"[etc_agent] rank {self.rank}: communication failed at step {self.next_step} ({first_line}); "
-              "keeping the state, waiting for the next generation", file=sys.stderr, flush=True)
+        print(
+            f"[etc_agent] rank {self.rank}: communication failed at step {self.next_step} ({first_line}); "
+            "keeping the state, waiting for the next generation",
+            file=sys.stderr,
+            flush=True,
+        )
         self._switch(self.generation + 1, "recovery after a failure", stopped=stopped, failure=True)
         return True
 
@@ -318,7 +356,7 @@ class Job:
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
-            except Exception as err:  # a broken group may fail to shut down cleanly
+            except Exception as err:  # noqa: BLE001 - a broken group may fail to shut down cleanly
                 log.warning("destroying the old process group: %s", err)
         # DTensor's dispatch cache compares meshes by shape and names: stale entries would attach
         # new DTensors to the old mesh.
@@ -330,8 +368,11 @@ class Job:
             Switch(self, stopped, failure).run(at_least, why)
         except JobFinished:
             self.phase.to(Phase.FINISHED)
-            print(f"[etc_agent] {self.node_id}:{self.local_rank}: training finished before this process got into the job; exiting",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[etc_agent] {self.node_id}:{self.local_rank}: training finished before this process got into the job; exiting",
+                file=sys.stderr,
+                flush=True,
+            )
             if self.link is not None:
                 self.link.close()
             raise SystemExit(0) from None

@@ -38,7 +38,9 @@ class AgentLink:
         self._stop = threading.Event()
         self._changed = threading.Condition(self._lock)
         self._stopping = False
-        hello = request(self.address, {"op": "hello", "local_rank": local_rank, "pid": os.getpid(), "elastic": True}, timeout=10)
+        hello = request(
+            self.address, {"op": "hello", "local_rank": local_rank, "pid": os.getpid(), "elastic": True}, timeout=10
+        )
         self.hello = HelloReply.model_validate(hello)
         self._attachment: socket.socket | None = None
         if self.hello.sidecar:
@@ -65,7 +67,9 @@ class AgentLink:
             reply += chunk
         answer = json.loads(reply)
         if "error" in answer:
-            raise JobError(f"the agent at {self.address[0]}:{self.address[1]} refused the attachment: {answer['error']}")
+            raise JobError(
+                f"the agent at {self.address[0]}:{self.address[1]} refused the attachment: {answer['error']}"
+            )
         sock.settimeout(None)
         self._attachment = sock
 
@@ -73,12 +77,18 @@ class AgentLink:
         failures = 0
         while not self._stop.is_set():
             try:
-                reply = AssignmentReply.model_validate(request(self.address, {"op": "assignment", "local_rank": self.local_rank}, timeout=10))
+                reply = AssignmentReply.model_validate(
+                    request(self.address, {"op": "assignment", "local_rank": self.local_rank}, timeout=10)
+                )
                 failures = 0
                 if reply.stop and not self._stopping:
                     # Sidecar mode: the agent cannot signal a process it did not start; it asks instead.
                     self._stopping = True
-                    print(f"[etc_agent] local_rank {self.local_rank}: the agent asks this worker to stop", file=sys.stderr, flush=True)
+                    print(
+                        f"[etc_agent] local_rank {self.local_rank}: the agent asks this worker to stop",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     os.kill(os.getpid(), signal.SIGTERM)
                 with self._changed:
                     self.reply = reply
@@ -104,7 +114,9 @@ class AgentLink:
                     if reply.assignment is not None and reply.assignment.generation >= at_least:
                         return reply.assignment
                     if reply.latest_status in ("failed", "succeeded") and (reply.latest or -1) >= at_least:
-                        raise JobError(f"the job {reply.latest_status} while this worker waited for generation {at_least}")
+                        raise JobError(
+                            f"the job {reply.latest_status} while this worker waited for generation {at_least}"
+                        )
                     if reply.finished:
                         raise JobFinished()
                     if reply.standby:
@@ -112,7 +124,9 @@ class AgentLink:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     detail = f"; last error: {self.error}" if self.error else ""
-                    raise JobError(f"no generation >= {at_least} from the agent within {timeout_s:.0f} s ({why}){detail}")
+                    raise JobError(
+                        f"no generation >= {at_least} from the agent within {timeout_s:.0f} s ({why}){detail}"
+                    )
                 self._changed.wait(min(remaining, 0.5))
 
     def newer_than(self, generation: int) -> Assignment | None:

@@ -42,9 +42,20 @@ class Clocks:
     migrated: float = 0.0
 
 
-def live_record(transport: Transport, assignment: Assignment, new_config: str, step: int, source_config: str | None,
-                result: MigrationResult | None, lost: list[str], stopped: Stopped | None, clocks: Clocks, failure: bool,
-                restored_from: str | None, redone: int) -> MigrationRecord | None:
+def live_record(
+    transport: Transport,
+    assignment: Assignment,
+    new_config: str,
+    step: int,
+    source_config: str | None,
+    result: MigrationResult | None,
+    lost: list[str],
+    stopped: Stopped | None,
+    clocks: Clocks,
+    failure: bool,
+    restored_from: str | None,
+    redone: int,
+) -> MigrationRecord | None:
     """A live migration's record (collective; new rank 0 gets it, None elsewhere or when nothing migrated)."""
     now = time.perf_counter()
     mine = {
@@ -69,27 +80,55 @@ def live_record(transport: Transport, assignment: Assignment, new_config: str, s
         return max(values) if values else 0.0
 
     return MigrationRecord(
-        generation=assignment.generation, old_config=source_config, new_config=new_config,
-        old_world_size=ParallelConfig.parse(source_config).world_size, new_world_size=assignment.world_size,
-        devices=assignment.member_devices, senders=assignment.sender_devices, lost=lost, reason=assignment.reason, step=step,
-        bytes_moved=plan.bytes_moved, bytes_moved_intra_node=plan.bytes_moved - plan.bytes_moved_inter_node,
-        bytes_moved_inter_node=plan.bytes_moved_inter_node, bytes_reused=sum(e["kept"] for e in everyone),
-        state_bytes=plan.state_bytes, checkpoint_bytes=plan.checkpoint_bytes, bytes_restored=plan.bytes_restored,
-        restored_from=restored_from, redone_steps=redone, detect_s=round(max(detect, 0.0), 4), agree_s=round(worst("agree"), 4),
-        rebuild_s=round(worst("rebuild"), 4), plan_s=round(worst("plan"), 4), transfer_s=round(worst("transfer"), 4),
+        generation=assignment.generation,
+        old_config=source_config,
+        new_config=new_config,
+        old_world_size=ParallelConfig.parse(source_config).world_size,
+        new_world_size=assignment.world_size,
+        devices=assignment.member_devices,
+        senders=assignment.sender_devices,
+        lost=lost,
+        reason=assignment.reason,
+        step=step,
+        bytes_moved=plan.bytes_moved,
+        bytes_moved_intra_node=plan.bytes_moved - plan.bytes_moved_inter_node,
+        bytes_moved_inter_node=plan.bytes_moved_inter_node,
+        bytes_reused=sum(e["kept"] for e in everyone),
+        state_bytes=plan.state_bytes,
+        checkpoint_bytes=plan.checkpoint_bytes,
+        bytes_restored=plan.bytes_restored,
+        restored_from=restored_from,
+        redone_steps=redone,
+        detect_s=round(max(detect, 0.0), 4),
+        agree_s=round(worst("agree"), 4),
+        rebuild_s=round(worst("rebuild"), 4),
+        plan_s=round(worst("plan"), 4),
+        transfer_s=round(worst("transfer"), 4),
         total_stall_s=round(worst("stall"), 4),
     )
 
 
-def checkpoint_record(transport: Transport, assignment: Assignment, new_config: str, step: int, meta: dict, clocks: Clocks,
-                      new_tensors: dict) -> MigrationRecord | None:
+def checkpoint_record(
+    transport: Transport,
+    assignment: Assignment,
+    new_config: str,
+    step: int,
+    meta: dict,
+    clocks: Clocks,
+    new_tensors: dict,
+) -> MigrationRecord | None:
     """The baseline's record: stall from the old workers' stop to this resume (one clock: one machine
     here; across machines the wall clocks must agree). Collective over the new world."""
     shards = describe_state(new_tensors)
     read = sum(s.tensor.numel() * s.tensor.element_size() for s in shards)
     sizes = {s.shard.key: prod(s.shard.global_shape) * s.tensor.element_size() for s in shards}
-    mine = {"read": read, "sizes": sizes, "load": meta["load_s"], "rebuild": clocks.built - clocks.grouped,
-            "group_wall": time.time() - (time.perf_counter() - clocks.grouped)}
+    mine = {
+        "read": read,
+        "sizes": sizes,
+        "load": meta["load_s"],
+        "rebuild": clocks.built - clocks.grouped,
+        "group_wall": time.time() - (time.perf_counter() - clocks.grouped),
+    }
     everyone = transport.all_gather_object(mine)
     if assignment.rank != 0:
         return None
@@ -97,13 +136,26 @@ def checkpoint_record(transport: Transport, assignment: Assignment, new_config: 
     moved = meta["written_bytes"] + sum(e["read"] for e in everyone)
     unique = sum({k: v for e in everyone for k, v in e["sizes"].items()}.values())
     return MigrationRecord(
-        generation=assignment.generation, method="checkpoint", old_config=meta["config"], new_config=new_config,
-        old_world_size=ParallelConfig.parse(meta["config"]).world_size, new_world_size=assignment.world_size,
-        devices=assignment.member_devices, reason=assignment.reason, step=step, bytes_moved=moved, bytes_moved_intra_node=0,
-        bytes_moved_inter_node=moved, state_bytes=unique, checkpoint_bytes=moved, bytes_restored=sum(e["read"] for e in everyone),
+        generation=assignment.generation,
+        method="checkpoint",
+        old_config=meta["config"],
+        new_config=new_config,
+        old_world_size=ParallelConfig.parse(meta["config"]).world_size,
+        new_world_size=assignment.world_size,
+        devices=assignment.member_devices,
+        reason=assignment.reason,
+        step=step,
+        bytes_moved=moved,
+        bytes_moved_intra_node=0,
+        bytes_moved_inter_node=moved,
+        state_bytes=unique,
+        checkpoint_bytes=moved,
+        bytes_restored=sum(e["read"] for e in everyone),
         restored_from=str(meta.get("path")) if meta.get("path") else None,
         detect_s=round(max(stopped - assignment.published_at, 0.0), 4),
         agree_s=round(max(e["group_wall"] for e in everyone) - stopped - meta["save_s"], 4),
-        rebuild_s=round(max(e["rebuild"] for e in everyone), 4), plan_s=0.0,
-        transfer_s=round(meta["save_s"] + max(e["load"] for e in everyone), 4), total_stall_s=round(time.time() - stopped, 4),
+        rebuild_s=round(max(e["rebuild"] for e in everyone), 4),
+        plan_s=0.0,
+        transfer_s=round(meta["save_s"] + max(e["load"] for e in everyone), 4),
+        total_stall_s=round(time.time() - stopped, 4),
     )

@@ -39,8 +39,12 @@ def _job_over(address: tuple[str, int]) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="etc-agent workers", description=__doc__.splitlines()[0])
-    ap.add_argument("--nproc-per-node", type=int, required=True, help="Processes to start (the sidecar's --nproc-per-node).")
-    ap.add_argument("--agent", default=os.environ.get("ETC_AGENT_ADDR", "127.0.0.1:29401"), help="The sidecar's --control-addr.")
+    ap.add_argument(
+        "--nproc-per-node", type=int, required=True, help="Processes to start (the sidecar's --nproc-per-node)."
+    )
+    ap.add_argument(
+        "--agent", default=os.environ.get("ETC_AGENT_ADDR", "127.0.0.1:29401"), help="The sidecar's --control-addr."
+    )
     ap.add_argument("--max-restarts", type=int, default=100, help="Restarts of one local rank before giving up.")
     ap.add_argument("-m", "--module", action="store_true", help="Run the script as a Python module.")
     ap.add_argument("script")
@@ -49,7 +53,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.nproc_per_node < 1:
         ap.error("--nproc-per-node must be at least 1")
     address = parse_address(args.agent)
-    command = [sys.executable, "-u", "-m", "etc_agent.worker.launch", *(["-m"] if args.module else []), args.script, *args.script_args]
+    command = [
+        sys.executable,
+        "-u",
+        "-m",
+        "etc_agent.worker.launch",
+        *(["-m"] if args.module else []),
+        args.script,
+        *args.script_args,
+    ]
     if sys.platform.startswith("linux"):
         # The workers die with this process (a container's main process going away takes them along).
         command = [sys.executable, "-m", "etc_agent.agent._exec_with_parent", str(os.getpid()), *command]
@@ -82,11 +94,18 @@ def main(argv: list[str] | None = None) -> int:
                 done[r] = code
                 if code != 0:
                     why = "stopping" if stopping else f"the job {over}" if over else f"{restarts[r]} restarts used"
-                    print(f"[etc-agent workers] local_rank {r} exited {code}; not restarted ({why})", file=sys.stderr, flush=True)
+                    print(
+                        f"[etc-agent workers] local_rank {r} exited {code}; not restarted ({why})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 continue
             restarts[r] += 1
-            print(f"[etc-agent workers] local_rank {r} exited {code}; starting it again ({restarts[r]}/{args.max_restarts})",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[etc-agent workers] local_rank {r} exited {code}; starting it again ({restarts[r]}/{args.max_restarts})",
+                file=sys.stderr,
+                flush=True,
+            )
             procs[r] = start(r)
     return 0 if all(code == 0 for code in done.values()) else 1
 

@@ -152,10 +152,18 @@ class Switch:
         if job.state is None:
             return Held()
         tensors, plain = split_state(job.state)
-        boxed = {s.shard.key: BoxedTensor(s.tensor, s.shard.global_shape, s.shard.offsets, s.shard.lengths, s.shard.flat_range)
-                 for s in describe_state(tensors)}
-        held = Held(rank=job.ctx.rank, config=job.ctx.config.short(), boxed=boxed,
-                    plain={"app": plain, "rng": to_json(torch.get_rng_state(), "rng")})
+        boxed = {
+            s.shard.key: BoxedTensor(
+                s.tensor, s.shard.global_shape, s.shard.offsets, s.shard.lengths, s.shard.flat_range
+            )
+            for s in describe_state(tensors)
+        }
+        held = Held(
+            rank=job.ctx.rank,
+            config=job.ctx.config.short(),
+            boxed=boxed,
+            plain={"app": plain, "rng": to_json(torch.get_rng_state(), "rng")},
+        )
         del tensors
         job.state = None
         return held
@@ -165,14 +173,25 @@ class Switch:
         job = self.job
         job.phase.to(Phase.RECOVERING, assignment.generation)
         first_line = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-        print(f"[etc_agent] {job.node_id}:{job.local_rank}: switch to generation {assignment.generation} failed "
-              f"({first_line}); waiting for the next generation", file=sys.stderr, flush=True)
+        print(
+            f"[etc_agent] {job.node_id}:{job.local_rank}: switch to generation {assignment.generation} failed "
+            f"({first_line}); waiting for the next generation",
+            file=sys.stderr,
+            flush=True,
+        )
         traceback.clear_frames(err.__traceback__)
         del err
         job.state, job.ctx = None, None
         job.teardown_group()
         # The leader may not know (a departing sender has no status to fail): ask for a new generation.
-        job.link.send({"op": "switch_failed", "local_rank": job.local_rank, "generation": assignment.generation, "reason": first_line})
+        job.link.send(
+            {
+                "op": "switch_failed",
+                "local_rank": job.local_rank,
+                "generation": assignment.generation,
+                "reason": first_line,
+            }
+        )
         self.failure = True
         return job.link.assignment(assignment.generation + 1, job.timeout_s, "retry after a failed switch")
 
@@ -194,8 +213,13 @@ class Switch:
         from torch.distributed import TCPStore
 
         job, generation = self.job, assignment.generation
-        job.store = TCPStore(assignment.store_addr, assignment.store_port, is_master=False,
-                             timeout=timedelta(seconds=job.timeout_s), wait_for_workers=False)
+        job.store = TCPStore(
+            assignment.store_addr,
+            assignment.store_port,
+            is_master=False,
+            timeout=timedelta(seconds=job.timeout_s),
+            wait_for_workers=False,
+        )
         key = f"gen{generation}/arrived"
         job.store.set(f"{key}/{assignment.pg_rank}", "1")
         job.store.add(key, 1)
@@ -210,8 +234,10 @@ class Switch:
                 raise JobFinished()
             if time.monotonic() > deadline:
                 missing = [d for r, d in enumerate(assignment.devices) if not job.store.check([f"{key}/{r}"])]
-                raise ArrivalTimeout(f"generation {generation}: {count} of {assignment.pg_world_size} processes arrived within "
-                                     f"{job.timeout_s:.0f} s; missing: {', '.join(missing)}")
+                raise ArrivalTimeout(
+                    f"generation {generation}: {count} of {assignment.pg_world_size} processes arrived within "
+                    f"{job.timeout_s:.0f} s; missing: {', '.join(missing)}"
+                )
             time.sleep(0.01)
 
     def _form(self, assignment: Assignment, started: float) -> Entry:
@@ -221,34 +247,69 @@ class Switch:
         ctx = new_state = new_tensors = None
         grouped = built = time.perf_counter()
         if assignment.rank is not None:
-            dist.init_process_group(job.backend, store=dist.PrefixStore(f"gen{generation}/train/", job.store),
-                                    rank=assignment.rank, world_size=assignment.world_size, timeout=timeout)
+            dist.init_process_group(
+                job.backend,
+                store=dist.PrefixStore(f"gen{generation}/train/", job.store),
+                rank=assignment.rank,
+                world_size=assignment.world_size,
+                timeout=timeout,
+            )
             config = job.config_for(assignment.parallel, assignment.world_size)
             # Before the first optimizer step nothing is lost if nobody holds state: build it fresh.
-            ctx = make_context(config, assignment.rank, generation, job.device, restoring=assignment.trained, timeout=timeout)
+            ctx = make_context(
+                config, assignment.rank, generation, job.device, restoring=assignment.trained, timeout=timeout
+            )
             grouped = time.perf_counter()
             new_state = job.build_state(ctx)
             new_tensors, _ = split_state(new_state)
             built = time.perf_counter()
-        group = dist.ProcessGroupGloo(dist.PrefixStore(f"gen{generation}/migrate/", job.store), assignment.pg_rank,
-                                      assignment.pg_world_size, timeout)
-        return Entry(assignment=assignment, device=Device.parse(assignment.device), clocks=Clocks(started, grouped, built),
-                     transport=GroupTransport(group, "gloo"), group=group, ctx=ctx, new_state=new_state, new_tensors=new_tensors)
+        group = dist.ProcessGroupGloo(
+            dist.PrefixStore(f"gen{generation}/migrate/", job.store),
+            assignment.pg_rank,
+            assignment.pg_world_size,
+            timeout,
+        )
+        return Entry(
+            assignment=assignment,
+            device=Device.parse(assignment.device),
+            clocks=Clocks(started, grouped, built),
+            transport=GroupTransport(group, "gloo"),
+            group=group,
+            ctx=ctx,
+            new_state=new_state,
+            new_tensors=new_tensors,
+        )
 
     def _exchange(self, entry: Entry, held: Held) -> Exchanged:
         """Which versions of the state every process holds, and the checkpoints it sees (collective)."""
         job, assignment = self.job, entry.assignment
         versions = []
         if held.boxed is not None:
-            versions.append({"kind": "live", "step": job.next_step, "old_rank": held.rank, "config": held.config, "plain": held.plain})
+            versions.append(
+                {
+                    "kind": "live",
+                    "step": job.next_step,
+                    "old_rank": held.rank,
+                    "config": held.config,
+                    "plain": held.plain,
+                }
+            )
         periodic = job.checkpointer is not None and assignment.started
         snapshots = {s.step: s for s in job.checkpointer.snapshots} if periodic else {}
         for snapshot in sorted(snapshots.values(), key=lambda s: -s.step):
-            versions.append({"kind": "snapshot", "step": snapshot.step, "old_rank": snapshot.rank, "config": snapshot.config,
-                             "plain": snapshot.plain})
+            versions.append(
+                {
+                    "kind": "snapshot",
+                    "step": snapshot.step,
+                    "old_rank": snapshot.rank,
+                    "config": snapshot.config,
+                    "plain": snapshot.plain,
+                }
+            )
         storage = job.checkpointer.storage_steps() if periodic else {}
-        statuses = entry.transport.all_gather_object({"device": str(entry.device), "new_rank": entry.new_rank, "versions": versions,
-                                                      "storage": storage})
+        statuses = entry.transport.all_gather_object(
+            {"device": str(entry.device), "new_rank": entry.new_rank, "versions": versions, "storage": storage}
+        )
         return Exchanged(statuses, snapshots)
 
     def _restore_baseline(self, entry: Entry, exchanged: Exchanged) -> bool:
@@ -258,15 +319,26 @@ class Switch:
             return False
         from etc_agent.worker.baseline import load_checkpoint
 
-        meta = load_checkpoint(entry.new_tensors, job.checkpoint_dir, assignment.generation, assignment.published_at,
-                               periodic=job.checkpointer is not None)
+        meta = load_checkpoint(
+            entry.new_tensors,
+            job.checkpoint_dir,
+            assignment.generation,
+            assignment.published_at,
+            periodic=job.checkpointer is not None,
+        )
         if meta is None:
             return False
         load_state(entry.new_state, meta["app"], entry.new_tensors)
         torch.set_rng_state(from_json(meta["rng"]))
-        job.state, job.ctx, job.next_step, job.generation = entry.new_state, entry.ctx, meta["step"], assignment.generation
-        record = checkpoint_record(entry.transport, assignment, entry.ctx.config.short(), job.next_step, meta, entry.clocks,
-                                   entry.new_tensors)
+        job.state, job.ctx, job.next_step, job.generation = (
+            entry.new_state,
+            entry.ctx,
+            meta["step"],
+            assignment.generation,
+        )
+        record = checkpoint_record(
+            entry.transport, assignment, entry.ctx.config.short(), job.next_step, meta, entry.clocks, entry.new_tensors
+        )
         if record is not None:
             job.publish(record)
         job.phase.to(Phase.RUNNING, assignment.generation)
@@ -278,8 +350,12 @@ class Switch:
         candidates, stored = candidate_states(exchanged.statuses)
         if not candidates:
             if entry.assignment.trained:
-                job.fatal(StateLost(f"generation {generation}: no process holds any training state (all holders are gone) "
-                                    "and there is no checkpoint to restore from"))
+                job.fatal(
+                    StateLost(
+                        f"generation {generation}: no process holds any training state (all holders are gone) "
+                        "and there is no checkpoint to restore from"
+                    )
+                )
             return Source(resume_step=job.next_step)
         last_error: Exception | None = None
         for (step, config), sources in candidates:
@@ -292,13 +368,29 @@ class Switch:
             # Nothing trained yet: the state every process built is the initial one, so a part
             # that died with its process is built again (a crash before the first step).
             return Source(resume_step=job.next_step)
-        hint = "" if job.checkpointer is not None else " (etcrun --checkpoint-dir and --checkpoint-interval keep periodic checkpoints to restore from)"
-        job.fatal(StateLost(f"generation {generation}: training state lost, no step has a live copy or a "
-                            f"checkpoint of every shard: {last_error}{hint}"))
+        hint = (
+            ""
+            if job.checkpointer is not None
+            else " (etcrun --checkpoint-dir and --checkpoint-interval keep periodic checkpoints to restore from)"
+        )
+        job.fatal(
+            StateLost(
+                f"generation {generation}: training state lost, no step has a live copy or a "
+                f"checkpoint of every shard: {last_error}{hint}"
+            )
+        )
         raise AssertionError("unreachable: fatal raises")
 
-    def _migrate_from(self, entry: Entry, exchanged: Exchanged, held: Held, step: int, config: str | None,
-                      sources: dict[int, dict], restore_path: str | None) -> Source:
+    def _migrate_from(
+        self,
+        entry: Entry,
+        exchanged: Exchanged,
+        held: Held,
+        step: int,
+        config: str | None,
+        sources: dict[int, dict],
+        restore_path: str | None,
+    ) -> Source:
         """Migrate the state of ``step`` (layout ``config``; None: only the checkpoint has it) into the new layout."""
         job, generation = self.job, entry.assignment.generation
         state_file = None
@@ -308,19 +400,37 @@ class Switch:
             state_file = json.loads((Path(restore_path) / STATE_FILE).read_text())
             config = state_file["config"]
         held_ranks = {v["old_rank"] for v in sources.values()}
-        lost_ranks = {r: (Device(f"lost{r}", 0), []) for r in range(ParallelConfig.parse(config).world_size) if r not in held_ranks}
+        lost_ranks = {
+            r: (Device(f"lost{r}", 0), [])
+            for r in range(ParallelConfig.parse(config).world_size)
+            if r not in held_ranks
+        }
         mine = sources.get(entry.transport.rank)
-        old_state = None if mine is None else (held.boxed if mine["kind"] == "live" else exchanged.snapshots[mine["step"]].boxed)
+        old_state = (
+            None
+            if mine is None
+            else (held.boxed if mine["kind"] == "live" else exchanged.snapshots[mine["step"]].boxed)
+        )
         if entry.new_rank is None and FAULT_SENDER_PAUSE_S > 0:
             # Fault injection for tests: a window in which a sender can be killed mid-migration.
-            print(f"[etc_agent] {entry.device}: fault injection: pausing {FAULT_SENDER_PAUSE_S:g} s before sending",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[etc_agent] {entry.device}: fault injection: pausing {FAULT_SENDER_PAUSE_S:g} s before sending",
+                file=sys.stderr,
+                flush=True,
+            )
             time.sleep(FAULT_SENDER_PAUSE_S)
         try:
             result = migrate_state(
-                old_state, entry.new_tensors, device=entry.device, old_rank=mine["old_rank"] if mine else None,
-                new_rank=entry.new_rank, transport=entry.transport, tp=entry.ctx.config.tp if entry.ctx else 1,
-                failed=[d for d, _ in lost_ranks.values()], lost_old_ranks=lost_ranks, timeout_s=job.timeout_s,
+                old_state,
+                entry.new_tensors,
+                device=entry.device,
+                old_rank=mine["old_rank"] if mine else None,
+                new_rank=entry.new_rank,
+                transport=entry.transport,
+                tp=entry.ctx.config.tp if entry.ctx else 1,
+                failed=[d for d, _ in lost_ranks.values()],
+                lost_old_ranks=lost_ranks,
+                timeout_s=job.timeout_s,
                 read_checkpoint=job.checkpointer.reader(restore_path) if restore_path else None,
                 on_plan=self._announcer(entry.assignment, step, exchanged.live_step, restore_path),
                 same_keys=pipeline_stages(job.config_for(entry.assignment.parallel, entry.assignment.world_size)),
@@ -328,18 +438,32 @@ class Switch:
         except StateLostError:
             raise
         except PlanValidationError as err:
-            job.fatal(PlannerBug(f"generation {generation}: the migration plan broke one of the planner's own invariants "
-                                 f"(a bug in etc_agent; every process computed the same plan): {err}"))
+            job.fatal(
+                PlannerBug(
+                    f"generation {generation}: the migration plan broke one of the planner's own invariants "
+                    f"(a bug in etc_agent; every process computed the same plan): {err}"
+                )
+            )
         except ValueError as err:
             # The descriptions do not fit together (every process sees the same, before anything
             # moved): what build() returned is wrong somewhere; a restart would repeat it.
-            job.fatal(BuildMismatch(f"generation {generation}: the state build() returned does not fit the migrating "
-                                    f"state ({entry.ctx.config.short() if entry.ctx else 'sender'}): {err}"))
+            job.fatal(
+                BuildMismatch(
+                    f"generation {generation}: the state build() returned does not fit the migrating "
+                    f"state ({entry.ctx.config.short() if entry.ctx else 'sender'}): {err}"
+                )
+            )
         carried = sources[min(sources)]["plain"] if sources else {"app": state_file["app"], "rng": state_file["rng"]}
         if mine is not None and mine["kind"] == "snapshot":
             job.checkpointer.drop(lambda s: s.step == mine["step"])  # the new state may hold its buffers now
-        return Source(resume_step=step, config=config, carried=carried, result=result,
-                      restored_from=restore_path if result.plan.bytes_restored else None, lost=[str(d) for d, _ in lost_ranks.values()])
+        return Source(
+            resume_step=step,
+            config=config,
+            carried=carried,
+            result=result,
+            restored_from=restore_path if result.plan.bytes_restored else None,
+            lost=[str(d) for d, _ in lost_ranks.values()],
+        )
 
     def _settle(self, entry: Entry, exchanged: Exchanged, source: Source) -> None:
         """Carry the plain state, report, and either resume (a member) or exit (a sender)."""
@@ -353,21 +477,41 @@ class Switch:
         if entry.new_rank is None:
             job.phase.to(Phase.DEPARTING, assignment.generation)
             self._report(entry, source, None, 0)
-            print(f"[etc_agent] {entry.device}: state sent for generation {assignment.generation}; leaving the job",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[etc_agent] {entry.device}: state sent for generation {assignment.generation}; leaving the job",
+                file=sys.stderr,
+                flush=True,
+            )
             job.link.close()
             raise SystemExit(0)
         if source.carried is not None:
             load_state(entry.new_state, source.carried["app"], entry.new_tensors)
             torch.set_rng_state(from_json(source.carried["rng"]))
         redone = (live_step - source.resume_step) if live_step is not None else 0
-        job.state, job.ctx, job.next_step, job.generation = entry.new_state, entry.ctx, source.resume_step, assignment.generation
+        job.state, job.ctx, job.next_step, job.generation = (
+            entry.new_state,
+            entry.ctx,
+            source.resume_step,
+            assignment.generation,
+        )
         self._report(entry, source, entry.ctx.config.short(), redone)
         job.phase.to(Phase.RUNNING, assignment.generation)
 
     def _report(self, entry: Entry, source: Source, new_config: str | None, redone: int) -> None:
-        record = live_record(entry.transport, entry.assignment, new_config or "", self.job.next_step, source.config, source.result,
-                             source.lost, self.stopped, entry.clocks, self.failure, source.restored_from, redone)
+        record = live_record(
+            entry.transport,
+            entry.assignment,
+            new_config or "",
+            self.job.next_step,
+            source.config,
+            source.result,
+            source.lost,
+            self.stopped,
+            entry.clocks,
+            self.failure,
+            source.restored_from,
+            redone,
+        )
         if record is not None:
             self.job.publish(record)
 
@@ -381,21 +525,35 @@ class Switch:
                 return
             keys = plan.restored_keys
             shown = ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
-            what = (f"{plan.bytes_restored} bytes of {len(keys)} tensors have no live copy ({shown}); reading only those from "
-                    f"{restore_path}") if plan.restores else "the survivors' snapshots hold every shard"
+            what = (
+                (
+                    f"{plan.bytes_restored} bytes of {len(keys)} tensors have no live copy ({shown}); reading only those from "
+                    f"{restore_path}"
+                )
+                if plan.restores
+                else "the survivors' snapshots hold every shard"
+            )
             redo = f", training {live_step - step} steps again" if live_step is not None and step < live_step else ""
-            print(f"[etc_agent] generation {assignment.generation}: {what}; resuming at step {step}{redo}", file=sys.stderr, flush=True)
+            print(
+                f"[etc_agent] generation {assignment.generation}: {what}; resuming at step {step}{redo}",
+                file=sys.stderr,
+                flush=True,
+            )
 
         return announce
 
 
 def pipeline_stages(config: ParallelConfig) -> dict[str, list[int]]:
     """The new ranks of each pipeline stage: they hold the same tensors (boxes of them), by construction."""
-    return {f"pipeline stage {pp}": [config.rank(pp, dp, tp) for dp in range(config.dp) for tp in range(config.tp)]
-            for pp in range(config.pp)}
+    return {
+        f"pipeline stage {pp}": [config.rank(pp, dp, tp) for dp in range(config.dp) for tp in range(config.tp)]
+        for pp in range(config.pp)
+    }
 
 
-def candidate_states(statuses: list[dict]) -> tuple[list[tuple[tuple[int, str | None], dict[int, dict]]], dict[int, str]]:
+def candidate_states(
+    statuses: list[dict],
+) -> tuple[list[tuple[tuple[int, str | None], dict[int, dict]]], dict[int, str]]:
     """The states a migration may start from, newest step first, and the checkpoints every new member sees.
 
     A candidate is ``(step, old layout) -> {transport rank: version}``, one version per process (its

@@ -20,8 +20,10 @@ marker = sys.argv[2]
 def build(ctx: etc_agent.ParallelContext) -> dict:
     start, length = balanced_range(NUM_ELEMENTS, ctx.world_size, ctx.rank)
     z = torch.nn.Parameter(torch.arange(start, start + length, dtype=torch.float32))
-    return {"z": BoxedTensor(z.data, (NUM_ELEMENTS,), (0,), (NUM_ELEMENTS,), (start, start + length)),
-            "optim": torch.optim.SGD([z], lr=0.5)}
+    return {
+        "z": BoxedTensor(z.data, (NUM_ELEMENTS,), (0,), (NUM_ELEMENTS,), (start, start + length)),
+        "optim": torch.optim.SGD([z], lr=0.5),
+    }
 
 
 job.start(build)

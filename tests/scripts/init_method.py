@@ -13,7 +13,9 @@ parser.add_argument("--init-method", required=True)
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-dist.init_process_group("gloo", init_method=args.init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+dist.init_process_group(
+    "gloo", init_method=args.init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
+)
 one_hot = torch.zeros(world_size, dtype=torch.int64)
 one_hot[rank] = 1
 dist.all_reduce(one_hot)

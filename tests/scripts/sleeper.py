@@ -7,7 +7,10 @@ import time
 
 out_dir, seconds = sys.argv[1], float(sys.argv[2])
 fail_until_restart = int(sys.argv[3]) if len(sys.argv) > 3 else 0
-env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RESTART_COUNT", "ETC_AGENT_GENERATION")}
+env = {
+    k: os.environ.get(k)
+    for k in ("RANK", "WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RESTART_COUNT", "ETC_AGENT_GENERATION")
+}
 name = f"gen{env['ETC_AGENT_GENERATION']}_rank{env['RANK']}.json"
 with open(os.path.join(out_dir, name + ".tmp"), "w") as f:
     json.dump(env, f)
