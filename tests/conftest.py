@@ -46,6 +46,7 @@ TEST_LAYERS: dict[str, tuple[str, dict[str, list[str]]]] = {
     "test_migrate.py": ("multiproc", {"unit": ["test_case_matrix_covers_the_required_transitions"]}),
     "test_migrate_module.py": ("multiproc", {}),
     "test_planner.py": ("unit", {"multiproc": ["test_plan_hash_is_the_same_in_fresh_processes"]}),
+    "test_protocol.py": ("unit", {}),
     "test_restore.py": ("multiproc", {}),
     "test_sim.py": (
         "unit",

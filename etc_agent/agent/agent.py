@@ -26,6 +26,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from etc_agent.agent.config import AgentConfig
@@ -56,6 +57,21 @@ from etc_agent.rendezvous.store import LeaseExpired, MembershipStore, StoreError
 from etc_agent.utils.jsonline import JsonLineServer, parse_address
 
 log = logging.getLogger("etc_agent.agent")
+
+
+@dataclass
+class WorkerContacts:
+    """What this node's workers said on the control channel, by local rank."""
+
+    seen: dict[int, float] = field(default_factory=dict)
+    """When each last spoke (``time.monotonic``): a worker silent too long is hung."""
+    pid: dict[int, int] = field(default_factory=dict)
+    """The pid that said hello: only a process that spoke can be judged silent."""
+    hellos: set[int] = field(default_factory=set)
+    """Local ranks whose worker-API process said hello (a warm joiner waits for all of them)."""
+    served: dict[int, int] = field(default_factory=dict)
+    """The newest generation whose assignment each process asked for (sidecar: where a replacement
+    of that process starts looking)."""
 
 
 class Agent:
@@ -95,28 +111,27 @@ class Agent:
         self._tcp_store = None
         self._latest: GenerationRecord | None = None
         self._unreported: tuple[GenerationRecord, NodeStatus] | None = None
-        self._worker_seen: dict[int, float] = {}
-        self._worker_pid: dict[int, int] = {}
-        """Local rank -> pid that said hello: only a process that spoke can be judged silent."""
+        self.contacts = WorkerContacts()
         self._watches = []
         self._elastic = config.sidecar
         """Set when a worker says hello through the worker API: workers then live across generations
         (always for a sidecar: only worker-API processes can attach)."""
         self._attachments = Attachments()
-        self._served_generation: dict[int, int] = {}
-        """Local rank -> the newest generation whose assignment its process asked for (sidecar: where a
-        replacement of that process starts looking)."""
         self._assignments: dict[int, Assignment] = {}
         """What each local worker is in the generation this node serves (rank, group, store address)."""
         self._stores: list = []
         self._ready = True
-        self._standby_hellos: set[int] = set()
         self._finished_cache: tuple[float, bool] = (0.0, False)
         """(when checked, whether the store's ``finished`` marker exists), read at most every 0.5 s."""
         self.reader = RecordReader(self.emit)
-        self.leader = Leader(
-            store,
-            config,
+        self.leader = self._make_leader()
+        self.phase = PhaseTracker(f"agent {self.node_id}")
+        """This node's phase in the generation it serves (the protocol's state table)."""
+
+    def _make_leader(self) -> Leader:
+        return Leader(
+            self.store,
+            self.config,
             self.node_id,
             self.emit,
             self.reader,
@@ -125,8 +140,6 @@ class Agent:
             lease=lambda: self._lease,
             latest=lambda: self._latest,
         )
-        self.phase = PhaseTracker(f"agent {self.node_id}")
-        """This node's phase in the generation it serves (the protocol's state table)."""
 
     # ---- logging --------------------------------------------------------------------
     def _log_event(self, event: str, fields: dict) -> None:
@@ -431,10 +444,10 @@ class Agent:
     def _on_hello(self, req: Hello | Heartbeat) -> dict:
         # A new process under a local rank another process already served replaces it (sidecar: the
         # other launcher restarted it); it joins the generation after the one its predecessor ran.
-        replacement = isinstance(req, Hello) and self._worker_pid.get(req.local_rank) not in (None, req.pid)
-        self._worker_seen[req.local_rank] = time.monotonic()
+        replacement = isinstance(req, Hello) and self.contacts.pid.get(req.local_rank) not in (None, req.pid)
+        self.contacts.seen[req.local_rank] = time.monotonic()
         if isinstance(req, Hello) and req.pid is not None:
-            self._worker_pid[req.local_rank] = req.pid
+            self.contacts.pid[req.local_rank] = req.pid
         if isinstance(req, Hello) and req.elastic:
             if not self._elastic:
                 try:
@@ -442,14 +455,14 @@ class Agent:
                 except StoreError:
                     pass
             self._elastic = True
-            self._standby_hellos.add(req.local_rank)
+            self.contacts.hellos.add(req.local_rank)
         reply = HelloReply(node_id=self.node_id, generation=self.generation.number if self.generation else None)
         if self.config.sidecar and isinstance(req, Hello):
             # What etcrun would have put in its children's environment.
             number = self.generation.number if self.generation else 0
-            if replacement and req.local_rank in self._served_generation:
+            if replacement and req.local_rank in self.contacts.served:
                 # Its predecessor last saw that generation: the replacement joins a later one.
-                number = self._served_generation.pop(req.local_rank) + 1
+                number = self.contacts.served.pop(req.local_rank) + 1
             node_env = self._node_env(req.local_rank, number)
             env = {
                 k: v for k, v in node_env.items() if k not in ("LOCAL_RANK", "ETC_AGENT_LOCAL_RANK", "OMP_NUM_THREADS")
@@ -467,11 +480,11 @@ class Agent:
         return {"ok": True}
 
     def _on_assignment_query(self, req: AssignmentQuery) -> dict:
-        self._worker_seen[req.local_rank] = time.monotonic()
+        self.contacts.seen[req.local_rank] = time.monotonic()
         latest = self._latest
         served = self._assignments.get(req.local_rank)
         if served is not None:
-            self._served_generation[req.local_rank] = served.generation
+            self.contacts.served[req.local_rank] = served.generation
         return AssignmentReply(
             latest=latest.number if latest else None,
             latest_status=latest.status if latest else None,
@@ -584,7 +597,7 @@ class Agent:
         self.emit("workers_warming", {"workers": len(envs), "note": "joining once they run"})
         deadline = time.monotonic() + self.config.join_timeout
         while time.monotonic() < deadline and not self.stop_requested.is_set() and not self.leaving.is_set():
-            if len(self._standby_hellos) >= self.config.nproc_per_node:
+            if len(self.contacts.hellos) >= self.config.nproc_per_node:
                 self._ready = True
                 self.emit(
                     "workers_warm", {"seconds": round(time.monotonic() - (deadline - self.config.join_timeout), 2)}
@@ -743,8 +756,8 @@ class Agent:
         now = time.monotonic()
         codes = self.workers.poll()
         for local_rank, pid in self.workers.pids().items():
-            seen = self._worker_seen.get(local_rank)
-            if seen is None or codes.get(local_rank) is not None or self._worker_pid.get(local_rank) != pid:
+            seen = self.contacts.seen.get(local_rank)
+            if seen is None or codes.get(local_rank) is not None or self.contacts.pid.get(local_rank) != pid:
                 continue
             silent = now - seen
             if silent > self.config.worker_heartbeat_timeout:
@@ -763,7 +776,7 @@ class Agent:
                     "worker local_rank %d (pid %d) on %s hung: %s; killing it", local_rank, pid, self.node_id, why
                 )
                 self.workers.kill(local_rank, why)
-                self._worker_seen.pop(local_rank, None)
+                self.contacts.seen.pop(local_rank, None)
 
     def _check_workers(self, gen: GenerationRecord) -> None:
         if self._elastic and self.config.worker_heartbeat_timeout > 0:

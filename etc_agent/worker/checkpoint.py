@@ -147,25 +147,7 @@ class PeriodicCheckpointer:
         written = [s for s in self.snapshots if s.written]
         fallback = written[-1] if written else None
         spare = [s for s in self.snapshots if s is not fallback and s.reusable]
-        previous = spare[-1].boxed if spare else {}
-        boxed = {}
-        for local in describe_state(state_tensors):
-            s = local.shard
-            old = previous.get(s.key)
-            if old is not None and (old.tensor.shape, old.tensor.dtype, old.offsets, old.lengths, old.flat_range) == (
-                local.tensor.shape,
-                local.tensor.dtype,
-                s.offsets,
-                s.lengths,
-                s.flat_range,
-            ):
-                copy = old.tensor
-            else:
-                copy = torch.empty(
-                    local.tensor.shape, dtype=local.tensor.dtype, device="cpu", pin_memory=local.tensor.is_cuda
-                )
-            copy.copy_(local.tensor.detach(), non_blocking=local.tensor.is_cuda)
-            boxed[s.key] = BoxedTensor(copy, s.global_shape, s.offsets, s.lengths, s.flat_range)
+        boxed = _stage(state_tensors, spare[-1].boxed if spare else {})
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         snapshot = Snapshot(step, generation, config, rank, boxed, plain)
@@ -279,3 +261,27 @@ class PeriodicCheckpointer:
 
     def reader(self, path: str):
         return lambda boxes: read_regions(path, boxes)
+
+
+def _stage(state_tensors: dict[str, Any], previous: dict[str, BoxedTensor]) -> dict[str, BoxedTensor]:
+    """A host copy of every shard, into ``previous``'s buffers where a shard has the same box."""
+    boxed = {}
+    for local in describe_state(state_tensors):
+        s = local.shard
+        old = previous.get(s.key)
+        same = old is not None and (old.tensor.shape, old.tensor.dtype, old.offsets, old.lengths, old.flat_range) == (
+            local.tensor.shape,
+            local.tensor.dtype,
+            s.offsets,
+            s.lengths,
+            s.flat_range,
+        )
+        if same:
+            copy = old.tensor
+        else:
+            copy = torch.empty(
+                local.tensor.shape, dtype=local.tensor.dtype, device="cpu", pin_memory=local.tensor.is_cuda
+            )
+        copy.copy_(local.tensor.detach(), non_blocking=local.tensor.is_cuda)
+        boxed[s.key] = BoxedTensor(copy, s.global_shape, s.offsets, s.lengths, s.flat_range)
+    return boxed

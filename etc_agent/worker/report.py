@@ -57,16 +57,7 @@ def live_record(
     redone: int,
 ) -> MigrationRecord | None:
     """A live migration's record (collective; new rank 0 gets it, None elsewhere or when nothing migrated)."""
-    now = time.perf_counter()
-    mine = {
-        "stop_wall": stopped.wall if stopped else None,
-        "stall": (now - stopped.perf) if stopped else None,
-        "agree": (clocks.grouped - stopped.perf) if stopped else None,
-        "rebuild": clocks.built - clocks.grouped,
-        "plan": result.metrics.plan_s if result else 0.0,
-        "transfer": result.metrics.transfer_phase_s if result else 0.0,
-        "kept": (result.metrics.bytes_reused + result.metrics.bytes_copied_locally) if result else 0,
-    }
+    mine = _phase_times(result, stopped, clocks)
     everyone = transport.all_gather_object(mine)
     if result is None or assignment.rank != 0:
         return None
@@ -106,6 +97,20 @@ def live_record(
         transfer_s=round(worst("transfer"), 4),
         total_stall_s=round(worst("stall"), 4),
     )
+
+
+def _phase_times(result: MigrationResult | None, stopped: Stopped | None, clocks: Clocks) -> dict:
+    """This process's part of a live record: its stall, phase times and bytes kept in place."""
+    now = time.perf_counter()
+    return {
+        "stop_wall": stopped.wall if stopped else None,
+        "stall": (now - stopped.perf) if stopped else None,
+        "agree": (clocks.grouped - stopped.perf) if stopped else None,
+        "rebuild": clocks.built - clocks.grouped,
+        "plan": result.metrics.plan_s if result else 0.0,
+        "transfer": result.metrics.transfer_phase_s if result else 0.0,
+        "kept": (result.metrics.bytes_reused + result.metrics.bytes_copied_locally) if result else 0,
+    }
 
 
 def checkpoint_record(

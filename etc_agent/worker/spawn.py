@@ -37,7 +37,7 @@ def _job_over(address: tuple[str, int]) -> str | None:
     return latest.get("status") if latest.get("status") in ("succeeded", "failed") else None
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="etc-agent workers", description=__doc__.splitlines()[0])
     ap.add_argument(
         "--nproc-per-node", type=int, required=True, help="Processes to start (the sidecar's --nproc-per-node)."
@@ -52,7 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.nproc_per_node < 1:
         ap.error("--nproc-per-node must be at least 1")
-    address = parse_address(args.agent)
+    return args
+
+
+def _worker_command(args: argparse.Namespace) -> list[str]:
     command = [
         sys.executable,
         "-u",
@@ -65,6 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     if sys.platform.startswith("linux"):
         # The workers die with this process (a container's main process going away takes them along).
         command = [sys.executable, "-m", "etc_agent.agent._exec_with_parent", str(os.getpid()), *command]
+    return command
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    address = parse_address(args.agent)
+    command = _worker_command(args)
 
     def start(local_rank: int) -> subprocess.Popen:
         env = {**os.environ, "LOCAL_RANK": str(local_rank), "ETC_AGENT_ADDR": f"{address[0]}:{address[1]}"}
@@ -94,20 +104,16 @@ def main(argv: list[str] | None = None) -> int:
                 done[r] = code
                 if code != 0:
                     why = "stopping" if stopping else f"the job {over}" if over else f"{restarts[r]} restarts used"
-                    print(
-                        f"[etc-agent workers] local_rank {r} exited {code}; not restarted ({why})",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                    _say(f"local_rank {r} exited {code}; not restarted ({why})")
                 continue
             restarts[r] += 1
-            print(
-                f"[etc-agent workers] local_rank {r} exited {code}; starting it again ({restarts[r]}/{args.max_restarts})",
-                file=sys.stderr,
-                flush=True,
-            )
+            _say(f"local_rank {r} exited {code}; starting it again ({restarts[r]}/{args.max_restarts})")
             procs[r] = start(r)
     return 0 if all(code == 0 for code in done.values()) else 1
+
+
+def _say(line: str) -> None:
+    print(f"[etc-agent workers] {line}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

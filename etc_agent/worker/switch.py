@@ -392,7 +392,7 @@ class Switch:
         restore_path: str | None,
     ) -> Source:
         """Migrate the state of ``step`` (layout ``config``; None: only the checkpoint has it) into the new layout."""
-        job, generation = self.job, entry.assignment.generation
+        job = self.job
         state_file = None
         if config is None:
             from etc_agent.worker.checkpoint import STATE_FILE
@@ -406,25 +406,45 @@ class Switch:
             if r not in held_ranks
         }
         mine = sources.get(entry.transport.rank)
-        old_state = (
-            None
-            if mine is None
-            else (held.boxed if mine["kind"] == "live" else exchanged.snapshots[mine["step"]].boxed)
+        old_state = None
+        if mine is not None:
+            old_state = held.boxed if mine["kind"] == "live" else exchanged.snapshots[mine["step"]].boxed
+        if entry.new_rank is None:
+            _pause_before_sending(entry)
+        plan_hook = self._announcer(entry.assignment, step, exchanged.live_step, restore_path)
+        result = self._execute(
+            entry, old_state, mine["old_rank"] if mine else None, lost_ranks, restore_path, plan_hook
         )
-        if entry.new_rank is None and FAULT_SENDER_PAUSE_S > 0:
-            # Fault injection for tests: a window in which a sender can be killed mid-migration.
-            print(
-                f"[etc_agent] {entry.device}: fault injection: pausing {FAULT_SENDER_PAUSE_S:g} s before sending",
-                file=sys.stderr,
-                flush=True,
-            )
-            time.sleep(FAULT_SENDER_PAUSE_S)
+        carried = sources[min(sources)]["plain"] if sources else {"app": state_file["app"], "rng": state_file["rng"]}
+        if mine is not None and mine["kind"] == "snapshot":
+            job.checkpointer.drop(lambda s: s.step == mine["step"])  # the new state may hold its buffers now
+        return Source(
+            resume_step=step,
+            config=config,
+            carried=carried,
+            result=result,
+            restored_from=restore_path if result.plan.bytes_restored else None,
+            lost=[str(d) for d, _ in lost_ranks.values()],
+        )
+
+    def _execute(
+        self,
+        entry: Entry,
+        old_state: dict | None,
+        old_rank: int | None,
+        lost_ranks: dict[int, tuple[Device, list]],
+        restore_path: str | None,
+        plan_hook: Any,
+    ) -> MigrationResult:
+        """Run the executor; its errors become the job's error families (a gap in the state stays
+        :class:`StateLostError`, so that the caller tries an older step)."""
+        job, generation = self.job, entry.assignment.generation
         try:
-            result = migrate_state(
+            return migrate_state(
                 old_state,
                 entry.new_tensors,
                 device=entry.device,
-                old_rank=mine["old_rank"] if mine else None,
+                old_rank=old_rank,
                 new_rank=entry.new_rank,
                 transport=entry.transport,
                 tp=entry.ctx.config.tp if entry.ctx else 1,
@@ -432,7 +452,7 @@ class Switch:
                 lost_old_ranks=lost_ranks,
                 timeout_s=job.timeout_s,
                 read_checkpoint=job.checkpointer.reader(restore_path) if restore_path else None,
-                on_plan=self._announcer(entry.assignment, step, exchanged.live_step, restore_path),
+                on_plan=plan_hook,
                 same_keys=pipeline_stages(job.config_for(entry.assignment.parallel, entry.assignment.world_size)),
             )
         except StateLostError:
@@ -453,17 +473,7 @@ class Switch:
                     f"state ({entry.ctx.config.short() if entry.ctx else 'sender'}): {err}"
                 )
             )
-        carried = sources[min(sources)]["plain"] if sources else {"app": state_file["app"], "rng": state_file["rng"]}
-        if mine is not None and mine["kind"] == "snapshot":
-            job.checkpointer.drop(lambda s: s.step == mine["step"])  # the new state may hold its buffers now
-        return Source(
-            resume_step=step,
-            config=config,
-            carried=carried,
-            result=result,
-            restored_from=restore_path if result.plan.bytes_restored else None,
-            lost=[str(d) for d, _ in lost_ranks.values()],
-        )
+        raise AssertionError("unreachable: fatal raises")
 
     def _settle(self, entry: Entry, exchanged: Exchanged, source: Source) -> None:
         """Carry the plain state, report, and either resume (a member) or exit (a sender)."""
@@ -541,6 +551,17 @@ class Switch:
             )
 
         return announce
+
+
+def _pause_before_sending(entry: Entry) -> None:
+    """Fault injection for tests: a window in which a sender can be killed mid-migration."""
+    if FAULT_SENDER_PAUSE_S > 0:
+        print(
+            f"[etc_agent] {entry.device}: fault injection: pausing {FAULT_SENDER_PAUSE_S:g} s before sending",
+            file=sys.stderr,
+            flush=True,
+        )
+        time.sleep(FAULT_SENDER_PAUSE_S)
 
 
 def pipeline_stages(config: ParallelConfig) -> dict[str, list[int]]:
