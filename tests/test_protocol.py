@@ -177,3 +177,75 @@ def test_typed_peer_failures_need_no_words():
     assert is_peer_failure(MigrationError("rank 3 sent nothing"))
     assert is_peer_failure(ArrivalTimeout("2 of 3 arrived"))
     assert is_peer_failure(dist.DistError("x"))
+
+
+# ---- the migration record -------------------------------------------------------------------
+
+
+class _Gathered:
+    """A transport whose all_gather_object returns what every process would have sent."""
+
+    def __init__(self, others: list[dict]):
+        self.others = others
+
+    def all_gather_object(self, obj):
+        return [obj, *self.others]
+
+
+def test_detection_after_a_failure_is_measured_even_when_a_replacement_reports_it():
+    """The replacement that becomes new rank 0 saw no failure itself (it just started); the
+    survivors did, and detection is the time from their first stop to the publish."""
+    from types import SimpleNamespace
+
+    from etc_agent.worker.report import Clocks, live_record
+
+    plan = SimpleNamespace(
+        bytes_moved=10, bytes_moved_inter_node=4, state_bytes=20, checkpoint_bytes=60, bytes_restored=0
+    )
+    metrics = SimpleNamespace(plan_s=0.01, transfer_phase_s=0.02, bytes_reused=5, bytes_copied_locally=1)
+    result = SimpleNamespace(plan=plan, metrics=metrics)
+    devices = ["a:0", "b:0"]
+    assignment = Assignment(
+        generation=2,
+        pg_rank=0,
+        pg_world_size=2,
+        rank=0,
+        world_size=2,
+        parallel="tp=1,pp=1,dp=2,zero=0",
+        store_addr="h",
+        store_port=1,
+        devices=devices,
+        leaving=False,
+        started=True,
+        trained=True,
+        reason="worker failure on b",
+        published_at=100.0,
+        node_id="a",
+    )
+    survivor = {
+        "stop_wall": 98.8,
+        "stall": 1.5,
+        "agree": 1.2,
+        "rebuild": 0.1,
+        "plan": 0.01,
+        "transfer": 0.02,
+        "kept": 5,
+        "failure": True,
+    }
+    clocks = Clocks(started=0.0, grouped=0.0, built=0.0)
+    record = live_record(
+        _Gathered([survivor]),
+        assignment,
+        "tp=1,pp=1,dp=2,zero=0",
+        7,
+        "tp=1,pp=1,dp=2,zero=0",
+        result,
+        ["b:0"],
+        None,
+        clocks,
+        False,
+        None,
+        0,
+    )
+    assert record is not None and record.detect_s == pytest.approx(1.2)
+    assert record.devices == devices and record.lost == ["b:0"] and record.step == 7

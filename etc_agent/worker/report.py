@@ -57,13 +57,17 @@ def live_record(
     redone: int,
 ) -> MigrationRecord | None:
     """A live migration's record (collective; new rank 0 gets it, None elsewhere or when nothing migrated)."""
-    mine = _phase_times(result, stopped, clocks)
+    mine = {**_phase_times(result, stopped, clocks), "failure": failure}
     everyone = transport.all_gather_object(mine)
     if result is None or assignment.rank != 0:
         return None
     stops = [e["stop_wall"] for e in everyone if e["stop_wall"] is not None]
     published = assignment.published_at
-    detect = (max(stops) - published if not failure else published - min(stops)) if stops else 0.0
+    # After a failure the survivors stopped before the leader published (detection is publish minus
+    # the first stop); a planned change is published first (detection is the last stop minus
+    # publish). Any process's flag counts: a replacement that becomes rank 0 saw no failure itself.
+    after_failure = any(e["failure"] for e in everyone)
+    detect = (published - min(stops) if after_failure else max(stops) - published) if stops else 0.0
     plan = result.plan
 
     def worst(name: str) -> float:
