@@ -78,6 +78,18 @@ def finish(procs: list[subprocess.Popen], timeout: float = 120) -> list[tuple[in
     return [(p.returncode, texts[i]) for i, p in enumerate(procs)]
 
 
+def run_etcrun(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``etcrun args`` to completion (a minute at most), output captured as text; ``env`` adds variables."""
+    return subprocess.run(
+        [sys.executable, "-m", "etc_agent.cli.etcrun", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **env} if env else None,
+    )
+
+
 def rdzv_args(backend: str, request, run_id: str) -> list[str]:
     if backend == "etcd":
         server = request.getfixturevalue("etcd_server")
@@ -377,9 +389,7 @@ def test_compat_mode_gives_up_after_max_restarts(job):
     ],
 )
 def test_bad_flags_are_one_line_and_exit_2(args, message):
-    p = subprocess.run(
-        [sys.executable, "-m", "etc_agent.cli.etcrun", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
+    p = run_etcrun(*args)
     assert p.returncode == 2, p.stderr
     lines = [line for line in p.stderr.strip().splitlines() if line]
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in p.stderr, p.stderr
@@ -413,14 +423,7 @@ def test_bad_flags_are_one_line_and_exit_2(args, message):
 )
 def test_a_rejected_agent_setting_is_one_line_naming_the_flag(args, env, message):
     """AgentConfig checks the settings; etcrun names the flag (or variable) the value came from, not the field."""
-    p = subprocess.run(
-        [sys.executable, "-m", "etc_agent.cli.etcrun", "--standalone", *args, "x.py"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, **env},
-    )
+    p = run_etcrun("--standalone", *args, "x.py", env=env)
     assert p.returncode == 2, p.stderr
     lines = p.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"etcrun: error: {message}"), p.stderr
@@ -428,23 +431,8 @@ def test_a_rejected_agent_setting_is_one_line_naming_the_flag(args, env, message
 
 
 def test_a_rejected_etcd_setting_names_its_rdzv_conf_key():
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "etc_agent.cli.etcrun",
-            "--rdzv-backend",
-            "etcd-v3",
-            "--rdzv-endpoint",
-            "127.0.0.1:1",
-            "--rdzv-conf",
-            "read_timeout=0",
-            "x.py",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
+    p = run_etcrun(
+        "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf", "read_timeout=0", "x.py"
     )
     assert (
         p.returncode == 2 and p.stderr == "etcrun: error: --rdzv-conf read_timeout: Input should be greater than 0\n"
@@ -462,23 +450,11 @@ def test_a_rejected_etcd_setting_names_its_rdzv_conf_key():
 def test_a_rejected_agent_setting_from_a_job_config_names_the_file_and_key(tmp_path, content, message):
     config = tmp_path / "job.yaml"
     config.write_text("standalone: true\n" + content)
-    p = subprocess.run(
-        [sys.executable, "-m", "etc_agent.cli.etcrun", "--config", str(config), "x.py"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    p = run_etcrun("--config", str(config), "x.py")
     assert p.returncode == 2 and p.stderr == f"etcrun: error: --config {config}: {message}\n", p.stderr
 
     # The same setting given as a flag wins over the file, and is the one named.
-    p = subprocess.run(
-        [sys.executable, "-m", "etc_agent.cli.etcrun", "--config", str(config), "--max-restarts", "-2", "x.py"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    p = run_etcrun("--config", str(config), "--max-restarts", "-2", "x.py")
     assert (
         p.returncode == 2 and p.stderr == "etcrun: error: --max-restarts: Input should be greater than or equal to 0\n"
     ), p.stderr
@@ -506,9 +482,7 @@ def test_agent_settings_help_is_agent_config_s_field_description():
             assert by_flag[flag].default == fields[field].default, flag
     for field, param in SHARED_FLAG_PARAMS.items():  # one flag, several values: the help names each field's meaning
         assert fields[field].description in params[param].help, (field, param)
-    p = subprocess.run(
-        [sys.executable, "-m", "etc_agent.cli.etcrun", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
+    p = run_etcrun("--help")
     shown = "".join(p.stdout.split())  # as printed, wrapped lines joined
     for field, flag in SETTING_FLAGS.items():
         assert "".join(fields[field].description.split()) in shown, flag
@@ -542,9 +516,7 @@ def test_agent_config_checks_its_settings_without_etcrun():
 
 
 def test_help_lists_torchrun_flags():
-    p = subprocess.run(
-        [sys.executable, "-m", "etc_agent.cli.etcrun", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
+    p = run_etcrun("--help")
     assert p.returncode == 0
     for flag in (
         "--nnodes",
@@ -828,13 +800,7 @@ def test_a_job_config_file_gives_the_flags_and_the_command_line_wins(tmp_path):
 def test_a_bad_job_config_is_one_line_and_exit_2(tmp_path, content, message):
     config = tmp_path / "job.yaml"
     config.write_text(content)
-    p = subprocess.run(
-        [sys.executable, "-m", "etc_agent.cli.etcrun", "--config", str(config), "x.py"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    p = run_etcrun("--config", str(config), "x.py")
     assert p.returncode == 2, p.stderr
     lines = [line for line in p.stderr.strip().splitlines() if line]
     assert len(lines) == 1 and message in lines[0] and str(config) in lines[0], p.stderr
