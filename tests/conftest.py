@@ -30,6 +30,15 @@ TEST_LAYERS: dict[str, tuple[str, dict[str, list[str]]]] = {
     "test_etcd_tls.py": ("e2e", {}),
     "test_etcrun.py": ("e2e", {"unit": ["test_the_example_job_configs_are_valid"]}),
     "test_faults.py": ("e2e", {}),
+    "test_groups.py": (
+        "multiproc",
+        {
+            "unit": [
+                "test_destroy_all_groups_replaces_function_defaults_that_hold_the_group_and_frees_it",
+                "test_release_defaults_leaves_modules_outside_torch_and_other_defaults_alone",
+            ]
+        },
+    ),
     "test_k8s.py": ("e2e", {}),  # etcrun --help in a subprocess
     "test_layers.py": ("unit", {}),
     "test_layout.py": ("unit", {}),

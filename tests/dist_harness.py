@@ -46,8 +46,14 @@ def _child(rank: int, world: int, port: int, fn: Callable, args: tuple, queue, p
 
 
 def run_workers(
-    world: int, fn: Callable, *args: Any, timeout_s: float = 180.0, pg_timeout_s: float = 60.0
+    world: int,
+    fn: Callable,
+    *args: Any,
+    timeout_s: float = 180.0,
+    pg_timeout_s: float = 60.0,
+    may_exit: frozenset[int] = frozenset(),
 ) -> list[Any]:
+    """Each rank's return value; a rank in ``may_exit`` may also die without reporting (its value: None)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -68,6 +74,9 @@ def run_workers(
             try:
                 rank, status, value = queue.get(timeout=0.5)
             except queue_mod.Empty:
+                for r in may_exit - set(results):
+                    if procs[r].exitcode is not None:
+                        results[r] = None
                 dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
                 if dead:
                     time.sleep(0.5)  # a report may still be in the pipe

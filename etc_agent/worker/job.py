@@ -53,6 +53,7 @@ from etc_agent.utils.plainstate import materialize_optimizer_state, to_json
 from etc_agent.worker.appstate import split_state
 from etc_agent.worker.context import ParallelContext, make_context
 from etc_agent.worker.errors import ArrivalTimeout, JobError, JobFinished, StateLost, is_peer_failure
+from etc_agent.worker.groups import destroy_all_groups
 from etc_agent.worker.link import AgentLink
 from etc_agent.worker.report import Stopped
 from etc_agent.worker.switch import Switch
@@ -353,11 +354,12 @@ class Job:
         if self.ctx is not None:
             self.ctx.mesh._pg_registry.clear()  # old DTensors keep their mesh; it must not keep the groups
         self.ctx = None
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception as err:  # noqa: BLE001 - a broken group may fail to shut down cleanly
-                log.warning("destroying the old process group: %s", err)
+        kept = destroy_all_groups()
+        if kept:
+            log.warning(
+                "destroyed process groups still referenced: %s; peers blocked in them wait until their timeout",
+                ", ".join(kept),
+            )
         # DTensor's dispatch cache compares meshes by shape and names: stale entries would attach
         # new DTensors to the old mesh.
         torch._C._clear_DTensor_sharding_propagator_cache()

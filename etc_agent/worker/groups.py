@@ -1,0 +1,95 @@
+"""Process-group lifetime: a destroyed group must really be freed, or peers blocked on it wait out their timeout.
+
+A gloo group closes its sockets only when its C++ object is freed; ``abort()`` and ``shutdown()`` on
+the group or on its backend leave them open (torch 2.13, checked with
+``scripts/repro_dead_peer_wait.py``). A peer blocked in a collective that needs this process then
+sees no error until its own timeout, although this process gave the group up long ago.
+
+What kept destroyed groups alive: ``torch.distributed.nn.functional`` evaluates ``group.WORLD`` in
+its default arguments when it is first imported. ``torch._dynamo`` imports it, and the first
+functional collective (every DTensor op that communicates) imports ``torch._dynamo``; from then on
+ten function defaults hold the default group of that moment. Tuples of pybind objects are untracked
+by the garbage collector, so ``gc.get_referrers`` does not show them. The same pattern is in
+``torch.distributed.optim.zero_redundancy_optimizer`` and ``torch.distributed.fsdp.sharded_grad_scaler``.
+
+Two remedies: this module imports ``torch.distributed.nn.functional`` (10 ms) before any group
+exists, so its defaults are ``None`` (the default group at call time, which is what they mean);
+and :func:`destroy_all_groups` replaces every function default in ``torch`` that still holds a
+destroyed group, then reports any group that something else keeps alive.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import sys
+import types
+import weakref
+
+import torch.distributed as dist
+import torch.distributed.nn.functional  # noqa: F401 - must run before the first group exists (see above)
+
+log = logging.getLogger(__name__)
+
+
+def live_groups() -> list[dist.ProcessGroup]:
+    """Every process group this process has (the default group and its subgroups)."""
+    if not dist.is_initialized():
+        return []
+    return list(dist.distributed_c10d._world.pg_map)
+
+
+def _functions_of(module: types.ModuleType):
+    for value in list(vars(module).values()):
+        if isinstance(value, types.FunctionType):
+            yield value
+        elif isinstance(value, type) and vars(value).get("__module__") == module.__name__:
+            for attr in list(vars(value).values()):
+                func = getattr(attr, "__func__", attr)
+                if isinstance(func, types.FunctionType):
+                    yield func
+
+
+def release_defaults(groups: list[dist.ProcessGroup]) -> int:
+    """Replace every default argument in ``torch``'s loaded modules that is one of ``groups`` with
+    ``None``; return how many were replaced."""
+    if not groups:
+        return 0
+    ids = {id(g) for g in groups}
+    replaced = 0
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "torch" or name.startswith("torch.")):
+            continue
+        for func in _functions_of(module):
+            defaults = func.__defaults__
+            if defaults and any(id(d) in ids for d in defaults):
+                func.__defaults__ = tuple(None if id(d) in ids else d for d in defaults)
+                replaced += 1
+            kwdefaults = func.__kwdefaults__
+            if kwdefaults and any(id(d) in ids for d in kwdefaults.values()):
+                func.__kwdefaults__ = {k: None if id(d) in ids else d for k, d in kwdefaults.items()}
+                replaced += 1
+    return replaced
+
+
+def destroy_all_groups() -> list[str]:
+    """Destroy every process group and make sure nothing in ``torch`` keeps one alive.
+
+    Returns a description of each group some other holder still keeps (empty when all are freed);
+    a group kept by a C++ holder (e.g. a live DDP reducer) is not seen here.
+    """
+    if not dist.is_initialized():
+        return []
+    groups = live_groups()
+    names = [f"{g.group_name} ({g.size()} ranks)" for g in groups]
+    refs = [weakref.ref(g) for g in groups]
+    try:
+        dist.destroy_process_group()
+    except Exception as err:  # noqa: BLE001 - a broken group may fail to shut down cleanly
+        log.warning("destroying the old process group: %s", err)
+    replaced = release_defaults(groups)
+    if replaced:
+        log.debug("released %d function defaults that held a destroyed group", replaced)
+    del groups
+    gc.collect()
+    return [name for name, ref in zip(names, refs, strict=True) if ref() is not None]
