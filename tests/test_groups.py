@@ -87,3 +87,53 @@ def test_every_survivor_leaves_a_functional_collective_within_2s_of_a_peer_death
     waits = results[:3]
     assert results[3] is None
     assert all(w is not None and w <= 2.0 for w in waits), f"seconds from the death to failing: {waits}"
+
+
+def _form_through_a_generation_store(rank: int, world: int, port: int, marks: str, mode: str) -> tuple[float, str]:
+    """Ranks 0..world-2 form a gloo group of ``world`` through a GenerationStore; the last rank never
+    comes. ``mode`` "superseded": a newer generation appears 1 s in; "timeout": none does (2 s limit)."""
+    from etc_agent.worker.genstore import GenerationStore
+
+    inner = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, timeout=timedelta(seconds=30), wait_for_workers=False)
+    started = time.monotonic()
+    newer = Path(marks) / "newer"
+    if rank == 0:
+        newer.unlink(missing_ok=True)
+    if rank == world - 1:
+        return 0.0, "absent"
+
+    def superseded() -> int | None:
+        if mode == "superseded" and time.monotonic() - started > 1.0:
+            return 8
+        return None
+
+    store = GenerationStore(inner, 7, superseded, timeout_s=2.0 if mode == "timeout" else 30.0)
+    try:
+        dist.ProcessGroupGloo(dist.PrefixStore("gen7/migrate/", store), rank, world, timedelta(seconds=30))
+    except RuntimeError as err:
+        message = str(err)
+    else:
+        message = "formed"
+    took = time.monotonic() - started
+    (Path(marks) / f"done{rank}").write_text("1")
+    deadline = time.monotonic() + 30  # the store's server (rank 0) stays up until the others are done
+    while rank == 0 and len(list(Path(marks).glob("done*"))) < world - 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return took, message
+
+
+def test_forming_a_group_gives_up_when_a_newer_generation_exists_or_at_its_timeout_naming_the_missing_rank(tmp_path):
+    from dist_harness import free_port
+
+    from etc_agent.worker.errors import is_peer_failure
+
+    for mode, limit_s, words in (
+        ("superseded", 3.0, "superseded by generation 8"),
+        ("timeout", 4.0, "timed out after 2 s"),
+    ):
+        results = run_workers(3, _form_through_a_generation_store, free_port(), str(tmp_path), mode)
+        for took, message in results[:2]:
+            assert took <= limit_s and words in message and "gen7/migrate//0/2" in message, (mode, took, message)
+            assert is_peer_failure(RuntimeError(message))
+        for mark in tmp_path.glob("done*"):
+            mark.unlink()

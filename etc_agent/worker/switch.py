@@ -51,6 +51,7 @@ from etc_agent.utils.plainstate import from_json, to_json
 from etc_agent.worker.appstate import load_state, split_state
 from etc_agent.worker.context import ParallelContext, make_context
 from etc_agent.worker.errors import ArrivalTimeout, BuildMismatch, JobFinished, PlannerBug, StateLost, is_peer_failure
+from etc_agent.worker.genstore import GenerationStore
 from etc_agent.worker.report import Clocks, Stopped, checkpoint_record, live_record
 
 if TYPE_CHECKING:
@@ -246,10 +247,11 @@ class Switch:
         timeout = timedelta(seconds=job.timeout_s)
         ctx = new_state = new_tensors = None
         grouped = built = time.perf_counter()
+        store = GenerationStore(job.store, generation, lambda: self._newer(generation), job.timeout_s)
         if assignment.rank is not None:
             dist.init_process_group(
                 job.backend,
-                store=dist.PrefixStore(f"gen{generation}/train/", job.store),
+                store=dist.PrefixStore(f"gen{generation}/train/", store),
                 rank=assignment.rank,
                 world_size=assignment.world_size,
                 timeout=timeout,
@@ -264,7 +266,7 @@ class Switch:
             new_tensors, _ = split_state(new_state)
             built = time.perf_counter()
         group = dist.ProcessGroupGloo(
-            dist.PrefixStore(f"gen{generation}/migrate/", job.store),
+            dist.PrefixStore(f"gen{generation}/migrate/", store),
             assignment.pg_rank,
             assignment.pg_world_size,
             timeout,
@@ -279,6 +281,11 @@ class Switch:
             new_state=new_state,
             new_tensors=new_tensors,
         )
+
+    def _newer(self, generation: int) -> int | None:
+        """The number of a generation the agent published after ``generation`` (None: none yet)."""
+        newer = self.job.link.newer_than(generation)
+        return newer.generation if newer is not None else None
 
     def _exchange(self, entry: Entry, held: Held) -> Exchanged:
         """Which versions of the state every process holds, and the checkpoints it sees (collective)."""

@@ -1,0 +1,95 @@
+"""The store a generation's process groups form through: its waits give up once a newer generation exists.
+
+Forming a gloo group blocks in the store until every rank published its address. A process that
+died after it arrived never publishes, and the others would sit in that C++ wait for the whole
+``ETC_AGENT_TIMEOUT`` although the leader published the generation after it seconds later. This
+store answers ``get`` and ``wait`` itself, in short slices of ``check`` on the job's TCPStore, and
+between slices asks ``superseded()``; torch calls it from C++ through its Python store trampoline,
+and the error raised here comes out of ``init_process_group`` / ``ProcessGroupGloo`` as a
+``RuntimeError`` the switch handles as a peer failure.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch.distributed as dist
+
+POLL_S = 0.01
+"""Seconds between two checks of the awaited keys."""
+
+
+class GenerationStore(dist.Store):
+    """``inner`` for generation ``generation``, whose waits end when ``superseded()`` names a newer one
+    (it returns that generation's number, or None) or after ``timeout_s`` (naming the missing keys)."""
+
+    def __init__(
+        self, inner: dist.Store, generation: int, superseded: Callable[[], int | None], timeout_s: float
+    ) -> None:
+        super().__init__()
+        self.inner = inner
+        self.generation = generation
+        self.superseded = superseded
+        self.timeout_s = timeout_s
+
+    # ---- waits ------------------------------------------------------------------------------------
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        limit_s = self.timeout_s if timeout is None else min(self.timeout_s, timeout.total_seconds())
+        deadline = time.monotonic() + limit_s
+        while not self.inner.check(keys):
+            newer = self.superseded()
+            if newer is not None:
+                raise RuntimeError(
+                    f"generation {self.generation} superseded by generation {newer} while its process group "
+                    f"was forming (a peer did not come: store keys {self._missing(keys)})"
+                )
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"generation {self.generation}: timed out after {limit_s:.0f} s forming its process group; "
+                    f"missing store keys {self._missing(keys)} (the peers that publish them did not come)"
+                )
+            time.sleep(POLL_S)
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        return self.inner.get(key)
+
+    def _missing(self, keys: list[str]) -> list[str]:
+        return [k for k in keys if not self.inner.check([k])]
+
+    # ---- the rest goes straight to the job's store ----------------------------------------------
+    def set(self, key: str, value) -> None:
+        self.inner.set(key, value)
+
+    def add(self, key: str, amount: int) -> int:
+        return self.inner.add(key, amount)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.inner.check(keys)
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        return self.inner.compare_set(key, expected, desired)
+
+    def delete_key(self, key: str) -> bool:
+        return self.inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self.inner.num_keys()
+
+    def append(self, key: str, value) -> None:
+        self.inner.append(key, value)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self.wait(keys)
+        return self.inner.multi_get(keys)
+
+    def multi_set(self, keys: list[str], values) -> None:
+        self.inner.multi_set(keys, values)
+
+    def has_extended_api(self) -> bool:
+        return True
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self.timeout_s = timeout.total_seconds()
