@@ -90,8 +90,6 @@ class Cluster:
             "0.5",
             "--lease-ttl",
             "3",
-            "--max-restarts",
-            "3",
             "--parallel",
             self.parallel,
             "--log-format",
@@ -393,12 +391,26 @@ def run_scenario(
                     raise RuntimeError(f"no live worker of agent 1 to {event}\n" + cluster.tail())
                 # hang: SIGSTOP freezes the worker without killing it; its agent must notice the silence.
                 os.kill(pids[-1], signal.SIGKILL if event == "kill" else signal.SIGSTOP)
+            before = len(migrations(cluster))
             expected += 1
             events_done.append(
                 {"event": event, "at_s": round(t, 1), "wall": wall, "step": max(read_losses(loss_log), default=-1)}
             )
             if wait_migrations:
                 migrated(expected)
+                if event in ("kill", "hang"):
+                    # The others go on without the crashed worker's node; it rejoins once its restarted
+                    # worker runs (a second migration, unless the restart was quicker than the leader).
+                    world = (migrations(cluster)[before - 1]["new_world_size"] if before else None) or (
+                        initial_agents * nproc
+                    )
+                    cluster.wait_for(
+                        lambda: any(m["new_world_size"] >= world for m in migrations(cluster)[before:]),  # noqa: B023
+                        300,
+                        f"the job back at {world} workers after the {event}",
+                    )
+                    expected = len(migrations(cluster))
+                events_done[-1]["migrations"] = list(range(before - skipped, expected - skipped))
             slow_file.unlink(missing_ok=True)
         if stop_after is not None:
             resumed = max(read_losses(loss_log), default=-1)

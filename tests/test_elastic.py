@@ -66,14 +66,20 @@ def test_elastic_training_through_join_leave_and_crash(name, etcd_server, tmp_pa
     losses = result["losses"]
     assert sorted(losses) == list(range(steps)), f"steps missing: {sorted(set(range(steps)) - set(losses))}\n{logs}"
 
-    # One migration record per event, in order, with the layout each event implies.
+    # One migration record per event, in order, with the layout each event implies; a crash has the
+    # job go on without the crashed worker's node, and a second one when that node rejoins.
     records = sorted(result["migrations"], key=lambda m: m["generation"])
-    assert len(records) == len(events), [r["reason"] for r in records]
+    per_event = [[records[i] for i in done["migrations"]] for done in result["events"]]
+    in_place = [e == "kill" and "in place" in r[0]["reason"] for e, r in zip(events, per_event)]
+    assert [len(r) for r in per_event] == [2 if e == "kill" and not p else 1 for e, p in zip(events, in_place)], [
+        r["reason"] for r in records
+    ]
     unit = 4 if "pp=2" in parallel else 2
     world = 2 * nproc
-    for event, record in zip(events, records):
+    for event, (record, *rejoin), restarted_in_place in zip(events, per_event, in_place):
         old_world = world
-        world = world + nproc if event == "join" else (world - nproc if event == "leave" else world)
+        shrinks = event == "leave" or (event == "kill" and not restarted_in_place)
+        world = world + nproc if event == "join" else (world - nproc if shrinks else world)
         assert (record["old_world_size"], record["new_world_size"]) == (old_world, world), record
         assert f"dp={world // unit}" in record["new_config"], record
         # A checkpoint writes every element once and every new rank reads its shards back.
@@ -86,7 +92,15 @@ def test_elastic_training_through_join_leave_and_crash(name, etcd_server, tmp_pa
             assert len(record["senders"]) == nproc, record
         if event == "kill":
             assert "worker failure" in record["reason"] and len(record["lost"]) >= 1, record
-            assert record["bytes_moved"] > 0, record  # the restarted worker's shards came from a replica
+            # Below --nnodes MIN the others wait for the restart in place; else they go on at once
+            # and the node rejoins once its restarted worker runs.
+            if not restarted_in_place:
+                [back] = rejoin
+                assert "joined" in back["reason"] and back["new_world_size"] == old_world, back
+                assert back["bytes_moved"] > 0, back  # the restarted node's workers received their state
+                world = old_world
+            else:
+                assert record["bytes_moved"] > 0, record  # the restarted worker's shards came from a replica
 
     # No checkpoint was written or read: the run directory holds only the loss log and the final dump.
     assert sorted(p.name for p in work.iterdir() if not p.name.startswith("agent-")) == ["loss.jsonl", "state.pt"]
@@ -191,6 +205,41 @@ def test_a_crash_that_takes_the_only_copy_restores_just_that_from_the_periodic_c
     text = "".join("".join(lines) for lines in result["cluster"].outputs)
     assert "have no live copy" in text and f"resuming at step {record['step']}" in text
     assert '"etc_checkpoint"' in text
+    _, reference_state = reference_losses(steps, tmp_path, extra)
+    assert compare_states(result["state_file"], reference_state) == []
+
+
+def test_a_worker_crash_with_default_flags_lets_the_others_go_on_and_its_node_rejoins_warm(etcd_server, tmp_path):
+    """SIGKILL of one worker under tp=2,dp=auto on 2 agents x 2, --nnodes 1:3 and no --max-restarts:
+    the other node trains on alone at once (its replica holds everything), the crashed worker's node
+    restarts it, sends what its survivor holds, and rejoins once it runs; every step trained once,
+    the final state bitwise the uninterrupted run's."""
+    run_id = f"goon-{uuid.uuid4().hex[:6]}"
+    rdzv = ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id]
+    extra, steps = ["--elementwise"], 40
+    result = run_scenario(
+        "tp=2,pp=1,dp=auto",
+        2,
+        steps,
+        0.15,
+        tmp_path,
+        echo=False,
+        rdzv=rdzv,
+        events=("kill",),
+        min_nodes=1,
+        extra_script_args=extra,
+        event_steps=[8],
+    )
+    logs = result["cluster"].tail(60)
+    assert result["codes"] == [0, 0], f"agents exited {result['codes']}\n{logs}"
+    assert sorted(result["losses"]) == list(range(steps)), logs
+    [[failure, back]] = [[result["migrations"][i] for i in e["migrations"]] for e in result["events"]]
+    assert "worker failure" in failure["reason"] and "in place" not in failure["reason"], failure
+    assert (failure["old_world_size"], failure["new_world_size"]) == (4, 2), failure
+    assert failure["bytes_moved"] == 0, failure  # the survivors' replica held every shard
+    assert "joined" in back["reason"] and (back["old_world_size"], back["new_world_size"]) == (2, 4), back
+    text = "".join("".join(lines) for lines in result["cluster"].outputs)
+    assert "the others go on, this node rejoins once they run" in text and "waiting as a standby" in text
     _, reference_state = reference_losses(steps, tmp_path, extra)
     assert compare_states(result["state_file"], reference_state) == []
 

@@ -121,6 +121,10 @@ class Agent:
         """What each local worker is in the generation this node serves (rank, group, store address)."""
         self._stores: list = []
         self._ready = True
+        self._restarting: set[int] = set()
+        """Local ranks restarted after a crash whose new process has not said hello yet (the node is
+        out of the membership until they have)."""
+        self._crash_restarts = 0
         self._finished_cache: tuple[float, bool] = (0.0, False)
         """(when checked, whether the store's ``finished`` marker exists), read at most every 0.5 s."""
         self.reader = RecordReader(self.emit)
@@ -167,6 +171,9 @@ class Agent:
         self.emit(
             "registered", {"host": self.host, "devices": self.config.nproc_per_node, "lease_ttl": self._lease.ttl}
         )
+
+    def _put_record(self) -> None:
+        self.store.put(f"nodes/{self.node_id}", self._node_record().dumps(), lease=self._lease)
 
     def _keepalive(self) -> None:
         interval = max(0.2, self.config.lease_ttl / 3)
@@ -220,7 +227,7 @@ class Agent:
             "ETC_AGENT_LOCAL_RANK": str(local_rank),
             "ROLE_NAME": self.spec.role,
             "LOCAL_WORLD_SIZE": str(self.config.nproc_per_node),
-            "TORCHELASTIC_MAX_RESTARTS": str(self.config.max_restarts),
+            "TORCHELASTIC_MAX_RESTARTS": str(self.config.job_restarts),
             "TORCHELASTIC_RUN_ID": self.config.run_id,
             "ETC_AGENT_GENERATION": str(generation),
             "ETC_AGENT_NODE_ID": self.node_id,
@@ -285,6 +292,7 @@ class Agent:
                 store_port=master.port,
                 devices=devices,
                 leaving=leaving,
+                standby_after=leaving and not self._ready and not self.leaving.is_set(),
                 started=gen.started,
                 trained=trained,
                 reason=gen.reason,
@@ -490,7 +498,7 @@ class Agent:
             latest_status=latest.status if latest else None,
             assignment=served,
             finished=self._job_finished(),
-            standby=not self._assignments,
+            standby=not self._assignments or not self._ready,
             stop=self._attachments.stop_requested(req.local_rank),
         ).model_dump()
 
@@ -677,6 +685,7 @@ class Agent:
                 waiting_since = None
             if self.workers is not None and self.generation is not None:
                 self._check_workers(self.generation)
+                self._maybe_rejoin()
             if (
                 self._unreported is not None
                 and self.generation is not None
@@ -716,9 +725,9 @@ class Agent:
                     return None
                 self._move(Phase.RUNNING if role == "member" else Phase.DEPARTING, gen.number)
                 return None
-            if not self._assignments:
+            if not self._assignments or not self._ready:
                 self.emit("spare", {"generation": gen.number, "members": len(gen.members), "workers": "warm, waiting"})
-                return None  # warm standby workers of a node not (yet) in the job keep waiting
+                return None  # warm standby workers of a node not (yet, or not again) in the job keep waiting
         self._stop_workers(f"generation {gen.number}" if previous else "start")
         if gen.status == "running" and role == "member":
             self._move(Phase.MIGRATING, gen.number)
@@ -784,23 +793,7 @@ class Agent:
         codes = self.workers.poll()
         failed = {r: c for r, c in codes.items() if c not in (None, 0, RESTART_EXIT)}
         if failed and self._elastic:
-            # The others keep their state and recover in the next generation; only the dead restart.
-            summary = self.workers.failure_summary(self.host)
-            if self.node_id in gen.members:
-                self._move(Phase.RECOVERING, gen.number)
-            if self._reported != (gen.number, "failed"):
-                self.emit(
-                    "workers_failed", {"generation": gen.number, "exit_codes": failed, "action": "restart as joiners"}
-                )
-                log.error(
-                    "worker failure (generation %d):\n%s", gen.number, self.workers.failure_report(self._script_name())
-                )
-            self._report(
-                gen,
-                NodeStatus(
-                    state="failed", exit_codes={r: c for r, c in codes.items() if c is not None}, message=summary
-                ),
-            )
+            self._on_live_crash(gen, codes, failed)
         elif failed:
             summary = self.workers.failure_summary(self.host)
             self.emit("workers_failed", {"generation": gen.number, "exit_codes": failed})
@@ -828,6 +821,65 @@ class Agent:
             self._report(gen, NodeStatus(state="succeeded", exit_codes=codes))
             self._move(Phase.FINISHED, gen.number)
             self.emit("workers_succeeded", {"generation": gen.number})
+
+    def _on_live_crash(self, gen: GenerationRecord, codes: dict[int, int | None], failed: dict[int, int]) -> None:
+        """A worker of a live job died: restart it now as a standby process and take this node out
+        of the membership until it runs, so the others go on at once (this node's surviving workers
+        send what they hold and wait); past ``--max-restarts`` the node leaves the job instead."""
+        summary = self.workers.failure_summary(self.host)
+        log.error("worker failure (generation %d):\n%s", gen.number, self.workers.failure_report(self._script_name()))
+        if self.node_id in gen.members:
+            self._move(Phase.RECOVERING, gen.number)
+        limit = self.config.node_crash_restarts
+        if self._crash_restarts >= limit:
+            self.emit(
+                "workers_failed",
+                {
+                    "generation": gen.number,
+                    "exit_codes": failed,
+                    "action": f"leaving the job: {self._crash_restarts}/{limit} crash restarts used (--max-restarts)",
+                },
+            )
+            self.request_departure()
+            return
+        self._crash_restarts += 1
+        self._ready = False
+        try:
+            self._put_record()
+        except StoreError as err:
+            self.emit("store_unreachable", {"error": str(err), "pending": "leave the membership while restarting"})
+        for local_rank in failed:
+            env = {**self._node_env(local_rank, gen.number + 1), "RANK": "-1"}
+            self.workers.restart(local_rank, env, self._run_dir / f"restart_{self._crash_restarts}")
+            self.contacts.hellos.discard(local_rank)
+            self._restarting.add(local_rank)
+        self.emit(
+            "workers_failed",
+            {
+                "generation": gen.number,
+                "exit_codes": failed,
+                "action": f"restarting local ranks {sorted(failed)} ({self._crash_restarts}/{limit}); "
+                "the others go on, this node rejoins once they run",
+            },
+        )
+        self._report(
+            gen,
+            NodeStatus(state="failed", exit_codes={r: c for r, c in codes.items() if c is not None}, message=summary),
+        )
+
+    def _maybe_rejoin(self) -> None:
+        """Back into the membership once every restarted worker said hello (a warm join)."""
+        if not self._restarting or not self._restarting <= self.contacts.hellos:
+            return
+        self._restarting.clear()
+        self._ready = True
+        try:
+            self._put_record()
+        except StoreError as err:
+            self._ready = False
+            self.emit("store_unreachable", {"error": str(err), "pending": "rejoin after a restart"})
+            return
+        self.emit("workers_warm", {"note": "restarted workers run; this node rejoins the job"})
 
     def _script_name(self) -> str:
         return self.spec.entrypoint[0] if self.spec.entrypoint else "workers"

@@ -15,6 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 _SHARED_DIR = "(a directory every node can reach)"
 
 
+LIVE_RESTARTS = 3
+"""Crash restarts per node of a live job when ``--max-restarts`` is not given: torchrun's 0 would take
+a node out at its first crash although a restart costs the others nothing."""
+
+
 class AgentConfig(BaseModel):
     """One agent's settings (from ``etcrun`` flags)."""
 
@@ -24,7 +29,14 @@ class AgentConfig(BaseModel):
     min_nodes: int = Field(1, ge=1, description="The fewest nodes the job runs on; with fewer it waits.")
     max_nodes: int = Field(1, ge=1, description="The most nodes the job uses; more agents wait as spares.")
     nproc_per_node: int = Field(1, ge=1, description="Workers per node.")
-    max_restarts: int = Field(0, ge=0, description="Worker-failure restarts before the job fails (torchrun's count).")
+    max_restarts: int | None = Field(
+        None,
+        ge=0,
+        description="Scripts without the worker API: worker-failure restarts of the job before it fails "
+        "(torchrun's count; default 0). Live (worker-API) jobs: restarts of a crashed worker per node; the "
+        "others go on meanwhile and the node rejoins once it runs; after the last one the node leaves "
+        f"(default {LIVE_RESTARTS}).",
+    )
     monitor_interval: float = Field(0.1, gt=0, description="Seconds between checks of the workers.")
     worker_heartbeat_timeout: float = Field(
         30.0,
@@ -98,6 +110,16 @@ class AgentConfig(BaseModel):
         description="host:port the workers reach this agent on (ETC_AGENT_ADDR); default "
         "127.0.0.1 on a free port, or 127.0.0.1:29401 with --sidecar.",
     )
+
+    @property
+    def job_restarts(self) -> int:
+        """Restarts of a job whose workers do not use the worker API (torchrun's meaning)."""
+        return self.max_restarts if self.max_restarts is not None else 0
+
+    @property
+    def node_crash_restarts(self) -> int:
+        """Crash restarts per node of a live job; the next crash takes the node out of the job."""
+        return self.max_restarts if self.max_restarts is not None else LIVE_RESTARTS
 
     @field_validator("max_nodes")
     @classmethod

@@ -150,6 +150,11 @@ class Assignment(_Reply):
     store_port: int = Field(ge=0, le=65535)
     devices: list[str] = Field(description="``node:local_rank`` of each transport rank.")
     leaving: bool = Field(description="This node is a sender of the generation.")
+    standby_after: bool = Field(
+        False,
+        description="A sender of a node that restarts a crashed worker: after sending it waits, without "
+        "state, for the generation that takes the node back.",
+    )
     started: bool = Field(description="An earlier generation ran: training state may exist somewhere.")
     trained: bool = Field(description="An optimizer step was committed: a state nobody holds is lost, not built again.")
     reason: str = ""

@@ -154,14 +154,18 @@ class Leader:
                 statuses[skv.key.rsplit("/", 1)[-1]] = status
         return statuses
 
-    def members_now(self, include_leaving: bool = False) -> list[NodeRecord]:
+    def _live_job(self) -> bool:
+        """Worker-API processes keep their state across generations (live migration)."""
+        return self.config.migration == "live" and self.store.get("elastic") is not None
+
+    def members_now(self, include_leaving: bool = False, include_unready: bool = False) -> list[NodeRecord]:
         """The registered, ready nodes in group order: ``--node-rank`` hints first, then by registration."""
         nodes = []
         for kv in self.store.get_prefix("nodes/"):
             record = self.reader.parse(NodeRecord, kv)
             if record is None:
                 continue
-            if (include_leaving or not record.leaving) and record.ready:
+            if (include_leaving or not record.leaving) and (include_unready or record.ready):
                 nodes.append((record, kv.mod_revision))
         nodes.sort(
             key=lambda item: (
@@ -205,6 +209,8 @@ class Leader:
         ]
         ordered = ordered[: self.config.max_nodes]
         devices = {n.node_id: n.num_devices for n in alive}
+        if current and current.status == "running" and self._live_job():
+            ordered, reason = self._keep_restarting(current, ordered, devices, reason)
         fitted = self._fit(basis, ordered, devices)
         if fitted is None:
             return
@@ -275,9 +281,14 @@ class Leader:
                 None,
                 restart_count,
             )
+        if failed and self._live_job():
+            # The failed node's agent restarts its worker and leaves the membership until it runs (its
+            # own --max-restarts count): the next generation goes on with the others.
+            return None, f"worker failure on {', '.join(failed)}", restart_count + 1
         if failed:
-            if restart_count >= self.config.max_restarts:
-                why = f"worker failure on {', '.join(failed)}; {restart_count}/{self.config.max_restarts} restarts used"
+            limit = self.config.job_restarts
+            if restart_count >= limit:
+                why = f"worker failure on {', '.join(failed)}; {restart_count}/{limit} restarts used"
                 return (
                     current.model_copy(update={"number": number, "status": "failed", "reason": why}),
                     None,
@@ -286,7 +297,7 @@ class Leader:
             restart_count += 1
             return (
                 None,
-                f"worker failure on {', '.join(failed)} (restart {restart_count}/{self.config.max_restarts})",
+                f"worker failure on {', '.join(failed)} (restart {restart_count}/{limit})",
                 restart_count,
             )
         if abandoned:
@@ -298,6 +309,40 @@ class Leader:
                 restart_count,
             )
         return None, None, restart_count
+
+    def _keep_restarting(
+        self, current: GenerationRecord, ordered: list[str], devices: dict[str, int], reason: str | None
+    ) -> tuple[list[str], str | None]:
+        """Members restarting a crashed worker are out of the membership until it runs, so the others go
+        on without them; unless the others alone cannot (fewer than --nnodes MIN, or no layout fits):
+        then they stay members and the generation waits for the restarted process (a restart in place)."""
+        restarting = {
+            n.node_id: n
+            for n in self.members_now(include_unready=True)
+            if not n.ready and n.node_id in current.members and n.node_id not in ordered
+        }
+        if not restarting or self._fits(ordered, devices):
+            return ordered, reason
+        devices.update({n: r.num_devices for n, r in restarting.items()})
+        kept = [n for n in current.members if n in ordered or n in restarting]
+        kept += [n for n in ordered if n not in kept]
+        why = f"the others alone do not fit (--nnodes MIN {self.config.min_nodes}, --parallel)"
+        failure = reason or f"worker failure on {', '.join(restarting)}"
+        return kept, f"{failure}; waiting for its restart in place: {why}"
+
+    def _fits(self, ordered: list[str], devices: dict[str, int]) -> bool:
+        """Whether these nodes can run a generation (enough of them, and a layout that uses them)."""
+        if len(ordered) < self.config.min_nodes:
+            return False
+        spec = self._requested_spec() or self._spec
+        if spec is None:
+            return True
+        from etc_agent.planner.policy import resolve_parallel
+
+        return any(
+            resolve_parallel(spec, [devices[n] for n in ordered[:count]], self._model) is not None
+            for count in range(len(ordered), max(self.config.min_nodes, 1) - 1, -1)
+        )
 
     def _fit(self, basis: _Basis, ordered: list[str], devices: dict[str, int]) -> tuple[list[str], str | None] | None:
         """The longest prefix of the members whose devices the layout uses exactly, and that layout
@@ -350,13 +395,14 @@ class Leader:
         # Departing members that are still alive send their state before they exit.
         # So do members left out as spares (the layout uses fewer devices): they may hold the only
         # surviving copy of some state (a node failure took the other), and go idle after sending.
-        leaving = {n.node_id: n for n in self.members_now(include_leaving=True) if n.leaving}
+        # So do the surviving workers of a node that restarts a crashed one (registered, not ready).
+        registered = {n.node_id: n for n in self.members_now(include_leaving=True, include_unready=True)}
         previous = current.members if current else []
-        sender_devices = {n: leaving[n].num_devices if n in leaving else devices.get(n) for n in previous}
+        sender_devices = {n: registered[n].num_devices if n in registered else devices.get(n) for n in previous}
         senders = [
             n
             for n in previous
-            if n not in ordered and (n in leaving or (n in alive_ids and self.config.migration == "live"))
+            if n not in ordered and n in registered and (registered[n].leaving or self.config.migration == "live")
         ]
         placement = self._place(parallel, ordered, devices, current)
         gaps = []

@@ -546,6 +546,8 @@ def _settings(ctx: typer.Context, f: SimpleNamespace, rdzv: Rendezvous) -> dict[
         node_rank=f.node_rank if rdzv.backend == "static" or _source(ctx, "node_rank") != "DEFAULT" else None,
         model=str(f.model) if f.model is not None else None,
         checkpoint_dir=str(f.checkpoint_dir.resolve()) if f.checkpoint_dir else None,
+        # Not given: torchrun's 0 for plain scripts, more crash restarts for live jobs (AgentConfig).
+        max_restarts=f.max_restarts if _source(ctx, "max_restarts") != "DEFAULT" else None,
     )
     values.update({key: rdzv.conf[key] for key in RDZV_CONF_SETTINGS if key in rdzv.conf})
     return values

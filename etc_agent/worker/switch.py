@@ -117,6 +117,10 @@ class Source:
     lost: list[str] = field(default_factory=list)
 
 
+class _Standby(Exception):
+    """A sender of a restarting node sent its state and stays, without it, for a later generation."""
+
+
 class Switch:
     """One switch of ``job`` (see the module docstring); :meth:`run` returns once the job is in."""
 
@@ -137,6 +141,13 @@ class Switch:
                 newer = self._enter(assignment, held)
             except JobFinished:
                 raise
+            except _Standby:
+                # Sent: what this process held now lives elsewhere; it joins later as a fresh one.
+                held = Held()
+                job.state, job.ctx = None, None
+                job.teardown_group()
+                assignment = job.link.assignment(assignment.generation + 1, job.timeout_s, "standby after sending")
+                continue
             except Exception as err:
                 if not is_peer_failure(err):
                     raise
@@ -494,6 +505,14 @@ class Switch:
         if entry.new_rank is None:
             job.phase.to(Phase.DEPARTING, assignment.generation)
             self._report(entry, source, None, 0)
+            if assignment.standby_after:
+                print(
+                    f"[etc_agent] {entry.device}: state sent for generation {assignment.generation}; waiting as a "
+                    "standby until this node rejoins",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                raise _Standby()
             print(
                 f"[etc_agent] {entry.device}: state sent for generation {assignment.generation}; leaving the job",
                 file=sys.stderr,
