@@ -44,7 +44,11 @@ def summary_table(plan: MigrationPlan) -> Table:
         ("moved, intra-node", fmt_bytes(moved - plan.bytes_moved_inter_node), ""),
         ("moved, inter-node", fmt_bytes(plan.bytes_moved_inter_node), ""),
         ("moved, total", fmt_bytes(moved), f"{moved:,} bytes"),
-        ("lower bound", fmt_bytes(plan.lower_bound_bytes), "no placement moves less"),
+        (
+            "lower bound",
+            fmt_bytes(plan.lower_bound_bytes) if plan.lower_bound_bytes is not None else "-",
+            "no placement moves less",
+        ),
         ("naive placement moves", fmt_bytes(plan.naive_bytes_moved), "new rank r on the r-th device"),
         ("checkpoint way moves", fmt_bytes(plan.checkpoint_bytes), "write all + read every new shard"),
         (
@@ -207,7 +211,7 @@ def plot_heatmap(plan: MigrationPlan, path: str | Path) -> None:
     fig.colorbar(im, ax=ax, label="MiB sent")
     ax.set_title(
         f"{transition_title(plan)}\nmoved {fmt_bytes(plan.bytes_moved)} "
-        f"({fmt_bytes(plan.bytes_moved_inter_node)} inter-node), lower bound {fmt_bytes(plan.lower_bound_bytes)}",
+        f"({fmt_bytes(plan.bytes_moved_inter_node)} inter-node), lower bound {fmt_bytes(plan.lower_bound_bytes) if plan.lower_bound_bytes is not None else '-'}",
         fontsize=9,
     )
     fig.tight_layout()

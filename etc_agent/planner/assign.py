@@ -26,7 +26,6 @@ from collections.abc import Sequence
 from math import comb, floor
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
 
 from etc_agent.planner.domains import single_domain_weight
 
@@ -37,6 +36,8 @@ MAX_REPAIR_MOVES = 256
 
 def lsa(cost: np.ndarray) -> tuple[np.ndarray, float]:
     """Rows -> columns (rows <= columns); returns the column of each row and the total cost."""
+    from scipy.optimize import linear_sum_assignment  # 0.6 s: only the processes that choose placements pay it
+
     rows, cols = linear_sum_assignment(cost)
     assert len(rows) == cost.shape[0]
     out = np.empty(cost.shape[0], dtype=np.int64)

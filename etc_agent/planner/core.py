@@ -488,7 +488,9 @@ class _Planner:
                 assignment = ranks.copy()
         predicted_moved = int(not_on_device[assignment, ranks].sum())
         naive_moved = int(not_on_device[ranks, ranks].sum())
-        lower_bound = int(round(lsa(not_on_device.T.astype(np.float64))[1]))
+        # Only where this planner chose the placement: workers plan with the leader's fixed one, and the
+        # bound would cost them scipy's import (~0.6 s of a replacement's start).
+        lower_bound = None if fixed_assignment is not None else int(round(lsa(not_on_device.T.astype(np.float64))[1]))
 
         pair_regions, local, local_bytes, lost, restore_regions = self._route(groups, assignment)
         if lost:
@@ -543,7 +545,7 @@ class _Planner:
             bytes_moved=bytes_moved,
             bytes_moved_inter_node=inter,
             # What no live device holds is read from the checkpoint under every placement alike.
-            lower_bound_bytes=lower_bound - bytes_restored,
+            lower_bound_bytes=None if lower_bound is None else lower_bound - bytes_restored,
             naive_bytes_moved=naive_moved - bytes_restored,
             checkpoint_bytes=write_bytes + read_bytes,
             num_rounds=1 + max((t.round for t in transfers), default=-1),

@@ -106,7 +106,8 @@ class MigrationPlan:
     resident_bytes: dict[Device, int]
     bytes_moved: int
     bytes_moved_inter_node: int
-    lower_bound_bytes: int
+    lower_bound_bytes: int | None
+    """No placement moves less (None: the placement was given, as in the workers' plans)."""
     naive_bytes_moved: int
     checkpoint_bytes: int
     num_rounds: int
