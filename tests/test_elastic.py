@@ -410,3 +410,69 @@ def test_a_sender_killed_mid_migration_abandons_the_generation_and_replicas_take
     assert time.monotonic() - started < 240
     reference, reference_state = reference_losses(steps, tmp_path, ["--elementwise"])
     assert compare_states(result["state_file"], reference_state) == []
+
+
+def test_a_full_restart_resumes_from_the_newest_usable_checkpoint_in_the_new_layout(etcd_server, tmp_path):
+    """Every agent SIGKILLed mid-run (2 agents x 2, tp=2,dp=2), then the job started again on one agent
+    (tp=2,dp=1) with the same --checkpoint-dir: it resumes from the newest complete checkpoint (the
+    newest one made unusable here, so from the one before, with a log line), each rank reading only its
+    regions, at the saved step with the carried state; every step from there trained once and the final
+    state bitwise the uninterrupted run's."""
+    checkpoints = tmp_path / "checkpoints"
+    extra, steps = ["--micro-batch", "1", "--elementwise"], 30
+    agent_args = ["--checkpoint-dir", str(checkpoints), "--checkpoint-interval", "4"]
+
+    def rdzv() -> list[str]:
+        run_id = f"resume-{uuid.uuid4().hex[:6]}"
+        return ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id]
+
+    first_dir, second_dir = tmp_path / "first", tmp_path / "second"
+    first_dir.mkdir()
+    second_dir.mkdir()
+    first = run_scenario(
+        "tp=2,pp=1,dp=auto",
+        2,
+        steps,
+        0.15,
+        first_dir,
+        echo=False,
+        rdzv=rdzv(),
+        events=(),
+        agent_args=agent_args,
+        extra_script_args=extra,
+        stop_after=14,
+        slow_during_events=None,
+    )
+    assert first["codes"] == [None, None]  # killed
+    from etc_agent.worker.checkpoint import complete_checkpoints
+
+    complete = complete_checkpoints(checkpoints)
+    assert len(complete) == 2, [c.path.name for c in complete]  # --checkpoint-keep 2
+    older, newest = complete
+    (newest.path / ".metadata").unlink()  # the newest is complete but unusable: the one before is used
+
+    second = run_scenario(
+        "tp=2,pp=1,dp=auto",
+        2,
+        steps,
+        0.15,
+        second_dir,
+        echo=False,
+        rdzv=rdzv(),
+        events=(),
+        agent_args=agent_args,
+        extra_script_args=extra,
+        initial_agents=1,
+    )
+    logs = second["cluster"].tail(60)
+    assert second["codes"] == [0], logs
+    assert sorted(second["losses"]) == list(range(older.step, steps)), logs
+    text = "".join("".join(lines) for lines in second["cluster"].outputs)
+    assert f"checkpoint {newest.path} is not usable (DCP's .metadata is missing)" in text, logs
+    assert f"resuming the job from {older.path} at step {older.step}" in text, logs
+    reference, reference_state = reference_losses(steps, tmp_path, extra)
+    losses = {**{s: v for s, v in first["losses"].items() if s < older.step}, **second["losses"]}
+    assert sorted(losses) == list(range(steps))
+    worst = max(abs(losses[s] - reference[s]) / abs(reference[s]) for s in range(steps))
+    assert worst <= 1e-4, f"loss differs from the uninterrupted run by {worst:.2e} (relative)"
+    assert compare_states(second["state_file"], reference_state) == []

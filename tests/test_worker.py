@@ -173,3 +173,29 @@ def test_plain_python_runs_the_example_as_a_world_of_one(tmp_path):
     losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
     assert len(losses) == 12 and losses[-1] < losses[0]
     assert all(json.loads(line)["config"] == "tp=1,pp=1,dp=1,zero=0" for line in log.read_text().splitlines())
+
+
+def test_resumable_checkpoints_skip_incomplete_and_unusable_ones_and_say_so(tmp_path, capsys):
+    from etc_agent.worker.checkpoint import STATE_FILE, resumable_checkpoints
+
+    state = {"step": 0, "config": "tp=1,pp=1,dp=1,zero=0", "world_size": 1, "app": {}, "rng": []}
+
+    def checkpoint(step: int, generation: int, state_text: str | None, metadata: bool = True) -> None:
+        path = tmp_path / f"step{step:08d}-g{generation}"
+        path.mkdir()
+        if metadata:
+            (path / ".metadata").write_bytes(b"x")
+        if state_text is not None:
+            (path / STATE_FILE).write_text(state_text)
+
+    checkpoint(4, 0, json.dumps({**state, "step": 4}))
+    checkpoint(8, 0, json.dumps({**state, "step": 8}), metadata=False)  # DCP's metadata missing
+    checkpoint(12, 1, "{not json")  # corrupt state file
+    checkpoint(16, 1, json.dumps({"step": 16}))  # lacks the layout and carried state
+    checkpoint(20, 1, None)  # incomplete: never marked complete, skipped silently
+    assert resumable_checkpoints(tmp_path) == {4: str(tmp_path / "step00000004-g0")}
+    err = capsys.readouterr().err
+    assert "step00000008-g0 is not usable (DCP's .metadata is missing)" in err
+    assert "step00000012-g1 is not usable" in err and "step00000016-g1 is not usable" in err
+    assert "lacks config, world_size, app, rng" in err and "step00000020" not in err
+    assert resumable_checkpoints(tmp_path / "absent") == {}

@@ -116,6 +116,7 @@ class Agent:
         self._elastic = config.sidecar
         """Set when a worker says hello through the worker API: workers then live across generations
         (always for a sidecar: only worker-API processes can attach)."""
+        self._elastic_announced = False
         self._attachments = Attachments()
         self._assignments: dict[int, Assignment] = {}
         """What each local worker is in the generation this node serves (rank, group, store address)."""
@@ -125,6 +126,7 @@ class Agent:
         """Local ranks restarted after a crash whose new process has not said hello yet (the node is
         out of the membership until they have)."""
         self._crash_restarts = 0
+        self._last_crash: tuple[int, tuple[int, ...]] | None = None
         self._finished_cache: tuple[float, bool] = (0.0, False)
         """(when checked, whether the store's ``finished`` marker exists), read at most every 0.5 s."""
         self.reader = RecordReader(self.emit)
@@ -236,6 +238,8 @@ class Agent:
         }
         if self.config.checkpoint_dir:
             env["ETC_AGENT_CHECKPOINT_DIR"] = self.config.checkpoint_dir
+        if self.config.fresh_start:
+            env["ETC_AGENT_FRESH_START"] = "1"
         if self.config.checkpoint_interval:
             env["ETC_AGENT_CHECKPOINT_INTERVAL"] = str(self.config.checkpoint_interval)
             env["ETC_AGENT_CHECKPOINT_KEEP"] = str(self.config.checkpoint_keep)
@@ -457,9 +461,11 @@ class Agent:
         if isinstance(req, Hello) and req.pid is not None:
             self.contacts.pid[req.local_rank] = req.pid
         if isinstance(req, Hello) and req.elastic:
-            if not self._elastic:
+            if not self._elastic_announced:
+                # The leader reads it: a live job's crash is handled without ending the job.
                 try:
                     self.store.put("elastic", json.dumps({"node": self.node_id}))
+                    self._elastic_announced = True
                 except StoreError:
                     pass
             self._elastic = True
@@ -826,6 +832,10 @@ class Agent:
         """A worker of a live job died: restart it now as a standby process and take this node out
         of the membership until it runs, so the others go on at once (this node's surviving workers
         send what they hold and wait); past ``--max-restarts`` the node leaves the job instead."""
+        crash = (gen.number, tuple(sorted(failed)))
+        if crash == self._last_crash:
+            return  # seen already (the checkpoint baseline restarts the worker with the next generation)
+        self._last_crash = crash
         summary = self.workers.failure_summary(self.host)
         log.error("worker failure (generation %d):\n%s", gen.number, self.workers.failure_report(self._script_name()))
         if self.node_id in gen.members:
@@ -843,6 +853,23 @@ class Agent:
             self.request_departure()
             return
         self._crash_restarts += 1
+        if self.config.migration == "checkpoint":
+            # The baseline restarts every worker of the generation after it (as torchrun does).
+            self.emit(
+                "workers_failed",
+                {
+                    "generation": gen.number,
+                    "exit_codes": failed,
+                    "action": "restart as joiners (--migration checkpoint)",
+                },
+            )
+            self._report(
+                gen,
+                NodeStatus(
+                    state="failed", exit_codes={r: c for r, c in codes.items() if c is not None}, message=summary
+                ),
+            )
+            return
         self._ready = False
         try:
             self._put_record()

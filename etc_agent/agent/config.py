@@ -93,6 +93,11 @@ class AgentConfig(BaseModel):
         "state), and the steps since are trained again. 0: none.",
     )
     checkpoint_keep: int = Field(2, ge=1, description="Complete periodic checkpoints kept (older ones are deleted).")
+    fresh_start: bool = Field(
+        False,
+        description="Start training from scratch although --checkpoint-dir holds complete checkpoints "
+        "(without it a job started on such a directory resumes from the newest).",
+    )
     placement: Literal["fast", "resilient"] = Field(
         "fast",
         description="fast: move the least state, with the DP replicas of a stage on different nodes where that "

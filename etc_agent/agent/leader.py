@@ -155,8 +155,8 @@ class Leader:
         return statuses
 
     def _live_job(self) -> bool:
-        """Worker-API processes keep their state across generations (live migration)."""
-        return self.config.migration == "live" and self.store.get("elastic") is not None
+        """The workers use the worker API (they outlive generations; each node bounds its crash restarts)."""
+        return self.store.get("elastic") is not None
 
     def members_now(self, include_leaving: bool = False, include_unready: bool = False) -> list[NodeRecord]:
         """The registered, ready nodes in group order: ``--node-rank`` hints first, then by registration."""
@@ -321,14 +321,15 @@ class Leader:
             for n in self.members_now(include_unready=True)
             if not n.ready and n.node_id in current.members and n.node_id not in ordered
         }
-        if not restarting or self._fits(ordered, devices):
+        if not restarting or (self._fits(ordered, devices) and self.config.migration == "live"):
             return ordered, reason
         devices.update({n: r.num_devices for n, r in restarting.items()})
         kept = [n for n in current.members if n in ordered or n in restarting]
         kept += [n for n in ordered if n not in kept]
         why = f"the others alone do not fit (--nnodes MIN {self.config.min_nodes}, --parallel)"
-        failure = reason or f"worker failure on {', '.join(restarting)}"
-        return kept, f"{failure}; waiting for its restart in place: {why}"
+        if reason is None:
+            return kept, None  # published already (or its failure not reported yet): nothing new
+        return kept, f"{reason}; waiting for its restart in place: {why}"
 
     def _fits(self, ordered: list[str], devices: dict[str, int]) -> bool:
         """Whether these nodes can run a generation (enough of them, and a layout that uses them)."""

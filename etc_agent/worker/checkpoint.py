@@ -82,6 +82,37 @@ def complete_checkpoints(directory: Path) -> list[StoredCheckpoint]:
     return sorted(found, key=lambda c: (c.step, c.generation))
 
 
+RESUME_KEYS = ("step", "config", "world_size", "app", "rng")
+"""What ``etc_state.json`` must hold for a job to resume from the checkpoint."""
+
+
+def resumable_checkpoints(directory: str | Path) -> dict[int, str]:
+    """Step -> directory of the newest usable complete checkpoint of each step under ``directory``
+    (a full restart resumes from the newest). A complete one whose state file does not parse or
+    whose DCP metadata is missing is skipped with a log line, so the one before it is used."""
+    usable: dict[int, str] = {}
+    root = Path(directory)
+    if not root.is_dir():
+        return usable
+    for checkpoint in complete_checkpoints(root):
+        try:
+            state = checkpoint.state()
+            missing = [k for k in RESUME_KEYS if k not in state]
+            if missing:
+                raise ValueError(f"{STATE_FILE} lacks {', '.join(missing)}")
+            if not (checkpoint.path / ".metadata").is_file():
+                raise ValueError("DCP's .metadata is missing")
+        except (OSError, ValueError) as err:
+            print(
+                f"[etc_agent] checkpoint {checkpoint.path} is not usable ({err}); an older one is used instead",
+                file=sys.stderr,
+                flush=True,
+            )
+            continue
+        usable[checkpoint.step] = str(checkpoint.path)
+    return usable
+
+
 @dataclass
 class _Write:
     thread: threading.Thread

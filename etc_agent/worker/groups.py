@@ -24,6 +24,7 @@ import gc
 import logging
 import sys
 import types
+import warnings
 import weakref
 
 import torch.distributed as dist
@@ -60,7 +61,10 @@ def release_defaults(groups: list[dist.ProcessGroup]) -> int:
     for name, module in list(sys.modules.items()):
         if module is None or not (name == "torch" or name.startswith("torch.")):
             continue
-        for func in _functions_of(module):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # touching deprecated module attributes warns
+            functions = list(_functions_of(module))
+        for func in functions:
             defaults = func.__defaults__
             if defaults and any(id(d) in ids for d in defaults):
                 func.__defaults__ = tuple(None if id(d) in ids else d for d in defaults)
@@ -92,4 +96,11 @@ def destroy_all_groups() -> list[str]:
         log.debug("released %d function defaults that held a destroyed group", replaced)
     del groups
     gc.collect()
-    return [name for name, ref in zip(names, refs, strict=True) if ref() is not None]
+    kept = []
+    for name, ref in zip(names, refs, strict=True):
+        group = ref()
+        if group is not None:
+            holders = sorted({type(r).__name__ for r in gc.get_referrers(group)} - {"list", "frame"})
+            kept.append(f"{name} held by {', '.join(holders) or 'objects the garbage collector does not track'}")
+        del group
+    return kept

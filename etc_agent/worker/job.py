@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from etc_agent.agent.control import Assignment
 from etc_agent.agent.protocol import Phase, PhaseTracker
 from etc_agent.integrations import megatron
 from etc_agent.layout.config import ParallelConfig, ParallelSpec
@@ -119,6 +120,8 @@ class Job:
         self.migration = os.environ.get("ETC_AGENT_MIGRATION", "live")
         """live, or checkpoint: at a switch save with DCP and exit; new workers load (the baseline)."""
         self.checkpoint_dir = os.environ.get("ETC_AGENT_CHECKPOINT_DIR")
+        self.fresh_start = os.environ.get("ETC_AGENT_FRESH_START") == "1"
+        """``etcrun --fresh-start``: never resume from the checkpoints in ``checkpoint_dir``."""
         self._started_wall = time.time()
         interval = int(_env_float("ETC_AGENT_CHECKPOINT_INTERVAL", 0))
         self.checkpointer = None
@@ -283,9 +286,23 @@ class Job:
 
     def _on_optimizer_step(self, *args: Any) -> None:
         self._stepped = True
+        self.mark_trained()
+
+    def mark_trained(self) -> None:
+        """Training rank 0 tells its agent (once) that the job holds state a crash would lose."""
         if not self._trained_sent and self.link is not None and self.ctx is not None and self.ctx.rank == 0:
             self._trained_sent = True
             self.link.send({"op": "trained", "step": self.next_step})
+
+    def resumes_from_storage(self, assignment: Assignment) -> bool:
+        """The job's first generation with ``--checkpoint-dir``: a full restart resumes from its newest
+        complete checkpoint (``--fresh-start``: from scratch)."""
+        return (
+            not assignment.started
+            and self.checkpoint_dir is not None
+            and self.migration == "live"
+            and not self.fresh_start
+        )
 
     # ---- switching generations -----------------------------------------------------------
     def _maybe_switch(self) -> None:

@@ -325,6 +325,10 @@ class Switch:
                 }
             )
         storage = job.checkpointer.storage_steps() if periodic else {}
+        if job.resumes_from_storage(assignment):
+            from etc_agent.worker.checkpoint import resumable_checkpoints
+
+            storage = resumable_checkpoints(job.checkpoint_dir)
         statuses = entry.transport.all_gather_object(
             {"device": str(entry.device), "new_rank": entry.new_rank, "versions": versions, "storage": storage}
         )
@@ -531,6 +535,8 @@ class Switch:
             assignment.generation,
         )
         self._report(entry, source, entry.ctx.config.short(), redone)
+        if source.restored_from and not assignment.trained:
+            job.mark_trained()  # resumed from storage: from now on a crash loses state, not an initial one
         job.phase.to(Phase.RUNNING, assignment.generation)
 
     def _report(self, entry: Entry, source: Source, new_config: str | None, redone: int) -> None:
@@ -557,6 +563,15 @@ class Switch:
             return None
 
         def announce(plan) -> None:
+            if not assignment.started and plan.restores:
+                print(
+                    f"[etc_agent] generation {assignment.generation}: resuming the job from {restore_path} at step "
+                    f"{step} in layout {assignment.parallel or 'the default'}; each rank reads only its regions "
+                    f"({plan.bytes_restored} bytes in all); etcrun --fresh-start would start from scratch",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return
             if not plan.restores and (live_step is None or step >= live_step):
                 return
             keys = plan.restored_keys
