@@ -92,6 +92,7 @@ def test_elastic_training_through_join_leave_and_crash(name, etcd_server, tmp_pa
             assert len(record["senders"]) == nproc, record
         if event == "kill":
             assert "worker failure" in record["reason"] and len(record["lost"]) >= 1, record
+            assert record["leave_spread_s"] <= 2.0, record  # every survivor left its collective at once
             # Below --nnodes MIN the others wait for the restart in place; else they go on at once
             # and the node rejoins once its restarted worker runs.
             if not restarted_in_place:
@@ -237,6 +238,7 @@ def test_a_worker_crash_with_default_flags_lets_the_others_go_on_and_its_node_re
     assert "worker failure" in failure["reason"] and "in place" not in failure["reason"], failure
     assert (failure["old_world_size"], failure["new_world_size"]) == (4, 2), failure
     assert failure["bytes_moved"] == 0, failure  # the survivors' replica held every shard
+    assert failure["leave_spread_s"] <= 2.0 and failure["total_stall_s"] < 5.0, failure
     assert "joined" in back["reason"] and (back["old_world_size"], back["new_world_size"]) == (2, 4), back
     text = "".join("".join(lines) for lines in result["cluster"].outputs)
     assert "the others go on, this node rejoins once they run" in text and "waiting as a standby" in text
@@ -280,6 +282,7 @@ def test_a_whole_node_killed_loses_no_state_with_the_resilient_placement(etcd_se
         record
     )
     assert len(record["lost"]) == nproc and record["bytes_restored"] == 0, record
+    assert record["leave_spread_s"] <= 2.0, record  # every survivor left its collective at once
     assert "state lost" not in text
     assert sorted(p.name for p in work.iterdir() if not p.name.startswith("agent-")) == [
         "loss.jsonl",
@@ -368,6 +371,7 @@ def test_a_hung_worker_is_killed_by_its_agent_and_the_job_recovers(etcd_server, 
     assert len(hung) == 1 and hung[0]["silent_s"] >= 3 and hung[0]["local_rank"] == 1, logs
     (record,) = result["migrations"]
     assert "worker failure" in record["reason"] and record["bytes_moved"] > 0, record
+    assert record["leave_spread_s"] <= 2.0, record  # once it was killed, every survivor left at once
     assert "killed by the agent: no word from it" in "".join(result["cluster"].outputs[1])
     reference, _ = reference_losses(steps, tmp_path)
     worst = max(abs(result["losses"][s] - reference[s]) / abs(reference[s]) for s in range(steps))

@@ -169,6 +169,11 @@ class MigrationRecord(Record):
         0, description="Steps trained again: the live state was newer than the step resumed from."
     )
     detect_s: float = Field(description="Generation published (or failure seen) until every rank stopped.")
+    leave_spread_s: float | None = Field(
+        None,
+        description="After a failure: from the first process that left training (its collective failed) "
+        "to the last; how long the death took to reach every survivor.",
+    )
     agree_s: float = Field(description="Stopped until the new group formed.")
     rebuild_s: float = Field(description="Building the new layout's model and optimizer (build + state).")
     plan_s: float

@@ -95,6 +95,7 @@ def live_record(
         restored_from=restored_from,
         redone_steps=redone,
         detect_s=round(max(detect, 0.0), 4),
+        leave_spread_s=round(max(stops) - min(stops), 4) if after_failure and stops else None,
         agree_s=round(worst("agree"), 4),
         rebuild_s=round(worst("rebuild"), 4),
         plan_s=round(worst("plan"), 4),
