@@ -385,12 +385,20 @@ def run_scenario(
                 cluster.agents[target].kill()
                 if cluster.launchers[target] is not None:
                     cluster.launchers[target].kill()
-            elif event in ("kill", "hang"):
+            elif event in ("kill", "hang", "kill-twice"):
                 pids = cluster.worker_pids(1)
                 if not pids:
                     raise RuntimeError(f"no live worker of agent 1 to {event}\n" + cluster.tail())
                 # hang: SIGSTOP freezes the worker without killing it; its agent must notice the silence.
-                os.kill(pids[-1], signal.SIGKILL if event == "kill" else signal.SIGSTOP)
+                os.kill(pids[-1], signal.SIGSTOP if event == "hang" else signal.SIGKILL)
+                if event == "kill-twice":
+                    # A second death during the recovery: the replacement, as soon as it is there.
+                    cluster.wait_for(
+                        lambda: any(p not in pids for p in cluster.worker_pids(1)),  # noqa: B023
+                        120,
+                        "the killed worker's replacement",
+                    )
+                    os.kill(next(p for p in cluster.worker_pids(1) if p not in pids), signal.SIGKILL)
             before = len(migrations(cluster))
             expected += 1
             events_done.append(
@@ -398,7 +406,7 @@ def run_scenario(
             )
             if wait_migrations:
                 migrated(expected)
-                if event in ("kill", "hang"):
+                if event in ("kill", "hang", "kill-twice"):
                     # The others go on without the crashed worker's node; it rejoins once its restarted
                     # worker runs (a second migration, unless the restart was quicker than the leader).
                     world = (migrations(cluster)[before - 1]["new_world_size"] if before else None) or (

@@ -480,3 +480,36 @@ def test_a_full_restart_resumes_from_the_newest_usable_checkpoint_in_the_new_lay
     worst = max(abs(losses[s] - reference[s]) / abs(reference[s]) for s in range(steps))
     assert worst <= 1e-4, f"loss differs from the uninterrupted run by {worst:.2e} (relative)"
     assert compare_states(second["state_file"], reference_state) == []
+
+
+def test_a_replacement_killed_while_it_joins_costs_the_survivor_one_more_switch(etcd_server, tmp_path):
+    """2 agents x 1 worker (--nnodes 2: the survivor must wait for the restart): the worker of agent 1
+    is SIGKILLed and so is its replacement, as soon as it exists. The survivor, blocked entering the
+    generation that waits for the first replacement, moves to the next one as soon as it is published
+    (not after ETC_AGENT_TIMEOUT, 30 s); every step trained once, the final state bitwise."""
+    run_id = f"twice-{uuid.uuid4().hex[:6]}"
+    rdzv = ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id]
+    extra, steps = ["--elementwise"], 30
+    result = run_scenario(
+        "tp=1,pp=1,dp=auto",
+        1,
+        steps,
+        0.15,
+        tmp_path,
+        echo=False,
+        rdzv=rdzv,
+        events=("kill-twice",),
+        extra_script_args=extra,
+        event_steps=[6],
+    )
+    logs = result["cluster"].tail(80)
+    assert result["codes"] == [0, 0], f"agents exited {result['codes']}\n{logs}"
+    assert sorted(result["losses"]) == list(range(steps)), logs
+    text = "".join(result["cluster"].outputs[1])
+    assert text.count('"workers_failed"') == 2 and "(2/3)" in text, logs
+    killed = result["events"][0]["wall"]
+    records = [json.loads(line) for line in (tmp_path / "loss.jsonl").read_text().splitlines()]
+    resumed = min(r["wall"] for r in records if r["wall"] > killed)
+    assert resumed - killed < 25, f"the survivor trained again {resumed - killed:.1f} s after the first death\n{logs}"
+    _, reference_state = reference_losses(steps, tmp_path, extra)
+    assert compare_states(result["state_file"], reference_state) == []

@@ -126,7 +126,7 @@ class Agent:
         """Local ranks restarted after a crash whose new process has not said hello yet (the node is
         out of the membership until they have)."""
         self._crash_restarts = 0
-        self._last_crash: tuple[int, tuple[int, ...]] | None = None
+        self._last_crash: tuple[int, tuple[tuple[int, int | None], ...]] | None = None
         self._finished_cache: tuple[float, bool] = (0.0, False)
         """(when checked, whether the store's ``finished`` marker exists), read at most every 0.5 s."""
         self.reader = RecordReader(self.emit)
@@ -832,7 +832,8 @@ class Agent:
         """A worker of a live job died: restart it now as a standby process and take this node out
         of the membership until it runs, so the others go on at once (this node's surviving workers
         send what they hold and wait); past ``--max-restarts`` the node leaves the job instead."""
-        crash = (gen.number, tuple(sorted(failed)))
+        pids = self.workers.pids()
+        crash = (gen.number, tuple(sorted((r, pids.get(r)) for r in failed)))
         if crash == self._last_crash:
             return  # seen already (the checkpoint baseline restarts the worker with the next generation)
         self._last_crash = crash
