@@ -214,7 +214,7 @@ def migrations(cluster: Cluster) -> list[dict]:
                     continue
                 if record.get("event") == "migration" and "node" in record:
                     out.append(record)
-    return out
+    return sorted(out, key=lambda m: m["generation"])  # each agent's log holds the ones its rank 0 reported
 
 
 def run_scenario(
@@ -409,11 +409,18 @@ def run_scenario(
                 if event in ("kill", "hang", "kill-twice"):
                     # The others go on without the crashed worker's node; it rejoins once its restarted
                     # worker runs (a second migration, unless the restart was quicker than the leader).
-                    world = (migrations(cluster)[before - 1]["new_world_size"] if before else None) or (
-                        initial_agents * nproc
+                    earlier = migrations(cluster)[:before]
+                    world = (
+                        max(earlier, key=lambda m: m["generation"])["new_world_size"]
+                        if earlier
+                        else initial_agents * nproc
                     )
+                    latest = max((m["generation"] for m in earlier), default=-1)
                     cluster.wait_for(
-                        lambda: any(m["new_world_size"] >= world for m in migrations(cluster)[before:]),  # noqa: B023
+                        lambda: any(
+                            m["new_world_size"] >= world and m["generation"] > latest  # noqa: B023
+                            for m in migrations(cluster)
+                        ),
                         300,
                         f"the job back at {world} workers after the {event}",
                     )
