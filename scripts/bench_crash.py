@@ -69,7 +69,9 @@ def run_once(case: str, method: str, model_args: list[str], work: Path) -> dict:
     killed = result["events"][0]
     records = [json.loads(line) for line in (work / "loss.jsonl").read_text().splitlines()]
     full_config = records[0]["config"]
-    after = sorted((r for r in records if r["wall"] > killed["wall"]), key=lambda r: r["wall"])
+    # The first step trained in a generation after the kill (a step in flight may still log after it).
+    at_kill = max(r["generation"] for r in records if r["wall"] <= killed["wall"])
+    after = sorted((r for r in records if r["generation"] > at_kill), key=lambda r: r["wall"])
     if not after:
         raise RuntimeError(f"{case}/{method}: no step trained after the kill\n" + result["cluster"].tail())
     resumed = after[0]
@@ -84,7 +86,22 @@ def run_once(case: str, method: str, model_args: list[str], work: Path) -> dict:
         "resumed_at_step": resumed["step"],
         "redone_steps": killed["step"] + 1 - resumed["step"],
         "records": [
-            {k: m.get(k) for k in ("reason", "total_stall_s", "bytes_moved", "state_bytes", "new_world_size")}
+            {
+                k: m.get(k)
+                for k in (
+                    "reason",
+                    "new_world_size",
+                    "bytes_moved",
+                    "state_bytes",
+                    "detect_s",
+                    "leave_spread_s",
+                    "agree_s",
+                    "rebuild_s",
+                    "plan_s",
+                    "transfer_s",
+                    "total_stall_s",
+                )
+            }
             for m in result["migrations"]
         ],
     }

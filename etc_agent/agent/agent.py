@@ -164,6 +164,7 @@ class Agent:
             pid=os.getpid(),
             node_rank_hint=self.config.node_rank,
             leaving=self.leaving.is_set(),
+            restarting=sorted(self._restarting),
             ready=self._ready,
         )
 
@@ -304,6 +305,7 @@ class Agent:
                 node_id=self.node_id,
             )
             for local in range(self.config.nproc_per_node)
+            if not leaving or gen.sends(self.node_id, local)
         }
 
     def _start_workers(self, gen: GenerationRecord) -> None:
@@ -872,15 +874,15 @@ class Agent:
             )
             return
         self._ready = False
-        try:
-            self._put_record()
-        except StoreError as err:
-            self.emit("store_unreachable", {"error": str(err), "pending": "leave the membership while restarting"})
         for local_rank in failed:
             env = {**self._node_env(local_rank, gen.number + 1), "RANK": "-1"}
             self.workers.restart(local_rank, env, self._run_dir / f"restart_{self._crash_restarts}")
             self.contacts.hellos.discard(local_rank)
             self._restarting.add(local_rank)
+        try:
+            self._put_record()  # out of the membership; the restarted ranks are no senders
+        except StoreError as err:
+            self.emit("store_unreachable", {"error": str(err), "pending": "leave the membership while restarting"})
         self.emit(
             "workers_failed",
             {

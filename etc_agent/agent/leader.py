@@ -134,15 +134,18 @@ class Leader:
 
     def _settled(self) -> bool:
         """Whether the next decision needs no ``--reconfig-delay`` of quiet first: the first generation
-        once every node ``--nnodes`` allows has registered (no other can join), and the end of a job
-        whose members all reported success."""
+        once every node ``--nnodes`` allows has registered (no other can join), a member's worker
+        failure (the survivors are stopped: waiting for more changes only lengthens their stall), and
+        the end of a job whose members all reported success."""
         kv = self.store.get("generation")
         if kv is None:
             return len(self.members_now()) >= self.config.max_nodes
         current = self.reader.parse(GenerationRecord, kv)
         if current is None or current.status != "running" or not current.members:
             return False
-        return all_succeeded(current, self.statuses(current.number))
+        statuses = self.statuses(current.number)
+        failed = any(s.state == "failed" and n in current.members for n, s in statuses.items())
+        return failed or all_succeeded(current, statuses)
 
     # ---- reading the store ------------------------------------------------------------
     def statuses(self, generation: int) -> dict[str, NodeStatus]:
@@ -397,14 +400,15 @@ class Leader:
         # So do members left out as spares (the layout uses fewer devices): they may hold the only
         # surviving copy of some state (a node failure took the other), and go idle after sending.
         # So do the surviving workers of a node that restarts a crashed one (registered, not ready).
+        # Their restarted workers hold nothing and are left out (nobody waits for them to start).
         registered = {n.node_id: n for n in self.members_now(include_leaving=True, include_unready=True)}
         previous = current.members if current else []
-        sender_devices = {n: registered[n].num_devices if n in registered else devices.get(n) for n in previous}
-        senders = [
-            n
-            for n in previous
-            if n not in ordered and n in registered and (registered[n].leaving or self.config.migration == "live")
-        ]
+        sending = {
+            n: [d for d in range(r.num_devices) if d not in r.restarting]
+            for n, r in registered.items()
+            if n in previous and n not in ordered and (r.leaving or self.config.migration == "live")
+        }
+        senders = [n for n in previous if sending.get(n)]
         placement = self._place(parallel, ordered, devices, current)
         gaps = []
         if placement is not None:
@@ -422,7 +426,8 @@ class Leader:
                 reason=reason,
                 parallel=parallel,
                 senders=senders,
-                sender_devices=[sender_devices[n] for n in senders],
+                sender_devices=[len(sending[n]) for n in senders],
+                sender_local_ranks=[sending[n] for n in senders],
                 started=basis.started,
                 published_at=time.time(),
                 placement=placement,

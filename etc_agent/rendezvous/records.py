@@ -50,6 +50,10 @@ class NodeRecord(Record):
     pid: int = Field(description="Agent process id.")
     node_rank_hint: int | None = Field(None, description="--node-rank, when the user fixed it.")
     leaving: bool = Field(False, description="The agent received SIGTERM and is departing.")
+    restarting: list[int] = Field(
+        default_factory=list,
+        description="Local ranks restarted after a crash that do not run yet (they hold no state).",
+    )
     ready: bool = Field(
         True,
         description="False while a node joining an elastic job starts its workers; "
@@ -78,6 +82,11 @@ class GenerationRecord(Record):
         default_factory=list, description="Departing nodes whose workers send their state, then exit."
     )
     sender_devices: list[int] = Field(default_factory=list, description="Workers per sender, same order.")
+    sender_local_ranks: list[list[int]] | None = Field(
+        None,
+        description="Local ranks of each sender that send, same order (None: 0 .. workers-1); a worker "
+        "a node is restarting after a crash holds nothing and is left out.",
+    )
     started: bool = Field(False, description="An earlier generation ran: training state exists somewhere.")
     published_at: float = Field(0.0, description="Wall-clock time the leader published this generation.")
     placement: list[str] | None = Field(
@@ -101,7 +110,16 @@ class GenerationRecord(Record):
 
     def sender_device_names(self) -> list[str]:
         """``node:local_rank`` of every sender's devices, in sender order."""
-        return [f"{n}:{d}" for n, k in zip(self.senders, self.sender_devices) for d in range(k)]
+        return [f"{n}:{d}" for n, locals_ in zip(self.senders, self._sender_locals()) for d in locals_]
+
+    def _sender_locals(self) -> list[list[int]]:
+        if self.sender_local_ranks is not None:
+            return self.sender_local_ranks
+        return [list(range(k)) for k in self.sender_devices]
+
+    def sends(self, node_id: str, local_rank: int) -> bool:
+        """Whether that worker of a sender takes part in the migration."""
+        return node_id in self.senders and local_rank in self._sender_locals()[self.senders.index(node_id)]
 
     def transport_devices(self, with_senders: bool) -> list[str]:
         """The migration group's devices by transport rank: the members', then (live) the senders'."""
@@ -117,7 +135,8 @@ class GenerationRecord(Record):
         """Transport rank of a member's or a sender's device (see :meth:`transport_devices`)."""
         if node_id in self.members:
             return sum(self.num_devices[: self.members.index(node_id)]) + local_rank
-        return self.world_size + sum(self.sender_devices[: self.senders.index(node_id)]) + local_rank
+        index = self.senders.index(node_id)
+        return self.world_size + sum(self.sender_devices[:index]) + self._sender_locals()[index].index(local_rank)
 
     def training_rank(self, node_id: str, local_rank: int) -> int:
         """Training rank of a member's device: its place in :attr:`placement`, or member order."""

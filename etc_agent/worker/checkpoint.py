@@ -39,6 +39,9 @@ from etc_agent.migrate.transport import GroupTransport
 
 log = logging.getLogger("etc_agent.worker")
 
+FAILURE_SETTLE_S = 0.5
+"""After a failure, how long a switch waits for a background checkpoint write to end."""
+
 STATE_FILE = "etc_state.json"
 """Written by rank 0 once every rank's data and DCP's metadata are on storage: marks a checkpoint complete."""
 
@@ -262,11 +265,13 @@ class PeriodicCheckpointer:
         write = self._write
         if write is None or not write.thread.is_alive():
             return True
-        write.thread.join(timeout=5.0 if failure else self.timeout_s)
+        # After a failure every second here is a second of this process's stall (and its peers'):
+        # a write that is not about to end is given up; its directory stays incomplete.
+        limit_s = FAILURE_SETTLE_S if failure else self.timeout_s
+        write.thread.join(timeout=limit_s)
         if write.thread.is_alive():
             print(
-                f"[etc_agent] checkpoint of step {write.step} abandoned (still writing after "
-                f"{5.0 if failure else self.timeout_s:.0f} s)",
+                f"[etc_agent] checkpoint of step {write.step} abandoned (still writing after {limit_s:g} s)",
                 file=sys.stderr,
                 flush=True,
             )

@@ -2,9 +2,9 @@
 
 Call sequence (every process of the old and the new generation: members, joiners, senders):
 
-1. :meth:`Switch.run` settles the periodic checkpointer, describes the state this process holds
-   (boxes only: :class:`Held`), drops the app objects and tears the old groups down (peers blocked
-   on this process fail now instead of at their timeout), and asks the agent for its
+1. :meth:`Switch.run` describes the state this process holds (boxes only: :class:`Held`), drops the
+   app objects and tears the old groups down (peers blocked on this process fail now instead of at
+   their timeout), settles the periodic checkpointer, and asks the agent for its
    :class:`~etc_agent.agent.control.Assignment`;
 2. ``_arrive``: every process of the generation reaches its store (or a newer generation comes);
 3. ``_form``: members form the training group and mesh and call ``build(ctx)``; everyone forms the
@@ -130,10 +130,10 @@ class Switch:
     def run(self, at_least: int, why: str) -> None:
         """Move from the current generation (if any) into the first one >= ``at_least`` the agent serves."""
         job = self.job
-        if job.checkpointer is not None:
-            job.checkpointer.settle(self.failure)
         held = self._hold()
         job.teardown_group()  # peers blocked on this process fail now instead of at their timeout
+        if job.checkpointer is not None:
+            job.checkpointer.settle(self.failure)  # its own group: after the teardown, which must not wait
         assignment = job.link.assignment(at_least, job.timeout_s, why)
         while True:
             job.phase.to(Phase.MIGRATING, assignment.generation)
@@ -142,8 +142,10 @@ class Switch:
             except JobFinished:
                 raise
             except _Standby:
-                # Sent: what this process held now lives elsewhere; it joins later as a fresh one.
+                # Sent: what this process held now lives elsewhere; it joins later as a fresh one
+                # (its own downtime is no stall of the job's, and it saw no failure of the next one).
                 held = Held()
+                self.stopped, self.failure = None, False
                 job.state, job.ctx = None, None
                 job.teardown_group()
                 assignment = job.link.assignment(assignment.generation + 1, job.timeout_s, "standby after sending")
