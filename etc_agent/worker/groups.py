@@ -51,28 +51,51 @@ def _functions_of(module: types.ModuleType):
                     yield func
 
 
-def release_defaults(groups: list[dist.ProcessGroup]) -> int:
-    """Replace every default argument in ``torch``'s loaded modules that is one of ``groups`` with
-    ``None``; return how many were replaced."""
-    if not groups:
-        return 0
-    ids = {id(g) for g in groups}
-    replaced = 0
+_scanned: set[str] = set()
+"""Modules whose functions were looked at: their defaults were evaluated when they were imported."""
+_holders: list[types.FunctionType] = []
+"""Functions of ``torch`` with a process group among their defaults (found by :func:`_scan`)."""
+
+
+def _holds_group(func: types.FunctionType) -> bool:
+    values = [*(func.__defaults__ or ()), *(func.__kwdefaults__ or {}).values()]
+    return any(isinstance(v, dist.ProcessGroup) for v in values)
+
+
+def _scan() -> None:
+    """Find the functions that hold a group in modules imported since the last scan (each module is
+    looked at once: the first scan after ``torch._dynamo`` came in costs ~70 ms, later ones nothing)."""
     for name, module in list(sys.modules.items()):
-        if module is None or not (name == "torch" or name.startswith("torch.")):
+        if name in _scanned or module is None or not (name == "torch" or name.startswith("torch.")):
             continue
+        _scanned.add(name)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # touching deprecated module attributes warns
-            functions = list(_functions_of(module))
-        for func in functions:
-            defaults = func.__defaults__
-            if defaults and any(id(d) in ids for d in defaults):
-                func.__defaults__ = tuple(None if id(d) in ids else d for d in defaults)
-                replaced += 1
-            kwdefaults = func.__kwdefaults__
-            if kwdefaults and any(id(d) in ids for d in kwdefaults.values()):
-                func.__kwdefaults__ = {k: None if id(d) in ids else d for k, d in kwdefaults.items()}
-                replaced += 1
+            _holders.extend(f for f in _functions_of(module) if _holds_group(f))
+
+
+def mark_loaded_modules_clean() -> None:
+    """Call before the first group exists: no module imported so far can hold one in its defaults."""
+    if not dist.is_initialized():
+        _scanned.update(name for name, module in list(sys.modules.items()) if module is not None)
+
+
+def release_defaults(groups: list[dist.ProcessGroup]) -> int:
+    """Replace every default argument in ``torch``'s loaded modules that is one of ``groups`` with
+    ``None``; return how many functions changed."""
+    if not groups:
+        return 0
+    _scan()
+    ids = {id(g) for g in groups}
+    replaced = 0
+    for func in _holders:
+        defaults, kwdefaults = func.__defaults__, func.__kwdefaults__
+        if defaults and any(id(d) in ids for d in defaults):
+            func.__defaults__ = tuple(None if id(d) in ids else d for d in defaults)
+            replaced += 1
+        if kwdefaults and any(id(d) in ids for d in kwdefaults.values()):
+            func.__kwdefaults__ = {k: None if id(d) in ids else d for k, d in kwdefaults.items()}
+            replaced += 1
     return replaced
 
 

@@ -54,7 +54,7 @@ from etc_agent.utils.plainstate import materialize_optimizer_state, to_json
 from etc_agent.worker.appstate import split_state
 from etc_agent.worker.context import ParallelContext, make_context
 from etc_agent.worker.errors import ArrivalTimeout, JobError, JobFinished, StateLost, is_peer_failure
-from etc_agent.worker.groups import destroy_all_groups
+from etc_agent.worker.groups import destroy_all_groups, mark_loaded_modules_clean
 from etc_agent.worker.link import AgentLink
 from etc_agent.worker.report import Stopped
 from etc_agent.worker.switch import Switch
@@ -154,6 +154,7 @@ class Job:
         # what is alive now (imported modules, mostly) is never that garbage, and frozen it is not
         # scanned again (a full collection after `import torch` costs 0.1-0.3 s on the stall).
         gc.freeze()
+        mark_loaded_modules_clean()  # teardowns then look only at modules imported later
         env_generation = int(os.environ.get("ETC_AGENT_GENERATION", 0))
         self._switch(env_generation, "start", stopped=None, failure=False)
 
