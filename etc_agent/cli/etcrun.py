@@ -293,7 +293,7 @@ def etcrun(
     standalone: Annotated[
         bool, _torchrun("--standalone", help=f"One node, embedded store on a free local port, random run id. {RDZV}")
     ] = False,
-    max_restarts: Annotated[int, _setting("max_restarts", torchrun=True)] = 0,
+    max_restarts: Annotated[int | None, _setting("max_restarts", torchrun=True)] = None,
     monitor_interval: Annotated[float, _setting("monitor_interval", torchrun=True)] = 0.1,
     start_method: Annotated[
         str,
@@ -549,8 +549,6 @@ def _settings(ctx: typer.Context, f: SimpleNamespace, rdzv: Rendezvous) -> dict[
         node_rank=f.node_rank if rdzv.backend == "static" or _source(ctx, "node_rank") != "DEFAULT" else None,
         model=str(f.model) if f.model is not None else None,
         checkpoint_dir=str(f.checkpoint_dir.resolve()) if f.checkpoint_dir else None,
-        # Not given: torchrun's 0 for plain scripts, more crash restarts for live jobs (AgentConfig).
-        max_restarts=f.max_restarts if _source(ctx, "max_restarts") != "DEFAULT" else None,
     )
     values.update({key: rdzv.conf[key] for key in RDZV_CONF_SETTINGS if key in rdzv.conf})
     return values
