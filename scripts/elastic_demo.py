@@ -526,7 +526,7 @@ def main() -> None:
         unknown = {
             e
             for e in events
-            if e not in ("join", "leave", "leave-crash", "kill", "kill-agent", "hang")
+            if e not in ("join", "leave", "leave-crash", "kill", "kill-twice", "kill-agent", "hang")
             and not e.startswith("reconfigure:")
         }
         if unknown:
