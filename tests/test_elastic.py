@@ -507,7 +507,11 @@ def test_a_replacement_killed_while_it_joins_costs_the_survivor_one_more_switch(
     assert result["codes"] == [0, 0], f"agents exited {result['codes']}\n{logs}"
     assert sorted(result["losses"]) == list(range(steps)), logs
     text = "".join(result["cluster"].outputs[1])
-    assert text.count('"workers_failed"') == 2 and "(2/3)" in text, logs
+    # The second death is seen as a crash (its own generation), or, when it comes before the agent
+    # served the generation that waits for the first replacement, that generation starts it again.
+    assert (text.count('"workers_failed"') == 2 and "(2/3)" in text) or (
+        text.count('"workers_failed"') == 1 and '"restarted_local_ranks": [0]' in text
+    ), logs
     killed = result["events"][0]["wall"]
     records = [json.loads(line) for line in (tmp_path / "loss.jsonl").read_text().splitlines()]
     resumed = min(r["wall"] for r in records if r["wall"] > killed)

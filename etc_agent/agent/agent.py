@@ -346,6 +346,8 @@ class Agent:
         if self.node_id in gen.members:
             for local_rank, code in self.workers.poll().items():
                 if code is not None:
+                    if self.config.migration == "live" and code not in (0, RESTART_EXIT):
+                        self._crash_restarts += 1  # died before this generation came: a crash restart too
                     self.workers.restart(
                         local_rank, self._worker_env(gen, master, local_rank), self._run_dir / f"attempt_{gen.number}"
                     )
