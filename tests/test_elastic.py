@@ -31,6 +31,12 @@ CASES = {
 }
 
 
+def etcd_rdzv(etcd_server, name: str) -> list[str]:
+    """etcrun's rendezvous flags for a new job called ``name-<random>`` on the test's etcd."""
+    run_id = f"{name}-{uuid.uuid4().hex[:6]}"
+    return ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id]
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_elastic_training_through_join_leave_and_crash(name, etcd_server, tmp_path):
     parallel, nproc, steps, delay, events, elementwise = CASES[name]
@@ -141,8 +147,7 @@ def test_elastic_training_through_join_leave_and_crash(name, etcd_server, tmp_pa
 def test_a_crash_that_takes_the_only_copy_fails_the_job_naming_the_lost_state(etcd_server, tmp_path):
     """zero=1 splits the optimizer state over dp: a killed rank's range has no replica. The job must
     stop with the lost tensors named (not restart from scratch, not hang)."""
-    run_id = f"lost-{uuid.uuid4().hex[:6]}"
-    rdzv = ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id]
+    rdzv = etcd_rdzv(etcd_server, "lost")
     started = time.monotonic()
     result = run_scenario(
         "tp=1,pp=1,dp=auto,zero=1",
@@ -174,8 +179,7 @@ def test_a_crash_that_takes_the_only_copy_restores_just_that_from_the_periodic_c
     a whole pipeline stage) comes from the last checkpoint, and only that: the rest comes from the
     survivors' snapshots of the same step. The steps since are trained again, and the result is
     bitwise the uninterrupted run's."""
-    run_id = f"restore-{uuid.uuid4().hex[:6]}"
-    rdzv = ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id]
+    rdzv = etcd_rdzv(etcd_server, "restore")
     checkpoints, work = tmp_path / "checkpoints", tmp_path / "run"
     work.mkdir()
     extra = ["--micro-batch", "1", "--elementwise"]
@@ -216,8 +220,7 @@ def test_a_worker_crash_with_default_flags_lets_the_others_go_on_and_its_node_re
     the other node trains on alone at once (its replica holds everything), the crashed worker's node
     restarts it, sends what its survivor holds, and rejoins once it runs; every step trained once,
     the final state bitwise the uninterrupted run's."""
-    run_id = f"goon-{uuid.uuid4().hex[:6]}"
-    rdzv = ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id]
+    rdzv = etcd_rdzv(etcd_server, "goon")
     extra, steps = ["--elementwise"], 40
     result = run_scenario(
         "tp=2,pp=1,dp=auto",
@@ -254,8 +257,7 @@ def test_a_whole_node_killed_loses_no_state_with_the_resilient_placement(etcd_se
     a whole stage on one node), so the survivors hold everything: training goes on with the exact
     state and no checkpoint. With 4 agents, the layout after the loss uses 2 of the 3 survivors: the
     third holds a replica too and sends it before going idle as a spare."""
-    run_id = f"node-{uuid.uuid4().hex[:6]}"
-    rdzv = ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id]
+    rdzv = etcd_rdzv(etcd_server, "node")
     work = tmp_path / "run"
     work.mkdir()
     extra = ["--elementwise", "--micro-batch", "1"]
@@ -296,8 +298,7 @@ def test_a_whole_node_killed_loses_no_state_with_the_resilient_placement(etcd_se
 def test_checkpoint_baseline_through_etcrun(etcd_server, tmp_path):
     """--migration checkpoint: at each change every worker saves with DCP and exits, fresh workers
     load with resharding. Same training result; its records say what it moved and how long it stalled."""
-    run_id = f"ckpt-{uuid.uuid4().hex[:6]}"
-    rdzv = ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id]
+    rdzv = etcd_rdzv(etcd_server, "ckpt")
     checkpoints = tmp_path / "checkpoints"
     work = tmp_path / "run"
     work.mkdir()
@@ -328,8 +329,7 @@ def test_checkpoint_baseline_through_etcrun(etcd_server, tmp_path):
 
 def test_reconfigure_changes_tp_pp_and_zero_on_the_same_devices(etcd_server, tmp_path):
     """`etc-agent reconfigure`: tp=2 -> tp=1,pp=2 -> tp=2,zero=1 on the same 4 workers, live."""
-    run_id = f"reconf-{uuid.uuid4().hex[:6]}"
-    rdzv = ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id]
+    rdzv = etcd_rdzv(etcd_server, "reconf")
     steps = 40
     events = ("reconfigure:tp=1,pp=2,dp=auto", "reconfigure:tp=2,pp=1,dp=auto,zero=1")
     result = run_scenario("tp=2,pp=1,dp=auto", 2, steps, 0.1, tmp_path, echo=False, rdzv=rdzv, events=events)
@@ -349,8 +349,7 @@ def test_reconfigure_changes_tp_pp_and_zero_on_the_same_devices(etcd_server, tmp
 def test_a_hung_worker_is_killed_by_its_agent_and_the_job_recovers(etcd_server, tmp_path):
     """SIGSTOP (the process stays, says nothing): its agent kills it after --worker-heartbeat-timeout,
     names it, and the job recovers from the replica like after a crash."""
-    run_id = f"hang-{uuid.uuid4().hex[:6]}"
-    rdzv = ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id]
+    rdzv = etcd_rdzv(etcd_server, "hang")
     work = tmp_path / "elastic"
     work.mkdir()
     steps = 40
@@ -385,8 +384,7 @@ def test_a_sender_killed_mid_migration_abandons_the_generation_and_replicas_take
     """SIGTERM one agent, then SIGKILL one of its workers while it is about to send: the generation is
     abandoned everywhere, the next one is planned from the survivors' replicas, training goes on exactly."""
     monkeypatch.setenv("ETC_AGENT_FAULT_SENDER_PAUSE_S", "3")
-    run_id = f"sender-{uuid.uuid4().hex[:6]}"
-    rdzv = ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id]
+    rdzv = etcd_rdzv(etcd_server, "sender")
     work = tmp_path / "elastic"
     work.mkdir()
     steps = 60
@@ -427,10 +425,6 @@ def test_a_full_restart_resumes_from_the_newest_usable_checkpoint_in_the_new_lay
     extra, steps = ["--micro-batch", "1", "--elementwise"], 30
     agent_args = ["--checkpoint-dir", str(checkpoints), "--checkpoint-interval", "4"]
 
-    def rdzv() -> list[str]:
-        run_id = f"resume-{uuid.uuid4().hex[:6]}"
-        return ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id]
-
     first_dir, second_dir = tmp_path / "first", tmp_path / "second"
     first_dir.mkdir()
     second_dir.mkdir()
@@ -441,7 +435,7 @@ def test_a_full_restart_resumes_from_the_newest_usable_checkpoint_in_the_new_lay
         0.15,
         first_dir,
         echo=False,
-        rdzv=rdzv(),
+        rdzv=etcd_rdzv(etcd_server, "resume"),
         events=(),
         agent_args=agent_args,
         extra_script_args=extra,
@@ -463,7 +457,7 @@ def test_a_full_restart_resumes_from_the_newest_usable_checkpoint_in_the_new_lay
         0.15,
         second_dir,
         echo=False,
-        rdzv=rdzv(),
+        rdzv=etcd_rdzv(etcd_server, "resume"),
         events=(),
         agent_args=agent_args,
         extra_script_args=extra,
@@ -488,8 +482,7 @@ def test_a_replacement_killed_while_it_joins_costs_the_survivor_one_more_switch(
     is SIGKILLed and so is its replacement, as soon as it exists. The survivor, blocked entering the
     generation that waits for the first replacement, moves to the next one as soon as it is published
     (not after ETC_AGENT_TIMEOUT, 30 s); every step trained once, the final state bitwise."""
-    run_id = f"twice-{uuid.uuid4().hex[:6]}"
-    rdzv = ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id]
+    rdzv = etcd_rdzv(etcd_server, "twice")
     extra, steps = ["--elementwise"], 30
     result = run_scenario(
         "tp=1,pp=1,dp=auto",

@@ -237,7 +237,7 @@ class Leader:
                     basis, ordered, devices, f"{len(ordered)} of at least {self.config.min_nodes} nodes"
                 )
             return
-        self._publish_running(basis, ordered, devices, alive_ids, parallel, reason)
+        self._publish_running(basis, ordered, devices, parallel, reason)
 
     def _basis(self) -> _Basis | None:
         """The current generation and what the next one inherits; None once the job is over."""
@@ -391,7 +391,6 @@ class Leader:
         basis: _Basis,
         ordered: list[str],
         devices: dict[str, int],
-        alive_ids: list[str],
         parallel: str | None,
         reason: str,
     ) -> None:
