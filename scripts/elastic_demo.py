@@ -142,8 +142,9 @@ class Cluster:
         threading.Thread(target=pump, daemon=True).start()
 
     def worker_pids(self, agent: int) -> list[int]:
-        """Live worker pids of one agent (its children running the example), from /proc."""
-        pids = []
+        """Live worker pids of one agent, from /proc: its children running the example, or the
+        children of its fork server (``--start-method forkserver``, the default)."""
+        table: dict[int, tuple[int, str]] = {}
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
                 continue
@@ -152,11 +153,14 @@ class Cluster:
                 cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
                 continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            parent = self.launchers[agent] if self.sidecar else self.agents[agent]
-            if ppid == parent.pid and self.module in cmdline:
-                pids.append(int(entry.name))
-        return sorted(pids)
+            if stat.rsplit(")", 1)[1].split()[0] == "Z":
+                continue  # exited, not yet reaped
+            table[int(entry.name)] = (int(stat.rsplit(")", 1)[1].split()[1]), cmdline)
+        parent = (self.launchers[agent] if self.sidecar else self.agents[agent]).pid
+        servers = {pid for pid, (ppid, cmd) in table.items() if ppid == parent and "etc_agent.worker.forkserver" in cmd}
+        return sorted(
+            pid for pid, (ppid, cmd) in table.items() if (ppid == parent and self.module in cmd) or ppid in servers
+        )
 
     def wait_for(self, predicate, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout

@@ -30,6 +30,10 @@ TEST_LAYERS: dict[str, tuple[str, dict[str, list[str]]]] = {
     "test_etcd_tls.py": ("e2e", {}),
     "test_etcrun.py": ("e2e", {"unit": ["test_the_example_job_configs_are_valid"]}),
     "test_faults.py": ("e2e", {}),
+    "test_forkserver.py": (
+        "multiproc",
+        {"e2e": ["test_etcrun_forks_its_workers_from_the_fork_server_by_default", "test_etcrun_start_method_spawn_*"]},
+    ),
     "test_groups.py": (
         "multiproc",
         {

@@ -48,6 +48,7 @@ from etc_agent.agent.control import (
     SwitchFailed,
     Trained,
 )
+from etc_agent.agent.forkserver import ForkServer
 from etc_agent.agent.leader import Leader
 from etc_agent.agent.protocol import RESTART_EXIT, Phase, PhaseTracker
 from etc_agent.agent.records import RecordReader
@@ -94,6 +95,7 @@ class Agent:
         self.host = config.local_addr or socket.getfqdn()
         self.emit = emit or self._log_event
         self.workers: WorkerGroup | AttachedWorkers | None = None
+        self._forkserver: ForkServer | None = None
         self.generation: GenerationRecord | None = None
         self.restart_count = 0
         self.leaving = threading.Event()
@@ -395,6 +397,9 @@ class Agent:
         # torch takes ~1.5 s to import: pay it before joining, not when a generation needs the
         # TCPStore. Not in a background thread: TCPStores made while torch was still importing in
         # another thread made workers abort ("terminate called without an active exception").
+        if self.spec.start_method == "forkserver" and not self.spec.no_python and not self.config.sidecar:
+            # Its imports run beside this process's and the rendezvous: workers fork ready from it.
+            self._forkserver = ForkServer()
         import torch.distributed  # noqa: F401
 
         host, port = parse_address(
@@ -430,6 +435,8 @@ class Agent:
             for t in self._threads:
                 t.join(timeout=2)
             self._control.stop()
+            if self._forkserver is not None:
+                self._forkserver.close()
             try:
                 self._lease.revoke()
             except StoreError:
@@ -585,7 +592,7 @@ class Agent:
         """This node's workers: started here, or (sidecar) the processes that attach under these local ranks."""
         if self.config.sidecar:
             return AttachedWorkers(self._attachments, [int(env["ETC_AGENT_LOCAL_RANK"]) for env in envs])
-        return WorkerGroup(self.spec, envs, attempt_dir)
+        return WorkerGroup(self.spec, envs, attempt_dir, forkserver=self._forkserver)
 
     def _join_warm(self) -> None:
         """Joining a running elastic job: start the workers first (interpreter, torch, the script's

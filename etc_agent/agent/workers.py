@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -12,9 +13,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from etc_agent.agent.forkserver import ForkedProcess, ForkServer
 
 
 class WorkerSpec(BaseModel):
@@ -40,15 +43,23 @@ class WorkerSpec(BaseModel):
     virtual_local_rank: bool = Field(
         False, description="LOCAL_RANK=0 in every worker, CUDA_VISIBLE_DEVICES narrowed to its device."
     )
+    start_method: Literal["forkserver", "spawn"] = Field(
+        "forkserver",
+        description="forkserver: Python workers are forked from a process of the agent that imported torch "
+        "once (milliseconds to start one); spawn: each worker is a new interpreter (seconds).",
+    )
 
-    def command(self) -> list[str]:
+    def python_argv(self) -> list[str] | None:
+        """What follows ``python -u`` for a Python worker; None with ``--no-python``."""
         if self.no_python:
-            return list(self.entrypoint)
+            return None
         # Python workers run under a thin launcher that lets worker-API scripts survive a peer's
         # crash without a restart (it re-enters the script with the state kept in memory).
-        if self.module:
-            return [sys.executable, "-u", "-m", "etc_agent.worker.launch", "-m", *self.entrypoint]
-        return [sys.executable, "-u", "-m", "etc_agent.worker.launch", *self.entrypoint]
+        return ["-m", "etc_agent.worker.launch", *(["-m"] if self.module else []), *self.entrypoint]
+
+    def command(self) -> list[str]:
+        argv = self.python_argv()
+        return list(self.entrypoint) if argv is None else [sys.executable, "-u", *argv]
 
 
 def parse_std_spec(text: str, nproc: int) -> dict[int, int]:
@@ -72,7 +83,7 @@ def parse_std_spec(text: str, nproc: int) -> dict[int, int]:
 class _Worker:
     local_rank: int
     global_rank: int
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedProcess
     error_file: Path
     pumps: list[threading.Thread] = field(default_factory=list)
     files: list[IO] = field(default_factory=list)
@@ -85,8 +96,17 @@ class _Worker:
 class WorkerGroup:
     """The workers of one node for one generation (or one restart of it)."""
 
-    def __init__(self, spec: WorkerSpec, envs: list[dict[str, str]], attempt_dir: Path):
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        envs: list[dict[str, str]],
+        attempt_dir: Path,
+        forkserver: ForkServer | None = None,
+    ):
+        """``forkserver``: where Python workers are forked from (while it is available); without
+        one, or with ``--no-python``, each worker is a new process."""
         self.spec = spec
+        self.forkserver = forkserver
         self.workers: list[_Worker] = []
         self.attempt_dir = attempt_dir
         self._filtered: dict[str, _FilteredLog] = {}
@@ -124,16 +144,7 @@ class WorkerGroup:
                 streams[name] = (subprocess.PIPE, to_file, to_console, console, rank_dir / f"{name}.log")
             else:
                 streams[name] = (None, False, True, console, None)
-        command = self.spec.command()
-        if sys.platform.startswith("linux"):
-            command = [sys.executable, "-m", "etc_agent.agent._exec_with_parent", str(os.getpid()), *command]
-        proc = subprocess.Popen(
-            command,
-            env=full_env,
-            stdout=streams["stdout"][0],
-            stderr=streams["stderr"][0],
-            start_new_session=True,  # its own process group: stopping it stops its children too
-        )
+        proc = self._launch(full_env, streams["stdout"][0] is not None, streams["stderr"][0] is not None)
         worker = _Worker(local_rank, int(env["RANK"]), proc, error_file, files=files)
         for name, (pipe, to_file, to_console, console, path) in streams.items():
             if pipe is None:
@@ -150,6 +161,24 @@ class WorkerGroup:
             thread.start()
             worker.pumps.append(thread)
         return worker
+
+    def _launch(self, env: dict[str, str], pipe_stdout: bool, pipe_stderr: bool) -> subprocess.Popen | ForkedProcess:
+        argv = self.spec.python_argv()
+        if argv is not None and self.forkserver is not None and self.forkserver.available:
+            script = self.spec.entrypoint[0] if self.spec.entrypoint else "worker"
+            return self.forkserver.spawn(
+                argv, env, os.getcwd(), pipe_stdout, pipe_stderr, name=os.path.basename(script) or "worker"
+            )
+        command = self.spec.command()
+        if sys.platform.startswith("linux"):
+            command = [sys.executable, "-m", "etc_agent.agent._exec_with_parent", str(os.getpid()), *command]
+        return subprocess.Popen(
+            command,
+            env=env,
+            stdout=subprocess.PIPE if pipe_stdout else None,
+            stderr=subprocess.PIPE if pipe_stderr else None,
+            start_new_session=True,  # its own process group: stopping it stops its children too
+        )
 
     def restart(self, local_rank: int, env: dict[str, str], attempt_dir: Path) -> None:
         """Start the worker of ``local_rank`` again (after it exited) with ``env``."""
@@ -172,7 +201,14 @@ class WorkerGroup:
         return codes
 
     def pids(self) -> dict[int, int]:
-        return {w.local_rank: w.proc.pid for w in self.workers}
+        """Local rank -> pid of every worker started (a fork still queued behind the fork server's
+        imports has none yet)."""
+        pids = {}
+        for w in self.workers:
+            pid = w.proc.known_pid if isinstance(w.proc, ForkedProcess) else w.proc.pid
+            if pid is not None and pid > 0:
+                pids[w.local_rank] = pid
+        return pids
 
     def kill(self, local_rank: int, why: str) -> None:
         """SIGKILL one worker's process group; ``why`` goes into its failure summary."""
@@ -193,6 +229,8 @@ class WorkerGroup:
             except subprocess.TimeoutExpired:
                 _signal_group(w.proc, signal.SIGKILL)
                 w.proc.wait(timeout=10)
+            if w.exited_at is None:
+                w.exited_at = time.time()
         self.close()
 
     def close(self) -> None:
@@ -226,7 +264,7 @@ class WorkerGroup:
                 failure.timestamp = int(w.exited_at or time.time())
             if w.killed_because:
                 failure.message = f"{failure.message}; killed by the agent: {w.killed_because}"
-            failures.append((failure.timestamp, w.exited_at or 0.0, w.global_rank, failure))
+            failures.append((failure.timestamp, w.exited_at or math.inf, w.global_rank, failure))
         if not failures:
             return ""
         # torch's root cause is the first of the smallest timestamp: equal ones (one-second
@@ -267,7 +305,10 @@ class WorkerGroup:
         return "\n".join(lines)
 
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+def _signal_group(proc: subprocess.Popen | ForkedProcess, sig: int) -> None:
+    if proc.pid <= 0:
+        return  # a fork that never happened
+    # Also once the worker exited: its process group lives on while its children do.
     try:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):

@@ -37,6 +37,8 @@ def write(out_dir: str, env: dict) -> None:
 def main() -> None:
     out_dir = sys.argv[1]
     env = {k: os.environ.get(k) for k in KEYS}
+    with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+        env["parent_command"] = f.read().replace(b"\0", b" ").decode()
     if "--no-dist" in sys.argv:
         write(out_dir, env)
         print(f"rank {os.environ['RANK']} done", flush=True)
@@ -53,6 +55,7 @@ def main() -> None:
     gathered = [torch.zeros_like(grad) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, grad)
     assert all(torch.equal(g, grad) for g in gathered), "DDP gradients differ across ranks"
+    env["num_threads"] = torch.get_num_threads()
     env["dist_rank"] = dist.get_rank()
     env["dist_world_size"] = dist.get_world_size()
     # Everyone done before anyone tears down: a rank that exits while a peer's gloo pairs are still

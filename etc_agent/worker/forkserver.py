@@ -1,0 +1,50 @@
+"""``python -u -m etc_agent.worker.forkserver FD``: the fork server of one agent's workers.
+
+Imports what a worker-API process needs (torch, ``torch.distributed``, DTensor, dynamo, which the
+first functional collective imports, and this package's worker modules), then forks workers on
+request over the socket ``FD`` (:mod:`etc_agent.utils.forkserver` has the protocol and what a forked
+worker is). ``ETC_AGENT_PRELOAD``: more modules to import once here, comma-separated (the script's
+own heavy imports: ``transformers``, ``megatron.core``); one that fails to import is skipped with a
+line on stderr.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import socket
+import sys
+
+from etc_agent.utils.forkserver import serve
+
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.tensor",
+    "torch._dynamo",
+    "etc_agent.worker.job",
+    "etc_agent.worker.launch",
+)
+
+
+def preload() -> None:
+    for name in PRELOAD:
+        importlib.import_module(name)
+    for name in filter(None, (n.strip() for n in os.environ.get("ETC_AGENT_PRELOAD", "").split(","))):
+        try:
+            importlib.import_module(name)
+        except Exception as err:  # noqa: BLE001 - the worker imports it itself then, and sees the error there
+            print(f"etc_agent fork server: ETC_AGENT_PRELOAD {name!r} not imported: {err}", file=sys.stderr)
+
+
+def main() -> int:
+    # A Ctrl-C in the terminal goes to the agent, which stops the workers in order; the server ends
+    # when its agent closes the socket (or dies: PR_SET_PDEATHSIG).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    return serve(sock, preload)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
