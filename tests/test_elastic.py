@@ -250,6 +250,44 @@ def test_a_worker_crash_with_default_flags_lets_the_others_go_on_and_its_node_re
     assert compare_states(result["state_file"], reference_state) == []
 
 
+def test_ten_worker_kills_in_a_row_never_stall_the_survivors_over_2_s(etcd_server, tmp_path):
+    """Ten SIGKILLs of a worker in one job (tp=2,dp=auto, 2 agents x 2, --nnodes 1:3, default flags),
+    each once the job is back at full strength after the previous one: every time the other node
+    goes on at once from its replica and the killed worker's node rejoins once its restarted worker
+    (forked in milliseconds) runs; no switch stalls anyone over 2 s, every step is trained once and
+    the final state is bitwise the uninterrupted run's."""
+    kills, steps = 10, 110
+    extra = ["--elementwise"]
+    result = run_scenario(
+        "tp=2,pp=1,dp=auto",
+        2,
+        steps,
+        0.1,
+        tmp_path,
+        echo=False,
+        rdzv=etcd_rdzv(etcd_server, "tenkills"),
+        events=("kill",) * kills,
+        min_nodes=1,
+        extra_script_args=extra,
+        event_steps=list(range(6, 6 + 8 * kills, 8)),
+        gap_before={"kill": 2},
+    )
+    logs = result["cluster"].tail(60)
+    assert result["codes"] == [0, 0], f"agents exited {result['codes']}\n{logs}"
+    assert sorted(result["losses"]) == list(range(steps)), logs
+    per_kill = [[result["migrations"][i] for i in e["migrations"]] for e in result["events"]]
+    assert len(per_kill) == kills
+    for failure, *back in per_kill:
+        assert "worker failure" in failure["reason"] and failure["old_world_size"] == 4, failure
+        assert failure["leave_spread_s"] <= 2.0 and failure["total_stall_s"] <= 2.0, failure
+        # Mostly the others go on alone (4 -> 2) and the node rejoins (2 -> 4); a restart quicker
+        # than the leader's decision has the node in the failure's generation already.
+        assert [r["new_world_size"] for r in [failure, *back]][-1] == 4, [failure, *back]
+        assert all("joined" in r["reason"] and r["total_stall_s"] <= 2.0 for r in back), back
+    _, reference_state = reference_losses(steps, tmp_path, extra)
+    assert compare_states(result["state_file"], reference_state) == []
+
+
 @pytest.mark.parametrize("agents,nproc", [(4, 2), (2, 4)], ids=["4x2", "2x4"])
 def test_a_whole_node_killed_loses_no_state_with_the_resilient_placement(etcd_server, tmp_path, agents, nproc):
     """SIGKILL of a whole agent (its workers die with it) under tp=2,pp=2,dp=2. The placement keeps

@@ -360,6 +360,7 @@ def test_megatron_gpt_trains_through_join_leave_reconfigure_and_crash_under_etcr
     # Only the killed worker's optimizer range (and no parameter: each stage has a dp replica) is read.
     assert 0 < crash["bytes_restored"] < crash["state_bytes"] / 2, crash
     assert crash["restored_from"], crash
+    assert crash["leave_spread_s"] is not None and crash["leave_spread_s"] <= 2.0, crash  # every survivor left at once
 
     # Lossless: the state entering each step equals the state the previous step left, in any layout.
     crossings, mismatches = megatron_gpt.compare_digests(digests)

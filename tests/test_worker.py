@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -180,22 +181,33 @@ def test_resumable_checkpoints_skip_incomplete_and_unusable_ones_and_say_so(tmp_
 
     state = {"step": 0, "config": "tp=1,pp=1,dp=1,zero=0", "world_size": 1, "app": {}, "rng": []}
 
-    def checkpoint(step: int, generation: int, state_text: str | None, metadata: bool = True) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    def checkpoint(step: int, generation: int, state_text: str | None, metadata: bool = True) -> Path:
         path = tmp_path / f"step{step:08d}-g{generation}"
-        path.mkdir()
-        if metadata:
-            (path / ".metadata").write_bytes(b"x")
+        dcp.save({"w": torch.arange(1000.0)}, checkpoint_id=str(path), no_dist=True)
+        if not metadata:
+            (path / ".metadata").unlink()
         if state_text is not None:
             (path / STATE_FILE).write_text(state_text)
+        return path
 
     checkpoint(4, 0, json.dumps({**state, "step": 4}))
     checkpoint(8, 0, json.dumps({**state, "step": 8}), metadata=False)  # DCP's metadata missing
     checkpoint(12, 1, "{not json")  # corrupt state file
     checkpoint(16, 1, json.dumps({"step": 16}))  # lacks the layout and carried state
     checkpoint(20, 1, None)  # incomplete: never marked complete, skipped silently
+    [data] = checkpoint(24, 2, json.dumps({**state, "step": 24})).glob("*.distcp")
+    data.write_bytes(data.read_bytes()[:100])  # a data file cut short
+    [data] = checkpoint(28, 2, json.dumps({**state, "step": 28})).glob("*.distcp")
+    data.unlink()  # a data file lost
+    (checkpoint(32, 2, json.dumps({**state, "step": 32})) / ".metadata").write_bytes(b"x")  # unreadable
     assert resumable_checkpoints(tmp_path) == {4: str(tmp_path / "step00000004-g0")}
     err = capsys.readouterr().err
     assert "step00000008-g0 is not usable (DCP's .metadata is missing)" in err
     assert "step00000012-g1 is not usable" in err and "step00000016-g1 is not usable" in err
     assert "lacks config, world_size, app, rng" in err and "step00000020" not in err
+    assert f"step00000024-g2 is not usable (its data file {data.name} holds 100 bytes of " in err
+    assert f"step00000028-g2 is not usable (its data file {data.name} is missing)" in err
+    assert "step00000032-g2 is not usable (DCP's .metadata does not load" in err
     assert resumable_checkpoints(tmp_path / "absent") == {}

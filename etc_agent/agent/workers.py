@@ -524,6 +524,9 @@ def _is_worker(pid: int, local_rank: int) -> bool:
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:
         return False
+    if b"etc_agent.worker.forkserver" in cmdline:
+        # Forked by a fork server: /proc shows the server's start-up environment, not the worker's.
+        return True
     return b"etc_agent" in cmdline and f"LOCAL_RANK={local_rank}".encode() in environ
 
 

@@ -105,6 +105,7 @@ def resumable_checkpoints(directory: str | Path) -> dict[int, str]:
                 raise ValueError(f"{STATE_FILE} lacks {', '.join(missing)}")
             if not (checkpoint.path / ".metadata").is_file():
                 raise ValueError("DCP's .metadata is missing")
+            _check_data_files(checkpoint.path)
         except (OSError, ValueError) as err:
             print(
                 f"[etc_agent] checkpoint {checkpoint.path} is not usable ({err}); an older one is used instead",
@@ -114,6 +115,27 @@ def resumable_checkpoints(directory: str | Path) -> dict[int, str]:
             continue
         usable[checkpoint.step] = str(checkpoint.path)
     return usable
+
+
+def _check_data_files(path: Path) -> None:
+    """ValueError naming the first data file that DCP's metadata refers to and that is missing or
+    shorter than the bytes it should hold (a copy cut short, a file lost), from the metadata alone:
+    nothing of the data is read."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as err:  # whatever stops torch reading it makes the checkpoint unusable
+        raise ValueError(f"DCP's .metadata does not load: {type(err).__name__}: {err}") from err
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for relative, size in sorted(needed.items()):
+        data = path / relative
+        if not data.is_file():
+            raise ValueError(f"its data file {relative} is missing")
+        if data.stat().st_size < size:
+            raise ValueError(f"its data file {relative} holds {data.stat().st_size} bytes of {size}")
 
 
 @dataclass

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 
+from etc_agent.agent.forkserver import ForkedProcess, ForkServer
 from etc_agent.utils.jsonline import JsonLineError, parse_address, request
 
 
@@ -47,6 +48,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--max-restarts", type=int, default=100, help="Restarts of one local rank before giving up.")
     ap.add_argument("-m", "--module", action="store_true", help="Run the script as a Python module.")
+    ap.add_argument(
+        "--start-method",
+        choices=("forkserver", "spawn"),
+        default="forkserver",
+        help="forkserver: fork the processes from one that imported torch once; spawn: new interpreters.",
+    )
     ap.add_argument("script")
     ap.add_argument("script_args", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
@@ -55,16 +62,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _python_argv(args: argparse.Namespace) -> list[str]:
+    """What follows ``python -u`` for one worker."""
+    return ["-m", "etc_agent.worker.launch", *(["-m"] if args.module else []), args.script, *args.script_args]
+
+
 def _worker_command(args: argparse.Namespace) -> list[str]:
-    command = [
-        sys.executable,
-        "-u",
-        "-m",
-        "etc_agent.worker.launch",
-        *(["-m"] if args.module else []),
-        args.script,
-        *args.script_args,
-    ]
+    command = [sys.executable, "-u", *_python_argv(args)]
     if sys.platform.startswith("linux"):
         # The workers die with this process (a container's main process going away takes them along).
         command = [sys.executable, "-m", "etc_agent.agent._exec_with_parent", str(os.getpid()), *command]
@@ -76,8 +80,15 @@ def main(argv: list[str] | None = None) -> int:
     address = parse_address(args.agent)
     command = _worker_command(args)
 
-    def start(local_rank: int) -> subprocess.Popen:
+    # Forked from one process that imported torch once (a restart runs within milliseconds), as
+    # etcrun's --start-method forkserver; new interpreters with --start-method spawn.
+    forkserver = ForkServer() if args.start_method == "forkserver" else None
+
+    def start(local_rank: int) -> subprocess.Popen | ForkedProcess:
         env = {**os.environ, "LOCAL_RANK": str(local_rank), "ETC_AGENT_ADDR": f"{address[0]}:{address[1]}"}
+        if forkserver is not None and forkserver.available:
+            name = os.path.basename(args.script) or "worker"
+            return forkserver.spawn(_python_argv(args), env, os.getcwd(), False, False, name)
         return subprocess.Popen(command, env=env)
 
     procs = {r: start(r) for r in range(args.nproc_per_node)}
@@ -109,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
             restarts[r] += 1
             _say(f"local_rank {r} exited {code}; starting it again ({restarts[r]}/{args.max_restarts})")
             procs[r] = start(r)
+    if forkserver is not None:
+        forkserver.close()
     return 0 if all(code == 0 for code in done.values()) else 1
 
 
