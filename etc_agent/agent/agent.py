@@ -884,14 +884,20 @@ class Agent:
             return
         self._ready = False
         for local_rank in failed:
-            env = {**self._node_env(local_rank, gen.number + 1), "RANK": "-1"}
-            self.workers.restart(local_rank, env, self._run_dir / f"restart_{self._crash_restarts}")
             self.contacts.hellos.discard(local_rank)
             self._restarting.add(local_rank)
         try:
             self._put_record()  # out of the membership; the restarted ranks are no senders
         except StoreError as err:
             self.emit("store_unreachable", {"error": str(err), "pending": "leave the membership while restarting"})
+        self._report(
+            gen,
+            NodeStatus(state="failed", exit_codes={r: c for r, c in codes.items() if c is not None}, message=summary),
+        )
+        # After the store heard of it: the leader's decision does not wait for the restart.
+        for local_rank in failed:
+            env = {**self._node_env(local_rank, gen.number + 1), "RANK": "-1"}
+            self.workers.restart(local_rank, env, self._run_dir / f"restart_{self._crash_restarts}")
         self.emit(
             "workers_failed",
             {
@@ -900,10 +906,6 @@ class Agent:
                 "action": f"restarting local ranks {sorted(failed)} ({self._crash_restarts}/{limit}); "
                 "the others go on, this node rejoins once they run",
             },
-        )
-        self._report(
-            gen,
-            NodeStatus(state="failed", exit_codes={r: c for r, c in codes.items() if c is not None}, message=summary),
         )
 
     def _maybe_rejoin(self) -> None:

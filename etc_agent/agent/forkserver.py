@@ -144,20 +144,23 @@ class ForkServer:
                 self, request_id, [sys.executable, "-u", *argv], ours.get("stdout"), ours.get("stderr")
             )
             self._processes[request_id] = process
-            try:
-                if self._dead:
-                    raise OSError(self._dead)
-                send(
-                    self._sock,
-                    {"op": "spawn", "id": request_id, "argv": argv, "env": env, "cwd": cwd, "fds": names, "name": name},
-                    fds,
-                )
-            except OSError as err:
+            dead = self._dead
+        # Not under the lock: a send blocked on a full socket must not stop the reader handling replies.
+        try:
+            if dead:
+                raise OSError(dead)
+            send(
+                self._sock,
+                {"op": "spawn", "id": request_id, "argv": argv, "env": env, "cwd": cwd, "fds": names, "name": name},
+                fds,
+            )
+        except OSError as err:
+            with self._lock:
                 self._processes.pop(request_id, None)
-                process._set_forked(None, str(err))
-            finally:
-                for fd in fds:
-                    os.close(fd)
+            process._set_forked(None, str(err))
+        finally:
+            for fd in fds:
+                os.close(fd)
         return process
 
     def fail(self, why: str) -> None:

@@ -284,6 +284,14 @@ class Leader:
                 None,
                 restart_count,
             )
+        if self._live_job():
+            # Its agent takes a crashed worker's node out (a record with the restarting ranks) just
+            # before it reports the failure: seen first, the record names the failure as well.
+            failed += [
+                n.node_id
+                for n in self.members_now(include_unready=True)
+                if n.restarting and n.node_id in current.members and n.node_id not in failed
+            ]
         if failed and self._live_job():
             # The failed node's agent restarts its worker and leaves the membership until it runs (its
             # own --max-restarts count): the next generation goes on with the others.

@@ -205,6 +205,9 @@ def _run(argv: list[str]) -> int:
     code = 0
     try:
         if argv[0] == "-m":
+            # A module the server preloaded runs again as __main__ (its imports are cached): runpy
+            # would warn that it is in sys.modules already.
+            sys.modules.pop(argv[1], None)
             sys.argv = [argv[1], *argv[2:]]
             sys.path[0] = os.getcwd()
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)

@@ -24,7 +24,6 @@ PRELOAD = (
     "torch.distributed.tensor",
     "torch._dynamo",
     "etc_agent.worker.job",
-    "etc_agent.worker.launch",
 )
 
 

@@ -29,6 +29,9 @@ def main(argv: list[str]) -> None:
     while True:
         try:
             if module:
+                # Imported already where a fork server preloaded it (ETC_AGENT_PRELOAD): runpy runs
+                # it again as __main__ either way, but warns about the copy in sys.modules.
+                sys.modules.pop(target, None)
                 runpy.run_module(target, run_name="__main__", alter_sys=True)
             else:
                 runpy.run_path(target, run_name="__main__")
