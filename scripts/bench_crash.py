@@ -49,7 +49,8 @@ def run_once(case: str, method: str, model_args: list[str], work: Path) -> dict:
     parallel, event, case_args = CASES[case]
     agent_args = ["--checkpoint-dir", str(work / "checkpoints"), "--checkpoint-interval", str(INTERVAL), *case_args]
     if method == "checkpoint":
-        agent_args += ["--migration", "checkpoint"]
+        # torchrun restarts every worker as a new interpreter (no fork server) and loads the checkpoint.
+        agent_args += ["--migration", "checkpoint", "--start-method", "spawn"]
     result = run_scenario(
         parallel,
         2,

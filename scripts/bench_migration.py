@@ -97,7 +97,10 @@ def run_once(
     module: str = "etc_agent.examples.gpt",
 ) -> dict:
     agent_args = (
-        ["--migration", "checkpoint", "--checkpoint-dir", str(work / "checkpoints")] if method == "checkpoint" else []
+        # torchrun restarts every worker as a new interpreter (no fork server) and loads the checkpoint.
+        ["--migration", "checkpoint", "--start-method", "spawn", "--checkpoint-dir", str(work / "checkpoints")]
+        if method == "checkpoint"
+        else []
     )
     # Long enough never to end before the change; killed two steps after it (the record is what counts).
     result = run_scenario(

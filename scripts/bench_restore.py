@@ -39,7 +39,8 @@ INTERVAL = 4
 def run_once(method: str, model_args: list[str], work: Path) -> dict:
     agent_args = ["--checkpoint-dir", str(work / "checkpoints"), "--checkpoint-interval", str(INTERVAL)]
     if method == "checkpoint":
-        agent_args += ["--migration", "checkpoint"]
+        # torchrun restarts every worker as a new interpreter (no fork server) and loads the checkpoint.
+        agent_args += ["--migration", "checkpoint", "--start-method", "spawn"]
     # The kill comes once the first checkpoint is complete, a step or two after it.
     result = run_scenario(
         PARALLEL,

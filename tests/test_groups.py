@@ -43,6 +43,29 @@ def test_destroy_all_groups_replaces_function_defaults_that_hold_the_group_and_f
             dist.destroy_process_group()
 
 
+def test_after_a_formation_that_failed_inside_init_process_group_the_next_one_uses_the_same_group_names():
+    """A rank whose init_process_group gave up (its peer never came) has used torch's first group
+    name; after the teardown it must form under the names its peers use, or both wait forever."""
+    from etc_agent.worker.genstore import GenerationStore
+
+    inner = dist.HashStore()
+    store = GenerationStore(inner, 3, lambda: None, timeout_s=0.5)
+    try:
+        dist.init_process_group("gloo", store=store, rank=0, world_size=2, timeout=timedelta(seconds=5))
+    except RuntimeError as err:
+        assert "timed out after" in str(err)  # rank 1 never came
+    else:
+        raise AssertionError("init_process_group formed without its peer")
+    assert not dist.is_initialized() and dist.distributed_c10d._world.group_count == 1  # torch counted a name
+    assert destroy_all_groups() == []
+    assert dist.distributed_c10d._world.group_count == 0
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=5))
+    try:
+        assert dist.group.WORLD.group_name == "0"  # the name a fresh peer gives its default group
+    finally:
+        dist.destroy_process_group()
+
+
 def test_release_defaults_leaves_modules_outside_torch_and_other_defaults_alone():
     sentinel = object()
     module = types.ModuleType("not_torch_module")

@@ -99,6 +99,33 @@ def release_defaults(groups: list[dist.ProcessGroup]) -> int:
     return replaced
 
 
+def _forget_world() -> None:
+    """Leave ``torch.distributed`` as a fresh process has it, whatever the last formation did.
+
+    torch names every group it creates after a per-process count (the default group too: "0",
+    its subgroups "1", "2", ...; the ranks of a group meet under that name in the store) and resets
+    the count only when it destroys a default group. A formation that failed inside
+    ``init_process_group`` (a peer that never came, a newer generation) has counted a name and left
+    no default group to destroy: the next formation on this rank would use "1" where its peers use
+    "0", and they would wait for each other until the timeout, generation after generation. A
+    ``destroy_process_group`` that raised half-way leaves its registry behind the same way.
+    """
+    world = dist.distributed_c10d._world
+    if dist.is_initialized():
+        dist.distributed_c10d._update_default_pg(None)
+    for registry in (
+        world.pg_map,
+        world.pg_names,
+        world.pg_group_ranks,
+        world.pg_backend_config,
+        world.pg_to_tag,
+        world.tags_to_pg,
+        world.pg_coalesce_state,
+    ):
+        registry.clear()
+    world.group_count = 0
+
+
 def destroy_all_groups() -> list[str]:
     """Destroy every process group and make sure nothing in ``torch`` keeps one alive.
 
@@ -106,6 +133,7 @@ def destroy_all_groups() -> list[str]:
     a group kept by a C++ holder (e.g. a live DDP reducer) is not seen here.
     """
     if not dist.is_initialized():
+        _forget_world()
         return []
     groups = live_groups()
     names = [f"{g.group_name} ({g.size()} ranks)" for g in groups]
@@ -114,6 +142,7 @@ def destroy_all_groups() -> list[str]:
         dist.destroy_process_group()
     except Exception as err:  # noqa: BLE001 - a broken group may fail to shut down cleanly
         log.warning("destroying the old process group: %s", err)
+    _forget_world()
     replaced = release_defaults(groups)
     if replaced:
         log.debug("released %d function defaults that held a destroyed group", replaced)
