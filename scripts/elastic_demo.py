@@ -200,6 +200,19 @@ class Cluster:
         return [p.poll() for p in self.launchers if p is not None]
 
 
+def _json_line(line: str) -> dict | None:
+    """The agent's JSON event on this output line, also where a worker's output (workers print to
+    the same console, a print's text and its newline in two writes) shares the line; else None."""
+    start = line.find('{"ts": ')
+    if start < 0:
+        return None
+    try:
+        event, _ = json.JSONDecoder().raw_decode(line, start)
+    except ValueError:
+        return None
+    return event if isinstance(event, dict) else None
+
+
 def read_losses(path: Path) -> dict[int, float]:
     losses: dict[int, float] = {}
     if path.exists():
@@ -213,11 +226,7 @@ def migrations(cluster: Cluster) -> list[dict]:
     out = []
     for lines in cluster.outputs:
         for line in list(lines):
-            if '"event": "migration"' in line and line.lstrip().startswith("{"):
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue
+            if '"event": "migration"' in line and (record := _json_line(line)) is not None:
                 if record.get("event") == "migration" and "node" in record:
                     out.append(record)
     return sorted(out, key=lambda m: m["generation"])  # each agent's log holds the ones its rank 0 reported
@@ -318,9 +327,9 @@ def run_scenario(
 
         def all_initial_running() -> bool:
             seen = [
-                json.loads(line)
+                event
                 for line in list(cluster.outputs[0])
-                if '"generation_seen"' in line and line.lstrip().startswith("{")
+                if '"generation_seen"' in line and (event := _json_line(line)) is not None
             ]
             return bool(seen) and seen[-1]["status"] == "running" and seen[-1]["members"] == initial_agents
 

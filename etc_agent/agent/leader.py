@@ -22,6 +22,9 @@ from etc_agent.layout.config import ParallelSpec
 from etc_agent.rendezvous.records import AbandonRecord, GenerationRecord, LeaderRecord, NodeRecord, NodeStatus
 from etc_agent.rendezvous.store import Lease, MembershipStore, StoreError, WatchEvent
 
+JOIN_HOLD_S = 10.0
+"""Longest a join waits for the switch into the current generation to finish (its migration record)."""
+
 log = logging.getLogger("etc_agent.agent")
 
 
@@ -129,7 +132,12 @@ class Leader:
                 return
 
     def _on_event(self, event: WatchEvent) -> None:
-        if event.key.startswith("nodes/") or "/status/" in event.key or "/abandoned/" in event.key:
+        if (
+            event.key.startswith("nodes/")
+            or "/status/" in event.key
+            or "/abandoned/" in event.key
+            or event.key.endswith("/migration")  # a join held back until the switch is done
+        ):
             self._dirty.set()
 
     def _settled(self) -> bool:
@@ -231,6 +239,8 @@ class Leader:
                 )
                 or "membership"
             )
+        if self._join_waits_for_switch(current, ordered):
+            return
         if len(ordered) < self.config.min_nodes:
             if not (current and current.status == "waiting" and current.members == ordered):
                 self._publish_waiting(
@@ -378,6 +388,26 @@ class Leader:
                 f"--parallel {spec.short()} fits no group of the {len(ordered)} nodes ({total} devices)",
             )
         return None
+
+    def _join_waits_for_switch(self, current: GenerationRecord | None, ordered: list[str]) -> bool:
+        """Whether a generation that only adds nodes waits for the current one's switch to finish.
+
+        A join is no emergency: published while the others are still switching into the current
+        generation (a crashed worker's node whose fork-server restart said hello within 0.1 s of the
+        failure), it would supersede that switch and the survivors would stall for two switches in
+        a row. It comes once the current generation's migration record is there (its switch is
+        done: the others train while the newcomer is brought in), or after ``JOIN_HOLD_S``.
+        """
+        if (
+            current is None
+            or current.status != "running"
+            or not current.started
+            or not set(current.members) < set(ordered)
+            or time.time() - current.published_at > JOIN_HOLD_S
+            or not self._live_job()
+        ):
+            return False
+        return self.store.get(f"generations/{current.number}/migration") is None
 
     def _publish_waiting(self, basis: _Basis, ordered: list[str], devices: dict[str, int], reason: str) -> None:
         self._publish(

@@ -208,6 +208,11 @@ class StateLayout:
             for shard in shards:
                 by_key[shard.key].append((rank, shard))
         geometries: dict[str, Geometry] = {}
+        # Most keys of a model share their shape and boxes with others (every layer's weights, their
+        # optimizer states): each distinct geometry and placement is built and checked once.
+        by_boxes: dict[tuple, Geometry] = {}
+        by_entries: dict[tuple, int] = {}
+        valid: set[tuple] = set()
         placements: list[Placement] = []
         placement_index: dict[str, int] = {}
         key_placement: dict[str, int] = {}
@@ -217,7 +222,10 @@ class StateLayout:
             first = entries[0][1]
             dtype = canonical_dtype(first.dtype)
             for rank, shard in entries:
-                shard.validate()
+                box = (shard.global_shape, shard.offsets, shard.lengths, shard.flat_range, shard.dtype)
+                if box not in valid:
+                    shard.validate()
+                    valid.add(box)
                 if shard.global_shape != first.global_shape:
                     raise ValueError(
                         f"{key}: rank {rank} says global shape {shard.global_shape}, rank {entries[0][0]} says {first.global_shape}"
@@ -226,18 +234,25 @@ class StateLayout:
                     raise ValueError(
                         f"{key}: rank {rank} holds {shard.dtype}, rank {entries[0][0]} holds {first.dtype}"
                     )
-            boxes = sorted({(s.offsets, s.lengths, s.flat_range) for _, s in entries}, key=_box_sort_key)
-            geometry = Geometry(first.global_shape, boxes)
-            geometry = geometries.setdefault(geometry.fingerprint, geometry)
+            boxes = tuple(sorted({(s.offsets, s.lengths, s.flat_range) for _, s in entries}, key=_box_sort_key))
+            geometry = by_boxes.get((first.global_shape, boxes))
+            if geometry is None:
+                geometry = Geometry(first.global_shape, boxes)
+                geometry = by_boxes[(first.global_shape, boxes)] = geometries.setdefault(geometry.fingerprint, geometry)
             box_index = {b: i for i, b in enumerate(geometry.shard_boxes)}
-            ranks = np.array([r for r, _ in entries], dtype=np.int64)
-            shard_ids = np.array([box_index[(s.offsets, s.lengths, s.flat_range)] for _, s in entries], dtype=np.int64)
-            _check_rank_disjoint(key, geometry, ranks, shard_ids)
-            placement = Placement(geometry, ranks, shard_ids)
-            idx = placement_index.get(placement.fingerprint)
+            rank_list = tuple(r for r, _ in entries)
+            shard_list = tuple(box_index[(s.offsets, s.lengths, s.flat_range)] for _, s in entries)
+            idx = by_entries.get((geometry.fingerprint, rank_list, shard_list))
             if idx is None:
-                idx = placement_index[placement.fingerprint] = len(placements)
-                placements.append(placement)
+                ranks = np.array(rank_list, dtype=np.int64)
+                shard_ids = np.array(shard_list, dtype=np.int64)
+                _check_rank_disjoint(key, geometry, ranks, shard_ids)
+                placement = Placement(geometry, ranks, shard_ids)
+                idx = placement_index.get(placement.fingerprint)
+                if idx is None:
+                    idx = placement_index[placement.fingerprint] = len(placements)
+                    placements.append(placement)
+                by_entries[(geometry.fingerprint, rank_list, shard_list)] = idx
             key_placement[key] = idx
             key_dtype[key] = dtype
         return cls(len(per_rank), placements, key_placement, key_dtype)
