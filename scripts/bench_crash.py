@@ -69,9 +69,11 @@ def run_once(case: str, method: str, model_args: list[str], work: Path) -> dict:
     )
     killed = result["events"][0]
     records = [json.loads(line) for line in (work / "loss.jsonl").read_text().splitlines()]
-    full_config = records[0]["config"]
+    before = [r for r in records if r["wall"] <= killed["wall"]]
+    # The layout the kill broke (the job may have started on one agent and grown to two).
+    full_config = max(before, key=lambda r: r["wall"])["config"]
     # The first step trained in a generation after the kill (a step in flight may still log after it).
-    at_kill = max(r["generation"] for r in records if r["wall"] <= killed["wall"])
+    at_kill = max(r["generation"] for r in before)
     after = sorted((r for r in records if r["generation"] > at_kill), key=lambda r: r["wall"])
     if not after:
         raise RuntimeError(f"{case}/{method}: no step trained after the kill\n" + result["cluster"].tail())
@@ -85,7 +87,8 @@ def run_once(case: str, method: str, model_args: list[str], work: Path) -> dict:
         "full_strength_s": round(back["wall"] - killed["wall"], 3) if back else None,
         "killed_at_step": killed["step"],
         "resumed_at_step": resumed["step"],
-        "redone_steps": killed["step"] + 1 - resumed["step"],
+        # The step in flight when the kill came is lost (trained again) unless it logged after it.
+        "redone_steps": max(killed["step"] + 1 - resumed["step"], 0),
         "records": [
             {
                 k: m.get(k)

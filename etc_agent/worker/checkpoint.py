@@ -167,9 +167,14 @@ class PeriodicCheckpointer:
         self._write: _Write | None = None
         self._group: tuple[int, Any] | None = None  # (generation, group of that generation's ranks)
 
+    def is_boundary(self, step: int) -> bool:
+        """Whether this step boundary is one where checkpoints are taken."""
+        return step > 0 and step % self.interval == 0
+
     def due(self, step: int) -> bool:
-        """Whether a checkpoint is taken at this step boundary (the same answer on every rank)."""
-        return step > 0 and step % self.interval == 0 and all(s.step != step for s in self.snapshots)
+        """Whether this rank would take a checkpoint at this step boundary (it has no snapshot of it
+        yet). Ranks may differ after a switch: the job takes one wherever any rank says so."""
+        return self.is_boundary(step) and all(s.step != step for s in self.snapshots)
 
     def drop(self, which) -> None:
         """Forget the snapshots ``which(snapshot)`` selects (used as a migration's source, or of steps

@@ -163,11 +163,12 @@ class Job:
         if self._build is None:
             raise RuntimeError("call job.start(build) before job.steps()")
         while True:
+            checkpoint_due = self.checkpointer is not None and self.checkpointer.due(self.next_step)
             if self.elastic:
-                self._maybe_switch()
+                checkpoint_due = self._maybe_switch()
             if self.next_step >= num_steps:
                 return
-            if self.checkpointer is not None and self.checkpointer.due(self.next_step):
+            if checkpoint_due:
                 self._checkpoint()
             self._stepped = False
             self._in_step = True
@@ -306,20 +307,25 @@ class Job:
         )
 
     # ---- switching generations -----------------------------------------------------------
-    def _maybe_switch(self) -> None:
+    def _maybe_switch(self) -> bool:
         """The step-boundary agreement; after any switch it runs again, so that the first collective
-        of every process in a new generation (survivor, joiner, recovered) is this one."""
+        of every process in a new generation (survivor, joiner, recovered) is this one. Returns
+        whether every rank takes a periodic checkpoint at this boundary: where any rank lacks this
+        step's snapshot, all take it (after a switch the ranks' snapshot lists may differ, and a rank
+        that forms the checkpoint group alone waits for the others until its timeout while they
+        train on and wait for it)."""
         while True:
-            flag = torch.tensor([max(self.link.latest, self.generation)], dtype=torch.int64)
+            due = self.checkpointer is not None and self.checkpointer.due(self.next_step)
+            flag = torch.tensor([max(self.link.latest, self.generation), int(due)], dtype=torch.int64)
             try:
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             except Exception as err:  # a peer died between steps
                 if not self.recover(err):
                     raise
                 continue
-            pending = int(flag.item())
+            pending = int(flag[0].item())
             if pending <= self.generation:
-                return
+                return bool(flag[1].item())
             self.phase.to(Phase.PENDING, pending)
             if self.migration == "checkpoint":
                 self._save_and_exit(pending, time.time())
