@@ -72,6 +72,8 @@ class Cluster:
             "ETC_AGENT_TIMEOUT": os.environ.get("ETC_AGENT_TIMEOUT", "60"),
             # The fork server imports the example's modules (Megatron-core: seconds) once per node.
             "ETC_AGENT_PRELOAD": os.environ.get("ETC_AGENT_PRELOAD", module),
+            # Every process of the run carries it in /proc/PID/environ, forked workers too (a leak check).
+            "ETC_AGENT_DEMO_DIR": str(log_dir),
         }
 
     def add_agent(self, host_store: bool = False) -> subprocess.Popen:

@@ -1,9 +1,11 @@
 #!/usr/bin/env python
-"""Churn soak: random joins, SIGTERM leaves and worker SIGKILLs in a row on the CPU example.
+"""Churn soak: random joins, SIGTERM leaves, worker SIGKILLs and whole-agent SIGKILLs in a row on the CPU example.
 
 Agents are ``etcrun`` processes on this machine (every agent a "node", over the embedded store or a
 given etcd). After each event the soak waits for its migration record and for training to go on a
-few steps, and checks that no step was skipped. The state check of each event is the loss of every
+few steps (after a worker kill, also for its node's rejoin: both stalls are reported), and checks
+that no step was skipped. A whole agent is killed only while more than ``--min-agents`` run; over
+the embedded store never agent 0, which hosts it (with ``--etcd`` any, the leader included). The state check of each event is the loss of every
 step from the one it resumed at to the next event, against one uninterrupted single-process run of
 the same schedule (the loss of a step depends on every element of the state). At the end every agent gets
 SIGTERM and the soak checks that nothing is left: no process of the job, no listening socket more
@@ -54,15 +56,33 @@ def listening_sockets() -> int:
 
 
 def processes_with(marker: str) -> list[int]:
+    """Processes whose command line or start-up environment holds ``marker`` (a forked worker shows
+    its fork server's command line, but the run's environment)."""
     out = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and int(entry.name) != os.getpid():
             try:
-                if marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                text = (entry / "cmdline").read_bytes() + b"\0" + (entry / "environ").read_bytes()
+                if marker in text.decode(errors="replace") and "Z" not in (entry / "stat").read_text().split()[2]:
                     out.append(int(entry.name))
             except OSError:
                 continue
     return out
+
+
+def leader_of(cluster: Cluster) -> int | None:
+    """The agent that logged the latest ``leader_elected``."""
+    latest = None
+    for k, lines in enumerate(cluster.outputs):
+        for line in list(lines):
+            if '"leader_elected"' in line:
+                try:
+                    ts = json.loads(line[line.index('{"ts"') :])["ts"]
+                except (ValueError, KeyError):
+                    continue
+                if latest is None or ts > latest[0]:
+                    latest = (ts, k)
+    return latest[1] if latest else None
 
 
 def main() -> None:
@@ -141,9 +161,10 @@ def main() -> None:
                 if len(alive) < args.max_agents:
                     choices.append("join")
                 if len(alive) > args.min_agents:
-                    choices.append("leave")
+                    choices += ["leave", "kill-agent"]
                 event = rng.choice(choices)
                 before = len(migrations(cluster))
+                world_before = migrations(cluster)[-1]["new_world_size"] if before else args.min_agents * args.nproc
                 at = time.monotonic()
                 if event == "join":
                     cluster.add_agent()
@@ -151,6 +172,12 @@ def main() -> None:
                 elif event == "leave":
                     target = rng.choice([k for k in alive if k != 0])  # agent 0 hosts the embedded store
                     cluster.agents[target].send_signal(signal.SIGTERM)
+                elif event == "kill-agent":
+                    # A whole node dies (its workers die with it); over etcd it may be the leader.
+                    target = rng.choice([k for k in alive if k != 0 or args.etcd])
+                    if target == leader_of(cluster):
+                        event = "kill-leader"
+                    cluster.agents[target].kill()
                 else:
                     target = rng.choice(alive)
                     pids = cluster.worker_pids(target)
@@ -159,7 +186,16 @@ def main() -> None:
                         break
                     os.kill(rng.choice(pids), signal.SIGKILL)
                 cluster.wait_for(lambda: len(migrations(cluster)) > before, 300, f"event {i} ({event}) to migrate")  # noqa: B023
-                record = migrations(cluster)[-1]
+                record = migrations(cluster)[before]
+                rejoin = None
+                if event == "kill" and record["new_world_size"] != world_before:
+                    # The others went on without the node; it rejoins once its restarted worker runs.
+                    cluster.wait_for(
+                        lambda: any(m["new_world_size"] == world_before for m in migrations(cluster)[before + 1 :]),  # noqa: B023
+                        300,
+                        f"event {i}: the node of the killed worker back",
+                    )
+                    rejoin = next(m for m in migrations(cluster)[before + 1 :] if m["new_world_size"] == world_before)
                 cluster.wait_for(
                     lambda: max(read_losses(loss_log), default=-1) >= record["step"] + args.steps_after,  # noqa: B023
                     300,
@@ -180,6 +216,7 @@ def main() -> None:
                         "agent": target,
                         "generation": record.get("generation"),
                         "stall_s": record.get("total_stall_s"),
+                        "rejoin_stall_s": rejoin.get("total_stall_s") if rejoin else None,
                         "bytes_moved": record.get("bytes_moved"),
                         "world": record.get("new_world_size"),
                         "step": record["step"],
@@ -191,6 +228,7 @@ def main() -> None:
                     f"{i + 1:3d}/{args.events} {event:5s} agent {target}: generation {record.get('generation')}, "
                     f"world {record.get('new_world_size')}, resumed at step {record['step']}, stall {record.get('total_stall_s', 0):.2f} s, "
                     f"moved {record.get('bytes_moved', 0) / 1e6:.2f} MB"
+                    + (f", rejoined with a stall of {rejoin['total_stall_s']:.2f} s" if rejoin else "")
                 )
                 if missing:
                     failures.append(f"event {i} ({event}): steps never trained: {missing[:5]}")
@@ -227,7 +265,7 @@ def main() -> None:
                         f"event {e['i']} ({e['event']}): worst relative loss difference {e['worst_rel_loss_diff']}"
                     )
         time.sleep(1.0)
-        leaked = processes_with(str(loss_log))
+        leaked = processes_with(str(work))
         if leaked:
             failures.append(f"processes left after the job: {leaked}")
             for pid in leaked:
@@ -251,7 +289,16 @@ def main() -> None:
     table = Table(
         title=f"soak: {len(events)} events, seed {args.seed}, {args.parallel}, {args.nproc} workers per agent"
     )
-    for col in ("event", "count", "stall median s", "stall max s", "moved median MB", "event wall median s"):
+    for col in (
+        "event",
+        "count",
+        "stall median s",
+        "stall max s",
+        "rejoin stall median s",
+        "rejoin stall max s",
+        "moved median MB",
+        "event wall median s",
+    ):
         table.add_column(col)
     by_kind: dict[str, list[dict]] = {}
     for e in events:
@@ -259,16 +306,21 @@ def main() -> None:
     summary = {}
     for kind, rows in sorted(by_kind.items()):
         stalls = [r["stall_s"] for r in rows if r["stall_s"] is not None]
+        rejoins = [r["rejoin_stall_s"] for r in rows if r.get("rejoin_stall_s") is not None]
         summary[kind] = {
             "count": len(rows),
             "stall_median_s": round(statistics.median(stalls), 3),
             "stall_max_s": round(max(stalls), 3),
+            "rejoin_stall_median_s": round(statistics.median(rejoins), 3) if rejoins else None,
+            "rejoin_stall_max_s": round(max(rejoins), 3) if rejoins else None,
         }
         table.add_row(
             kind,
             str(len(rows)),
             f"{statistics.median(stalls):.2f}",
             f"{max(stalls):.2f}",
+            f"{statistics.median(rejoins):.2f}" if rejoins else "-",
+            f"{max(rejoins):.2f}" if rejoins else "-",
             f"{statistics.median(r['bytes_moved'] or 0 for r in rows) / 1e6:.2f}",
             f"{statistics.median(r['wall_s'] for r in rows):.1f}",
         )

@@ -128,6 +128,8 @@ class Agent:
         """Local ranks restarted after a crash whose new process has not said hello yet (the node is
         out of the membership until they have)."""
         self._crash_restarts = 0
+        self._crashed_in: int | None = None
+        """The generation of the latest crash restart (in the node record while restarting)."""
         self._last_crash: tuple[int, tuple[tuple[int, int | None], ...]] | None = None
         self._finished_cache: tuple[float, bool] = (0.0, False)
         """(when checked, whether the store's ``finished`` marker exists), read at most every 0.5 s."""
@@ -167,6 +169,7 @@ class Agent:
             node_rank_hint=self.config.node_rank,
             leaving=self.leaving.is_set(),
             restarting=sorted(self._restarting),
+            crashed_in=self._crashed_in if self._restarting else None,
             ready=self._ready,
         )
 
@@ -883,6 +886,7 @@ class Agent:
             )
             return
         self._ready = False
+        self._crashed_in = gen.number
         for local_rank in failed:
             self.contacts.hellos.discard(local_rank)
             self._restarting.add(local_rank)

@@ -296,11 +296,16 @@ class Leader:
             )
         if self._live_job():
             # Its agent takes a crashed worker's node out (a record with the restarting ranks) just
-            # before it reports the failure: seen first, the record names the failure as well.
+            # before it reports the failure: seen first, the record names the failure as well. Only
+            # a crash in this generation: a restart in place is a member restarting a crash the
+            # current generation already answers.
             failed += [
                 n.node_id
                 for n in self.members_now(include_unready=True)
-                if n.restarting and n.node_id in current.members and n.node_id not in failed
+                if n.restarting
+                and n.crashed_in == current.number
+                and n.node_id in current.members
+                and n.node_id not in failed
             ]
         if failed and self._live_job():
             # The failed node's agent restarts its worker and leaves the membership until it runs (its

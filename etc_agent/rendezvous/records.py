@@ -54,6 +54,9 @@ class NodeRecord(Record):
         default_factory=list,
         description="Local ranks restarted after a crash that do not run yet (they hold no state).",
     )
+    crashed_in: int | None = Field(
+        None, description="While restarting: the generation whose worker crashed (its failure to be handled)."
+    )
     ready: bool = Field(
         True,
         description="False while a node joining an elastic job starts its workers; "
