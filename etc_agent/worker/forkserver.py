@@ -28,13 +28,30 @@ PRELOAD = (
 
 
 def preload() -> None:
-    for name in PRELOAD:
-        importlib.import_module(name)
-    for name in filter(None, (n.strip() for n in os.environ.get("ETC_AGENT_PRELOAD", "").split(","))):
-        try:
+    """Import the modules; raise if CUDA got initialized on the way (a forked process could then
+    not use its GPU: the agent falls back to new interpreters)."""
+    # An import-time torch.cuda.is_available() would initialize the CUDA driver (cuInit), after
+    # which no forked child can use CUDA; NVML answers it without (the workers' own environment,
+    # given with each fork, does not carry this).
+    saved = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    try:
+        for name in PRELOAD:
             importlib.import_module(name)
-        except Exception as err:  # noqa: BLE001 - the worker imports it itself then, and sees the error there
-            print(f"etc_agent fork server: ETC_AGENT_PRELOAD {name!r} not imported: {err}", file=sys.stderr)
+        for name in filter(None, (n.strip() for n in os.environ.get("ETC_AGENT_PRELOAD", "").split(","))):
+            try:
+                importlib.import_module(name)
+            except Exception as err:  # noqa: BLE001 - the worker imports it itself then, and sees the error there
+                print(f"etc_agent fork server: ETC_AGENT_PRELOAD {name!r} not imported: {err}", file=sys.stderr)
+    finally:
+        if saved is None:
+            os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
+        else:
+            os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = saved
+    import torch
+
+    if torch.cuda.is_initialized():
+        raise RuntimeError("CUDA was initialized while importing (a preloaded module used the GPU): not fork-safe")
 
 
 def main() -> int:
