@@ -11,6 +11,14 @@ import signal
 import sys
 
 
+def dying_with_this_process(command: list[str]) -> list[str]:
+    """``command`` run under this shim with this process as the parent it dies with (on Linux;
+    elsewhere ``command`` as it is)."""
+    if not sys.platform.startswith("linux"):
+        return list(command)
+    return [sys.executable, "-m", "etc_agent.agent._exec_with_parent", str(os.getpid()), *command]
+
+
 def main() -> None:
     parent, cmd = int(sys.argv[1]), sys.argv[2:]
     try:

@@ -397,12 +397,12 @@ class Agent:
     # ---- main loop ------------------------------------------------------------------
     def run(self) -> int:
         """Run until the job ends (0 on success), this node leaves (0), or it fails (1)."""
-        # torch takes ~1.5 s to import: pay it before joining, not when a generation needs the
-        # TCPStore. Not in a background thread: TCPStores made while torch was still importing in
-        # another thread made workers abort ("terminate called without an active exception").
         if self.spec.start_method == "forkserver" and not self.spec.no_python and not self.config.sidecar:
             # Its imports run beside this process's and the rendezvous: workers fork ready from it.
             self._forkserver = ForkServer()
+        # torch takes ~1.5 s to import: pay it before joining, not when a generation needs the
+        # TCPStore. Not in a background thread: TCPStores made while torch was still importing in
+        # another thread made workers abort ("terminate called without an active exception").
         import torch.distributed  # noqa: F401
 
         host, port = parse_address(

@@ -21,6 +21,7 @@ import sys
 import threading
 from typing import IO
 
+from etc_agent.agent._exec_with_parent import dying_with_this_process
 from etc_agent.utils.forkserver import receive, send
 
 log = logging.getLogger("etc_agent.agent")
@@ -106,9 +107,9 @@ class ForkServer:
         self.ready = threading.Event()
         self.preload_s: float | None = None
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        command = [sys.executable, "-u", "-m", "etc_agent.worker.forkserver", str(theirs.fileno())]
-        if sys.platform.startswith("linux"):
-            command = [sys.executable, "-m", "etc_agent.agent._exec_with_parent", str(os.getpid()), *command]
+        command = dying_with_this_process(
+            [sys.executable, "-u", "-m", "etc_agent.worker.forkserver", str(theirs.fileno())]
+        )
         try:
             self.process = subprocess.Popen(
                 command,

@@ -294,7 +294,8 @@ class Leader:
                 None,
                 restart_count,
             )
-        if self._live_job():
+        live = self._live_job()
+        if live:
             # Its agent takes a crashed worker's node out (a record with the restarting ranks) just
             # before it reports the failure: seen first, the record names the failure as well. Only
             # a crash in this generation: a restart in place is a member restarting a crash the
@@ -307,7 +308,7 @@ class Leader:
                 and n.node_id in current.members
                 and n.node_id not in failed
             ]
-        if failed and self._live_job():
+        if failed and live:
             # The failed node's agent restarts its worker and leaves the membership until it runs (its
             # own --max-restarts count): the next generation goes on with the others.
             return None, f"worker failure on {', '.join(failed)}", restart_count + 1

@@ -17,6 +17,7 @@ from typing import IO, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from etc_agent.agent._exec_with_parent import dying_with_this_process
 from etc_agent.agent.forkserver import ForkedProcess, ForkServer
 
 
@@ -169,11 +170,8 @@ class WorkerGroup:
             return self.forkserver.spawn(
                 argv, env, os.getcwd(), pipe_stdout, pipe_stderr, name=os.path.basename(script) or "worker"
             )
-        command = self.spec.command()
-        if sys.platform.startswith("linux"):
-            command = [sys.executable, "-m", "etc_agent.agent._exec_with_parent", str(os.getpid()), *command]
         return subprocess.Popen(
-            command,
+            dying_with_this_process(self.spec.command()),
             env=env,
             stdout=subprocess.PIPE if pipe_stdout else None,
             stderr=subprocess.PIPE if pipe_stderr else None,

@@ -163,9 +163,10 @@ class Job:
         if self._build is None:
             raise RuntimeError("call job.start(build) before job.steps()")
         while True:
-            checkpoint_due = self.checkpointer is not None and self.checkpointer.due(self.next_step)
             if self.elastic:
                 checkpoint_due = self._maybe_switch()
+            else:
+                checkpoint_due = self.checkpointer is not None and self.checkpointer.due(self.next_step)
             if self.next_step >= num_steps:
                 return
             if checkpoint_due:

@@ -24,7 +24,9 @@ import subprocess
 import sys
 import time
 
+from etc_agent.agent._exec_with_parent import dying_with_this_process
 from etc_agent.agent.forkserver import ForkedProcess, ForkServer
+from etc_agent.agent.workers import WorkerSpec
 from etc_agent.utils.jsonline import JsonLineError, parse_address, request
 
 
@@ -62,23 +64,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _python_argv(args: argparse.Namespace) -> list[str]:
-    """What follows ``python -u`` for one worker."""
-    return ["-m", "etc_agent.worker.launch", *(["-m"] if args.module else []), args.script, *args.script_args]
-
-
-def _worker_command(args: argparse.Namespace) -> list[str]:
-    command = [sys.executable, "-u", *_python_argv(args)]
-    if sys.platform.startswith("linux"):
-        # The workers die with this process (a container's main process going away takes them along).
-        command = [sys.executable, "-m", "etc_agent.agent._exec_with_parent", str(os.getpid()), *command]
-    return command
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     address = parse_address(args.agent)
-    command = _worker_command(args)
+    spec = WorkerSpec(entrypoint=[args.script, *args.script_args], module=args.module)
+    # The workers die with this process (a container's main process going away takes them along).
+    command = dying_with_this_process(spec.command())
 
     # Forked from one process that imported torch once (a restart runs within milliseconds), as
     # etcrun's --start-method forkserver; new interpreters with --start-method spawn.
@@ -88,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         env = {**os.environ, "LOCAL_RANK": str(local_rank), "ETC_AGENT_ADDR": f"{address[0]}:{address[1]}"}
         if forkserver is not None and forkserver.available:
             name = os.path.basename(args.script) or "worker"
-            return forkserver.spawn(_python_argv(args), env, os.getcwd(), False, False, name)
+            return forkserver.spawn(spec.python_argv(), env, os.getcwd(), False, False, name)
         return subprocess.Popen(command, env=env)
 
     procs = {r: start(r) for r in range(args.nproc_per_node)}
