@@ -352,6 +352,7 @@ def test_compat_mode_gives_up_after_max_restarts(job):
             "not found",
         ),
         (["--standalone", "-r", "3", "x.py"], "--redirects/--tee need --log-dir"),
+        (["--standalone", "--start-method", "bogus", "x.py"], "--start-method 'bogus': use forkserver, fork or spawn"),
         (["--no-such-flag", "x.py"], "No such option"),
         (["--standalone", "--parallel", "auto", "x.py"], "tp/pp auto needs --model"),
         (["--standalone", "--parallel", "tp=2,dp=many", "x.py"], "neither an integer nor auto"),

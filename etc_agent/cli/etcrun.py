@@ -579,6 +579,8 @@ def _setting_names(ctx: typer.Context, f: SimpleNamespace, conf: dict[str, str])
 
 
 def _worker_spec(f: SimpleNamespace, nproc: int) -> WorkerSpec:
+    if f.start_method not in ("forkserver", "fork", "spawn"):
+        raise ValueError(f"--start-method {f.start_method!r}: use forkserver, fork or spawn")
     filter_ranks = (
         {int(r) for r in f.local_ranks_filter.split(",") if r.strip()} if f.local_ranks_filter.strip() else None
     )
