@@ -28,6 +28,7 @@ TEST_LAYERS: dict[str, tuple[str, dict[str, list[str]]]] = {
     "test_elastic.py": ("e2e", {}),
     "test_etcd_auth.py": ("e2e", {}),
     "test_etcd_tls.py": ("e2e", {}),
+    "test_endwatch.py": ("unit", {}),
     "test_etcrun.py": ("e2e", {"unit": ["test_the_example_job_configs_are_valid"]}),
     "test_faults.py": ("e2e", {}),
     "test_forkserver.py": (

@@ -108,6 +108,24 @@ def test_workers_die_with_the_server_and_are_reported_killed():
     fork_server.close()
 
 
+def test_a_worker_stopped_while_the_server_imports_is_cancelled_without_waiting_for_the_imports():
+    """A generation superseded while the server still imports: stopping its queued workers must not
+    wait seconds for a fork only to kill it, and a cancelled worker never runs."""
+    fork_server = ForkServer()
+    try:
+        queued = fork_server.spawn([PROBE], {**os.environ, "PROBE_END": "sleep"}, str(ROOT), True, True, "probe")
+        assert not fork_server.ready.is_set()  # the imports take seconds: the fork is still queued
+        started = time.monotonic()
+        queued.send_signal(signal.SIGTERM)
+        assert queued.wait(timeout=1) == -signal.SIGTERM and time.monotonic() - started < 0.5
+        later = fork_server.spawn([PROBE], {**os.environ, "PROBE_END": "exit0"}, str(ROOT), True, True, "probe")
+        assert later.wait(timeout=120) == 0 and probe_line(later.stdout.read().decode())["torch_imported"]
+        assert queued.stdout.read() == b""  # it never ran: nothing printed, its pipe closed
+        assert queued.known_pid is None
+    finally:
+        fork_server.close()
+
+
 def _gone(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"

@@ -48,6 +48,7 @@ from etc_agent.agent.control import (
     SwitchFailed,
     Trained,
 )
+from etc_agent.agent.endwatch import EndWatch
 from etc_agent.agent.forkserver import ForkServer
 from etc_agent.agent.leader import Leader
 from etc_agent.agent.protocol import RESTART_EXIT, Phase, PhaseTracker
@@ -113,6 +114,8 @@ class Agent:
         self._tcp_store = None
         self._latest: GenerationRecord | None = None
         self._unreported: tuple[GenerationRecord, NodeStatus] | None = None
+        self._end_watch = EndWatch(self.node_id)
+        self._end_read_at = 0.0
         self.contacts = WorkerContacts()
         self._watches = []
         self._elastic = config.sidecar
@@ -706,6 +709,7 @@ class Agent:
             if self.workers is not None and self.generation is not None:
                 self._check_workers(self.generation)
                 self._maybe_rejoin()
+            self._watch_end(now)
             if (
                 self._unreported is not None
                 and self.generation is not None
@@ -714,6 +718,33 @@ class Agent:
                 self._report(*self._unreported)
             self._wake.wait(self.config.monitor_interval)
             self._wake.clear()
+
+    def _watch_end(self, now: float) -> None:
+        """Who the end of the job waits for, said every 30 s (:mod:`etc_agent.agent.endwatch`); the
+        statuses are read at most every 10 s."""
+        gen = self.generation
+        done = self.phase.phase == Phase.FINISHED
+        if gen is None or gen.status != "running" or (self.workers is None and not done):
+            return
+        if now - self._end_read_at < self._end_watch.every_s / 3:
+            return
+        self._end_read_at = now
+        try:
+            kvs = self.store.get_prefix(f"generations/{gen.number}/status/")
+        except StoreError:
+            return
+        succeeded = {
+            kv.key.rsplit("/", 1)[-1]
+            for kv in kvs
+            if (status := self.reader.parse(NodeStatus, kv)) is not None and status.state == "succeeded"
+        }
+        pids = {}
+        if self.workers is not None:
+            codes = self.workers.poll()
+            pids = {r: pid for r, pid in self.workers.pids().items() if codes.get(r) is None}
+        said = self._end_watch.check(now, gen, done, succeeded, pids)
+        if said is not None:
+            self.emit(*said)
 
     def _on_generation(self, gen: GenerationRecord) -> int | None:
         """Act on a newly read generation: its status, and this node's role in it (computed once here)."""

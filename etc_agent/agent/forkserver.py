@@ -79,10 +79,15 @@ class ForkedProcess:
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
+        """Signal the process; one whose fork is still queued behind the server's imports is
+        cancelled instead (it then never runs, and counts as ended by ``sig`` at once)."""
+        if self.returncode is not None:
+            return
+        pid = self._pid if self._forked.is_set() else self._server.cancel(self, sig)
         # A process not yet reaped by the server keeps its pid (a zombie at worst): safe to signal.
-        if self.returncode is None and self.pid > 0:
+        if pid is not None and pid > 0:
             try:
-                os.kill(self.pid, sig)
+                os.kill(pid, sig)
             except ProcessLookupError:
                 pass
 
@@ -102,6 +107,8 @@ class ForkServer:
         """Request id -> process, for every spawn not yet exited."""
         self._by_pid: dict[int, ForkedProcess] = {}
         self._next_id = 0
+        self._cancelled: set[int] = set()
+        """Request ids cancelled before their pid came: a fork reported for one is killed at once."""
         self._dead = ""
         self._closing = False
         self.ready = threading.Event()
@@ -164,6 +171,21 @@ class ForkServer:
                 os.close(fd)
         return process
 
+    def cancel(self, process: ForkedProcess, sig: int) -> int | None:
+        """Cancel a spawn whose pid has not come back (the caller's stop must not wait for the
+        server's imports); returns the pid instead when it came meanwhile (the caller signals it)."""
+        with self._lock:
+            if process._forked.is_set():
+                return process._pid
+            self._cancelled.add(process.request_id)
+            self._processes.pop(process.request_id, None)
+        try:
+            send(self._sock, {"op": "cancel", "id": process.request_id, "signal": int(sig)})
+        except OSError:
+            pass  # a dead server forks nothing more
+        process._set_exited(-int(sig))
+        return None
+
     def fail(self, why: str) -> None:
         """Give the server up: every process it has not reported ended counts as killed."""
         with self._lock:
@@ -211,6 +233,14 @@ class ForkServer:
             self.fail(f"its imports failed: {message.get('error')}")
         elif op in ("spawned", "spawn_failed"):
             with self._lock:
+                if message["id"] in self._cancelled:
+                    self._cancelled.discard(message["id"])
+                    if op == "spawned":  # the cancel crossed the fork: it must not run on
+                        try:
+                            os.kill(message["pid"], signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+                    return
                 process = self._processes.get(message["id"])
                 if process is not None and op == "spawned":
                     self._by_pid[message["pid"]] = process
@@ -234,6 +264,8 @@ class ForkServer:
         except OSError:
             pass
         try:
+            if not self.ready.is_set():
+                raise subprocess.TimeoutExpired(self.process.args, 0)  # still importing: nothing to finish
             self.process.wait(timeout=5)
         except subprocess.TimeoutExpired:
             self.process.kill()

@@ -304,6 +304,9 @@ class WorkerGroup:
 
 
 def _signal_group(proc: subprocess.Popen | ForkedProcess, sig: int) -> None:
+    if isinstance(proc, ForkedProcess) and proc.known_pid is None:
+        proc.send_signal(sig)  # still queued behind the fork server's imports: cancelled, never waited for
+        return
     if proc.pid <= 0:
         return  # a fork that never happened
     # Also once the worker exited: its process group lives on while its children do.

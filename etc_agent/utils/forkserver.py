@@ -26,7 +26,11 @@ Protocol, over a ``SOCK_SEQPACKET`` socket pair (one JSON object per packet, fil
   "name"}`` with the named descriptors attached (a stream not named is inherited from the server);
 - server -> client: ``{"op": "spawned", "id", "pid"}`` or ``{"op": "spawn_failed", "id", "error"}``,
   then ``{"op": "exited", "pid", "code"}`` when it reaped the process (``code`` as
-  :mod:`subprocess` reports it: negative for a signal).
+  :mod:`subprocess` reports it: negative for a signal);
+- client -> server: ``{"op": "cancel", "id", "signal"}`` for a spawn whose pid the client does not
+  know yet (a stop while the server still imports): a spawn not forked yet is dropped (the server
+  reads every queued message before it forks), one already forked gets ``signal``. The client counts
+  the process as ended when it sends this; the server sends nothing back for a dropped spawn.
 
 The client closing its end stops the server. This module imports nothing heavy: the server's
 preload is the caller's.
@@ -64,9 +68,12 @@ def send(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = N
         sock.send(data)
 
 
-def receive(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
-    """One message and the descriptors it carried; ``(None, [])`` once the other end closed."""
-    data, ancdata, _flags, _addr = sock.recvmsg(MAX_MESSAGE, socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize))
+def receive(sock: socket.socket, wait: bool = True) -> tuple[dict[str, Any] | None, list[int]]:
+    """One message and the descriptors it carried; ``(None, [])`` once the other end closed.
+    ``wait=False``: raise :class:`BlockingIOError` when no message is there."""
+    data, ancdata, _flags, _addr = sock.recvmsg(
+        MAX_MESSAGE, socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize), 0 if wait else socket.MSG_DONTWAIT
+    )
     fds: list[int] = []
     for level, kind, payload in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -103,18 +110,20 @@ def serve(sock: socket.socket, preload: Callable[[], None]) -> int:
     os.set_blocking(wake_r, False)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     signal.set_wakeup_fd(wake_w)
-    send(sock, {"op": "ready", "pid": os.getpid(), "preload_s": round(time.monotonic() - started, 3)})
+    try:
+        send(sock, {"op": "ready", "pid": os.getpid(), "preload_s": round(time.monotonic() - started, 3)})
+    except OSError:
+        return 0  # the agent is gone (it exited while this process imported)
     selector = selectors.DefaultSelector()
     selector.register(sock, selectors.EVENT_READ)
     selector.register(wake_r, selectors.EVENT_READ)
-    children: set[int] = set()
+    children: dict[int, int] = {}
+    """pid -> spawn id, of every child not reaped yet."""
     while True:
         for key, _ in selector.select(timeout=1.0):
             if key.fileobj is sock:
-                message, fds = receive(sock)
-                if message is None:
+                if not _handle_requests(sock, children, (wake_r, wake_w)):
                     return 0
-                _spawn(sock, message, fds, children, (wake_r, wake_w))
             else:
                 try:
                     while os.read(wake_r, 512):
@@ -124,7 +133,36 @@ def serve(sock: socket.socket, preload: Callable[[], None]) -> int:
         _reap(sock, children)
 
 
-def _reap(sock: socket.socket, children: set[int]) -> None:
+def _handle_requests(sock: socket.socket, children: dict[int, int], wake: tuple[int, int]) -> bool:
+    """Every message queued on the socket, cancels first (a spawn cancelled before its fork never
+    runs); False once the client closed its end."""
+    batch = [receive(sock)]
+    while batch[-1][0] is not None:
+        try:
+            batch.append(receive(sock, wait=False))
+        except BlockingIOError:
+            break
+    cancels = {m["id"]: m.get("signal", signal.SIGTERM) for m, _ in batch if m is not None and m.get("op") == "cancel"}
+    for pid, spawn_id in list(children.items()):
+        if spawn_id in cancels:
+            try:
+                os.kill(pid, cancels[spawn_id])
+            except ProcessLookupError:
+                pass
+    for message, fds in batch:
+        if message is None:
+            return False
+        if message.get("op") != "spawn":
+            continue
+        if message["id"] in cancels:
+            for fd in fds:
+                os.close(fd)
+            continue
+        _spawn(sock, message, fds, children, wake)
+    return True
+
+
+def _reap(sock: socket.socket, children: dict[int, int]) -> None:
     while children:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -132,12 +170,12 @@ def _reap(sock: socket.socket, children: set[int]) -> None:
             return
         if pid == 0:
             return
-        children.discard(pid)
+        children.pop(pid, None)
         send(sock, {"op": "exited", "pid": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
 def _spawn(
-    sock: socket.socket, message: dict[str, Any], fds: list[int], children: set[int], wake: tuple[int, int]
+    sock: socket.socket, message: dict[str, Any], fds: list[int], children: dict[int, int], wake: tuple[int, int]
 ) -> None:
     streams = dict(zip(message.get("fds", []), fds))
     server_pid = os.getpid()
@@ -148,7 +186,7 @@ def _spawn(
     else:
         if pid == 0:
             _child(message, streams, server_pid, [sock.fileno(), *wake])  # never returns
-        children.add(pid)
+        children[pid] = message["id"]
         send(sock, {"op": "spawned", "id": message["id"], "pid": pid})
     finally:
         for fd in fds:

@@ -63,4 +63,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Not the interpreter's finalization: with torch, dynamo and DTensor imported it takes seconds,
+    # and the agent waits for this process as it exits (nothing here needs cleaning up).
+    os._exit(code)
