@@ -9,8 +9,9 @@
 - data parallel: gradients all-reduced over the dp group; ``zero=1`` splits the AdamW state of every
   parameter's local shard across the dp group (each rank updates its range, then the ranges are
   all-gathered);
-- the global batch stays fixed when dp changes (each replica accumulates ``global/(dp*micro)``
-  micro-batches), the data position is the global step, the LR schedule is a carried LambdaLR.
+- the global batch stays fixed when dp changes (with pp > 1 each replica accumulates
+  ``global/(dp*micro)`` micro-batches; with pp = 1 its ``global/dp`` sequences are one batch), the
+  data position is the global step, the LR schedule is a carried LambdaLR.
 
 Run it with ``etcrun --parallel tp=2,dp=auto ... -m etc_agent.examples.gpt`` or, as a world of 1,
 ``python -m etc_agent.examples.gpt``. ``--elementwise`` replaces the gradient by an elementwise
@@ -318,15 +319,17 @@ def train_step(job: etc_agent.Job, args: argparse.Namespace, step: int) -> float
     ctx, model, optim, sched = job.ctx, job.state["model"], job.state["optim"], job.state["sched"]
     cfg = ctx.config
     per_replica = args.global_batch // cfg.dp
-    num_micro_total = args.global_batch // args.micro_batch
+    # Micro-batches feed the pipeline; without one, a replica's batch is one forward and backward
+    # (the same gradient up to rounding, and a third of the tensor-parallel collectives at dp=2).
+    micro = args.micro_batch if cfg.pp > 1 else per_replica
     first, last = ctx.pp_rank == 0, ctx.pp_rank == cfg.pp - 1
     loss_sum = torch.zeros(())
     optim.zero_grad(set_to_none=True)
-    for mb in range(per_replica // args.micro_batch):
-        lo = ctx.dp_rank * per_replica + mb * args.micro_batch
-        data = torch.stack([batch(args, step, i) for i in range(lo, lo + args.micro_batch)])
+    for mb in range(per_replica // micro):
+        lo = ctx.dp_rank * per_replica + mb * micro
+        data = torch.stack([batch(args, step, i) for i in range(lo, lo + micro)])
         inputs, targets = data[:, :-1], data[:, 1:]
-        shape = (args.micro_batch, args.seq, args.hidden)
+        shape = (micro, args.seq, args.hidden)
         if first:
             x = inputs
         else:
@@ -335,7 +338,7 @@ def train_step(job: etc_agent.Job, args: argparse.Namespace, step: int) -> float
             x.requires_grad_(True)
         out = model(x, cfg.tp)
         if last:
-            loss = F.cross_entropy(out.reshape(-1, args.vocab), targets.reshape(-1)) / num_micro_total
+            loss = F.cross_entropy(out.reshape(-1, args.vocab), targets.reshape(-1)) * (micro / args.global_batch)
             loss.backward()
             loss_sum += loss.detach()
         else:
@@ -346,11 +349,7 @@ def train_step(job: etc_agent.Job, args: argparse.Namespace, step: int) -> float
         if not first:
             dist.send(x.grad, dst=ctx.pp_peer(ctx.pp_rank - 1))
     if cfg.dp > 1:
-        for p in model.parameters():
-            if p.grad is not None:
-                if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
-                    p.grad = p.grad.redistribute(p.device_mesh, p.placements)
-                dist.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, group=ctx.dp_group)
+        reduce_gradients(model, ctx.dp_group)
     optim.step()
     sched.step()
     if last:
@@ -359,6 +358,26 @@ def train_step(job: etc_agent.Job, args: argparse.Namespace, step: int) -> float
         if ctx.dp_rank == 0 and ctx.tp_rank == 0:
             return float(loss_sum)
     return None
+
+
+def reduce_gradients(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
+    """Sum the gradients over the data-parallel group in one all-reduce of a flat buffer (one
+    collective per parameter costs a round trip each: most of a step on a busy CPU)."""
+    grads = []
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+        grads.append(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def elementwise_step(job: etc_agent.Job) -> None:
@@ -384,7 +403,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--stop-at", type=int, default=None, help="Stop before this step (the LR schedule still spans --steps)."
     )
     ap.add_argument("--global-batch", type=int, default=12, help="Sequences per step, whatever dp is.")
-    ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--micro-batch", type=int, default=2, help="Sequences per pipeline micro-batch (pp > 1).")
     ap.add_argument("--vocab", type=int, default=64)
     ap.add_argument("--seq", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=32)
