@@ -27,8 +27,9 @@ CASES = {
     "tp2-sidecar-bitwise": ("tp=2,pp=1,dp=auto", 2, 60, 0.15, ("join", "leave", "kill"), True),
     # A joining agent starts its 4 workers before it enters (10+ s on 2 loaded cores): long enough runs.
     "tp2pp2-zero1-bitwise": ("tp=2,pp=2,dp=auto,zero=1", 4, 60, 0.5, ("join", "leave"), True),
-    "tp2pp2-loss": ("tp=2,pp=2,dp=auto", 4, 50, 0.2, ("join", "leave", "kill"), False),
+    "tp2pp2-loss": ("tp=2,pp=2,dp=auto", 4, 36, 0.2, ("join", "leave", "kill"), False),
 }
+MODEL_ARGS = {"tp2pp2-loss": ["--layers", "2"]}  # one layer per stage: 8 workers on 2 cores train slowly
 
 
 def etcd_rdzv(etcd_server, name: str) -> list[str]:
@@ -42,7 +43,7 @@ def test_elastic_training_through_join_leave_and_crash(name, etcd_server, tmp_pa
     parallel, nproc, steps, delay, events, elementwise = CASES[name]
     run_id = f"{name}-{uuid.uuid4().hex[:6]}"
     rdzv = ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id]
-    extra = ["--elementwise"] if elementwise else []
+    extra = (["--elementwise"] if elementwise else []) + MODEL_ARGS.get(name, [])
     if "torch-adamw" in name:
         extra += ["--optimizer", "torch"]
     work = tmp_path / "elastic"
