@@ -4,7 +4,8 @@
 shim: it dies with the agent) as soon as the agent starts, so its imports overlap the rendezvous;
 :meth:`ForkServer.spawn` returns a :class:`ForkedProcess` at once, with the :class:`subprocess.Popen`
 interface the worker group uses (``pid``, ``poll``, ``wait``, ``send_signal``, ``stdout``/``stderr``
-pipes). A spawn asked for before the server is ready is forked once it is. Where the server cannot
+pipes). A spawn asked for before the server is ready is forked once it is; one signalled before
+that is cancelled (it never runs, and counts as ended by the signal at once). Where the server cannot
 start or dies, :attr:`ForkServer.available` turns false and the agent starts workers as fresh
 interpreters again (one log line says why); workers forked by a server that died die with it and
 are reported as killed (``-SIGKILL``).
