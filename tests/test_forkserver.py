@@ -126,6 +126,21 @@ def test_a_worker_stopped_while_the_server_imports_is_cancelled_without_waiting_
         fork_server.close()
 
 
+def test_a_forked_worker_counts_as_a_worker_and_its_fork_server_does_not(server):
+    """What an agent checks before it kills a hung attached worker by pid (sidecar mode)."""
+    from etc_agent.agent.workers import _is_worker
+
+    process = server.spawn([PROBE], {**os.environ, "PROBE_END": "sleep"}, str(ROOT), True, True, "probe")
+    try:
+        assert process.stdout.readline()
+        assert _is_worker(process.pid, 0)
+        assert not _is_worker(server.process.pid, 0)  # the server: every worker of the node would die with it
+        assert not _is_worker(os.getpid(), 0)
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
+
+
 def _gone(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"

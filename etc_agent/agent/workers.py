@@ -526,8 +526,15 @@ def _is_worker(pid: int, local_rank: int) -> bool:
     except OSError:
         return False
     if b"etc_agent.worker.forkserver" in cmdline:
-        # Forked by a fork server: /proc shows the server's start-up environment, not the worker's.
-        return True
+        # Forked by a fork server: /proc shows the server's command and start-up environment, not
+        # the worker's. A child of a fork server, then, never the server itself (killing it would
+        # take every worker of its node along).
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+            parent = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+            return b"etc_agent.worker.forkserver" in Path(f"/proc/{parent}/cmdline").read_bytes()
+        except (OSError, StopIteration, ValueError):
+            return False
     return b"etc_agent" in cmdline and f"LOCAL_RANK={local_rank}".encode() in environ
 
 
