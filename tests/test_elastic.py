@@ -456,6 +456,45 @@ def test_a_sender_killed_mid_migration_abandons_the_generation_and_replicas_take
     assert compare_states(result["state_file"], reference_state) == []
 
 
+def test_a_checkpoint_still_committing_on_one_rank_is_skipped_by_every_rank(etcd_server, tmp_path, monkeypatch):
+    """Rank 0's first checkpoint commit stalls past the group timeout: at the next checkpoint every rank
+    waits (half the timeout), then all skip it and form a new checkpoint group (a rank that skipped alone
+    left the others' write waiting for it in the old group, to be paired with its next one); the later
+    checkpoints complete and the run ends bitwise equal to the uninterrupted one."""
+    from etc_agent.worker.checkpoint import complete_checkpoints
+
+    monkeypatch.setenv("ETC_AGENT_TIMEOUT", "8")
+    monkeypatch.setenv("ETC_AGENT_FAULT_CHECKPOINT_COMMIT_PAUSE_S", "10")
+    checkpoints, work = tmp_path / "checkpoints", tmp_path / "run"
+    work.mkdir()
+    extra, steps = ["--elementwise"], 24
+    result = run_scenario(
+        "tp=1,pp=1,dp=auto",
+        1,
+        steps,
+        0.2,
+        work,
+        echo=False,
+        rdzv=etcd_rdzv(etcd_server, "commit"),
+        events=(),
+        agent_args=["--checkpoint-dir", str(checkpoints), "--checkpoint-interval", "2"],
+        extra_script_args=extra,
+        slow_during_events=None,
+    )
+    logs = result["cluster"].tail(40)
+    assert result["codes"] == [0, 0], logs
+    text = "".join("".join(lines) for lines in result["cluster"].outputs)
+    assert "fault injection: the commit of checkpoint step 2" in text, logs
+    # The checkpoints after the skip complete (a unilateral skip left the checkpoint group broken:
+    # every later one failed with "Application timeout caused pair closure").
+    complete = [c.step for c in complete_checkpoints(checkpoints)]
+    assert complete and complete[-1] >= steps - 4, (complete, logs)
+    assert "checkpoint of step 4 skipped on every rank" in text, logs
+    assert sorted(result["losses"]) == list(range(steps))
+    _, reference_state = reference_losses(steps, tmp_path, extra)
+    assert compare_states(result["state_file"], reference_state) == []
+
+
 def test_a_full_restart_resumes_from_the_newest_usable_checkpoint_in_the_new_layout(etcd_server, tmp_path):
     """Every agent SIGKILLed mid-run (2 agents x 2, tp=2,dp=2), then the job started again on one agent
     (tp=2,dp=1) with the same --checkpoint-dir: it resumes from the newest complete checkpoint (the

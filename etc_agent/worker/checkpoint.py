@@ -42,6 +42,10 @@ log = logging.getLogger("etc_agent.worker")
 FAILURE_SETTLE_S = 0.5
 """After a failure, how long a switch waits for a background checkpoint write to end."""
 
+FAULT_COMMIT_PAUSE_S = float(os.environ.get("ETC_AGENT_FAULT_CHECKPOINT_COMMIT_PAUSE_S", 0) or 0)
+"""Fault injection for tests: the first write of rank 0 pauses this long after every rank's data is
+written, before it marks the checkpoint complete (a slow storage, say)."""
+
 STATE_FILE = "etc_state.json"
 """Written by rank 0 once every rank's data and DCP's metadata are on storage: marks a checkpoint complete."""
 
@@ -166,6 +170,9 @@ class PeriodicCheckpointer:
         """At most two, oldest first: the newest written one and the one being written."""
         self._write: _Write | None = None
         self._group: tuple[int, Any] | None = None  # (generation, group of that generation's ranks)
+        self._fault_paused = False
+        self._groups_dropped = 0
+        """Groups given up on (every rank at once, see :meth:`drop_group`): part of the next one's store prefix."""
 
     def is_boundary(self, step: int) -> bool:
         """Whether this step boundary is one where checkpoints are taken."""
@@ -175,6 +182,17 @@ class PeriodicCheckpointer:
         """Whether this rank would take a checkpoint at this step boundary (it has no snapshot of it
         yet). Ranks may differ after a switch: the job takes one wherever any rank says so."""
         return self.is_boundary(step) and all(s.step != step for s in self.snapshots)
+
+    def writing(self) -> bool:
+        """Whether this rank's background write still runs (asked at every step boundary, so that a
+        checkpoint is skipped by every rank or by none)."""
+        return self._write is not None and self._write.thread.is_alive()
+
+    def drop_group(self) -> None:
+        """Every rank gives the checkpoint group up at once (a write was abandoned somewhere: its
+        collectives may still be pending on it); the next checkpoint forms a new one."""
+        self._group = None
+        self._groups_dropped += 1
 
     def drop(self, which) -> None:
         """Forget the snapshots ``which(snapshot)`` selects (used as a migration's source, or of steps
@@ -216,7 +234,10 @@ class PeriodicCheckpointer:
         staged_s = time.perf_counter() - started
         if self._group is None or self._group[0] != generation:
             group = dist.ProcessGroupGloo(
-                dist.PrefixStore(f"gen{generation}/ckpt/", store), rank, world_size, timedelta(seconds=self.timeout_s)
+                dist.PrefixStore(f"gen{generation}/ckpt{self._groups_dropped or ''}/", store),
+                rank,
+                world_size,
+                timedelta(seconds=self.timeout_s),
             )
             self._group = (generation, group)
         path = self.directory / f"step{step:08d}-g{generation}"
@@ -234,6 +255,15 @@ class PeriodicCheckpointer:
             t0 = time.perf_counter()
             written = save_shards_on(describe_state(snapshot.boxed), path, transport)
             sizes = transport.all_gather_object(written)
+            if FAULT_COMMIT_PAUSE_S > 0 and transport.rank == 0 and not self._fault_paused:
+                self._fault_paused = True
+                print(
+                    f"[etc_agent] fault injection: the commit of checkpoint step {snapshot.step} pauses "
+                    f"{FAULT_COMMIT_PAUSE_S:g} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                time.sleep(FAULT_COMMIT_PAUSE_S)
             write.stats["write_s"] = time.perf_counter() - t0
             snapshot.written = not write.abandoned
             if transport.rank == 0 and not write.abandoned:
@@ -283,8 +313,9 @@ class PeriodicCheckpointer:
             if not (path / STATE_FILE).exists() and path.name[4:12].isdigit() and int(path.name[4:12]) < oldest_kept:
                 shutil.rmtree(path, ignore_errors=True)  # an older write that never completed
 
-    def settle(self, failure: bool) -> bool:
-        """Wait for the background write (bounded). True when none is running any more.
+    def settle(self, failure: bool, limit_s: float | None = None) -> bool:
+        """Wait for the background write (bounded: ``limit_s``, by default the group timeout). True
+        when none is running any more.
 
         At a planned switch every rank waits (they all write); after a failure the write's group is
         broken and the wait is short: the write is abandoned, its directory stays incomplete.
@@ -294,7 +325,8 @@ class PeriodicCheckpointer:
             return True
         # After a failure every second here is a second of this process's stall (and its peers'):
         # a write that is not about to end is given up; its directory stays incomplete.
-        limit_s = FAILURE_SETTLE_S if failure else self.timeout_s
+        if limit_s is None:
+            limit_s = FAILURE_SETTLE_S if failure else self.timeout_s
         write.thread.join(timeout=limit_s)
         if write.thread.is_alive():
             print(

@@ -314,10 +314,12 @@ class Job:
         whether every rank takes a periodic checkpoint at this boundary: where any rank lacks this
         step's snapshot, all take it (after a switch the ranks' snapshot lists may differ, and a rank
         that forms the checkpoint group alone waits for the others until its timeout while they
-        train on and wait for it)."""
+        train on and wait for it). Where a rank's previous write still runs, see
+        :meth:`_agree_on_checkpoint`."""
         while True:
             due = self.checkpointer is not None and self.checkpointer.due(self.next_step)
-            flag = torch.tensor([max(self.link.latest, self.generation), int(due)], dtype=torch.int64)
+            busy = self.checkpointer is not None and self.checkpointer.writing()
+            flag = torch.tensor([max(self.link.latest, self.generation), int(due), int(busy)], dtype=torch.int64)
             try:
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             except Exception as err:  # a peer died between steps
@@ -326,11 +328,40 @@ class Job:
                 continue
             pending = int(flag[0].item())
             if pending <= self.generation:
-                return bool(flag[1].item())
+                if not (flag[1].item() and flag[2].item()):
+                    return bool(flag[1].item())
+                try:
+                    return self._agree_on_checkpoint()
+                except Exception as err:  # a peer died while the others waited for a write
+                    if not self.recover(err):
+                        raise
+                    continue
             self.phase.to(Phase.PENDING, pending)
             if self.migration == "checkpoint":
                 self._save_and_exit(pending, time.time())
             self._switch(pending, f"switch to generation {pending}", stopped=Stopped.now(), failure=False)
+
+    def _agree_on_checkpoint(self) -> bool:
+        """A checkpoint is due and some rank's previous write still runs: every rank waits for its
+        own (at most half the group timeout, so that the others' wait in the vote below cannot
+        time out first), then all take the new one, or, where a write had to be abandoned, none does
+        and the checkpoint group is formed anew (the abandoned write's collectives may still be
+        pending on the old one). A rank that skipped alone would leave the others' new write
+        waiting for it until its timeout."""
+        settled = self.checkpointer.settle(failure=False, limit_s=self.timeout_s / 2)
+        vote = torch.tensor([int(settled)], dtype=torch.int64)
+        dist.all_reduce(vote, op=dist.ReduceOp.MIN)
+        if vote.item():
+            return True
+        self.checkpointer.drop_group()
+        if self.ctx.rank == 0:
+            print(
+                f"[etc_agent] checkpoint of step {self.next_step} skipped on every rank: a rank's previous "
+                f"checkpoint was still being written after {self.timeout_s / 2:g} s",
+                file=sys.stderr,
+                flush=True,
+            )
+        return False
 
     def _save_and_exit(self, pending: int, stopped_at: float) -> None:
         """The checkpoint baseline: save with DCP and exit (:func:`etc_agent.worker.baseline.save_and_exit`)."""
