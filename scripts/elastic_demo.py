@@ -224,6 +224,21 @@ def read_losses(path: Path) -> dict[int, float]:
     return losses
 
 
+def leader_of(cluster: Cluster) -> int | None:
+    """The agent that logged the latest ``leader_elected``."""
+    latest = None
+    for k, lines in enumerate(cluster.outputs):
+        for line in list(lines):
+            if '"leader_elected"' in line:
+                try:
+                    ts = json.loads(line[line.index('{"ts"') :])["ts"]
+                except (ValueError, KeyError):
+                    continue
+                if latest is None or ts > latest[0]:
+                    latest = (ts, k)
+    return latest[1] if latest else None
+
+
 def migrations(cluster: Cluster) -> list[dict]:
     out = []
     for lines in cluster.outputs:
@@ -396,9 +411,12 @@ def run_scenario(
                     capture_output=True,
                     timeout=60,
                 )
-            elif event == "kill-agent":
-                # A whole node dies: SIGKILL its agent (its workers die with it) and, for a sidecar, its workers' launcher.
+            elif event in ("kill-agent", "kill-leader"):
+                # A whole node dies: SIGKILL its agent (its workers die with it) and, for a sidecar, its
+                # workers' launcher. kill-leader: the leader's node (over etcd; agent 0 hosts an embedded store).
                 target = max(i for i, a in enumerate(cluster.agents) if a.poll() is None and i != 0)
+                if event == "kill-leader":
+                    target = leader_of(cluster)
                 cluster.agents[target].kill()
                 if cluster.launchers[target] is not None:
                     cluster.launchers[target].kill()

@@ -31,7 +31,7 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from elastic_demo import Cluster, free_port, migrations, read_losses, reference_losses
+from elastic_demo import Cluster, free_port, leader_of, migrations, read_losses, reference_losses
 
 
 def rss_mb(pid: int) -> float | None:
@@ -68,21 +68,6 @@ def processes_with(marker: str) -> list[int]:
             except OSError:
                 continue
     return out
-
-
-def leader_of(cluster: Cluster) -> int | None:
-    """The agent that logged the latest ``leader_elected``."""
-    latest = None
-    for k, lines in enumerate(cluster.outputs):
-        for line in list(lines):
-            if '"leader_elected"' in line:
-                try:
-                    ts = json.loads(line[line.index('{"ts"') :])["ts"]
-                except (ValueError, KeyError):
-                    continue
-                if latest is None or ts > latest[0]:
-                    latest = (ts, k)
-    return latest[1] if latest else None
 
 
 def main() -> None:

@@ -291,13 +291,16 @@ def test_ten_worker_kills_in_a_row_never_stall_the_survivors_over_2_s(etcd_serve
     assert compare_states(result["state_file"], reference_state) == []
 
 
-@pytest.mark.parametrize("agents,nproc", [(4, 2), (2, 4)], ids=["4x2", "2x4"])
-def test_a_whole_node_killed_loses_no_state_with_the_resilient_placement(etcd_server, tmp_path, agents, nproc):
+@pytest.mark.parametrize("agents,nproc,event", [(4, 2, "kill-agent"), (2, 4, "kill-leader")], ids=["4x2", "2x4-leader"])
+def test_a_whole_node_killed_loses_no_state_with_the_resilient_placement(etcd_server, tmp_path, agents, nproc, event):
     """SIGKILL of a whole agent (its workers die with it) under tp=2,pp=2,dp=2. The placement keeps
     the two DP replicas of each stage on different nodes (on 2 agents x 4, Megatron's order would put
     a whole stage on one node), so the survivors hold everything: training goes on with the exact
     state and no checkpoint. With 4 agents, the layout after the loss uses 2 of the 3 survivors: the
-    third holds a replica too and sends it before going idle as a spare."""
+    third holds a replica too and sends it before going idle as a spare. The dead agent's lease is
+    30 s: the survivors go on once the leader found its liveness port closed, not when it expires;
+    on 2 agents the node killed is the leader's, and the other agent takes the leadership over the
+    same way."""
     rdzv = etcd_rdzv(etcd_server, "node")
     work = tmp_path / "run"
     work.mkdir()
@@ -311,11 +314,12 @@ def test_a_whole_node_killed_loses_no_state_with_the_resilient_placement(etcd_se
         work,
         echo=False,
         rdzv=rdzv,
-        events=("kill-agent",),
+        events=(event,),
         extra_script_args=extra,
         initial_agents=agents,
         min_nodes=1,
         event_steps=[8],
+        agent_args=["--lease-ttl", "30"],
     )
     logs = result["cluster"].tail(60)
     text = "".join("".join(lines) for lines in result["cluster"].outputs)
@@ -327,6 +331,7 @@ def test_a_whole_node_killed_loses_no_state_with_the_resilient_placement(etcd_se
     )
     assert len(record["lost"]) == nproc and record["bytes_restored"] == 0, record
     assert record["leave_spread_s"] <= 2.0, record  # every survivor left its collective at once
+    assert '"agent_gone"' in text and record["total_stall_s"] < 15, record  # not the 30 s lease
     assert "state lost" not in text
     assert sorted(p.name for p in work.iterdir() if not p.name.startswith("agent-")) == [
         "loss.jsonl",

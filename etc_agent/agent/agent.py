@@ -45,6 +45,7 @@ from etc_agent.agent.control import (
     Hello,
     HelloReply,
     Migration,
+    PeerFailed,
     SwitchFailed,
     Trained,
 )
@@ -54,9 +55,17 @@ from etc_agent.agent.leader import Leader
 from etc_agent.agent.protocol import RESTART_EXIT, Phase, PhaseTracker
 from etc_agent.agent.records import RecordReader
 from etc_agent.agent.workers import AttachedWorkers, Attachments, WorkerGroup, WorkerSpec
-from etc_agent.rendezvous.records import AbandonRecord, GenerationRecord, MasterRecord, NodeRecord, NodeStatus
+from etc_agent.rendezvous.records import (
+    AbandonRecord,
+    GenerationRecord,
+    MasterRecord,
+    NodeRecord,
+    NodeStatus,
+    PeerFailureRecord,
+)
 from etc_agent.rendezvous.store import LeaseExpired, MembershipStore, StoreError
 from etc_agent.utils.jsonline import JsonLineServer, parse_address
+from etc_agent.utils.liveness import LivenessPort
 
 log = logging.getLogger("etc_agent.agent")
 
@@ -115,6 +124,7 @@ class Agent:
         self._latest: GenerationRecord | None = None
         self._unreported: tuple[GenerationRecord, NodeStatus] | None = None
         self._end_watch = EndWatch(self.node_id)
+        self._liveness: LivenessPort | None = None
         self._end_read_at = 0.0
         self.contacts = WorkerContacts()
         self._watches = []
@@ -173,6 +183,7 @@ class Agent:
             leaving=self.leaving.is_set(),
             restarting=sorted(self._restarting),
             crashed_in=self._crashed_in if self._restarting else None,
+            probe_port=self._liveness.port if self._liveness is not None else None,
             ready=self._ready,
         )
 
@@ -423,6 +434,7 @@ class Agent:
                     "note": f"workers attach with ETC_AGENT_ADDR={self._control.address} and LOCAL_RANK",
                 },
             )
+        self._liveness = LivenessPort()  # before the record that names its port
         self._join_warm()
         self._register()
         for target in (self._keepalive, self.leader.run_election):
@@ -441,6 +453,8 @@ class Agent:
             for t in self._threads:
                 t.join(timeout=2)
             self._control.stop()
+            if self._liveness is not None:
+                self._liveness.close()
             if self._forkserver is not None:
                 self._forkserver.close()
             try:
@@ -462,6 +476,7 @@ class Agent:
             Exiting: self._on_exiting,
             AssignmentQuery: self._on_assignment_query,
             SwitchFailed: self._on_switch_failed,
+            PeerFailed: self._on_peer_failed,
             Fatal: self._on_fatal,
             Finished: self._on_finished,
             Trained: self._on_trained,
@@ -527,6 +542,22 @@ class Agent:
 
     def _on_switch_failed(self, req: SwitchFailed) -> dict:
         self._abandon(req.generation, f"{self.node_id} local_rank {req.local_rank}: {req.reason[:300]}")
+        return {"ok": True}
+
+    def _on_peer_failed(self, req: PeerFailed) -> dict:
+        key = f"generations/{req.generation}/peer_failed/{self.node_id}"
+        try:
+            if self.store.get(key) is None:
+                record = PeerFailureRecord(generation=req.generation, reason=req.reason)
+                self.store.put(key, record.dumps(), lease=self._lease)
+                self.emit(
+                    "peer_failure", {"generation": req.generation, "local_rank": req.local_rank, "reason": req.reason}
+                )
+        except StoreError as err:
+            self.emit(
+                "store_unreachable", {"error": str(err), "pending": f"peer failure in generation {req.generation}"}
+            )
+        self.leader.notify_peer_failure()  # the leader may be the agent that died
         return {"ok": True}
 
     def _on_fatal(self, req: Fatal) -> dict:

@@ -83,6 +83,15 @@ class SwitchFailed(_WithReason):
     generation: int = Field(ge=0)
 
 
+class PeerFailed(_WithReason):
+    """A worker's collective failed mid-step in ``generation`` (a peer died): the leader then checks
+    which member agents are gone instead of waiting for their leases."""
+
+    op: Literal["peer_failed"]
+    local_rank: int = Field(ge=0)
+    generation: int = Field(ge=0)
+
+
 class Fatal(_WithReason):
     """The job cannot go on (training state lost, a build that does not fit): fail it, no restart."""
 
@@ -119,6 +128,7 @@ ControlRequest = Annotated[
     | AssignmentQuery
     | GenerationQuery
     | SwitchFailed
+    | PeerFailed
     | Fatal
     | Finished
     | Trained

@@ -17,10 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from etc_agent.agent.config import AgentConfig
+from etc_agent.agent.gone import GoneAgents
 from etc_agent.agent.records import RecordReader, where
 from etc_agent.layout.config import ParallelSpec
 from etc_agent.rendezvous.records import AbandonRecord, GenerationRecord, LeaderRecord, NodeRecord, NodeStatus
-from etc_agent.rendezvous.store import Lease, MembershipStore, StoreError, WatchEvent
+from etc_agent.rendezvous.store import KeyValue, Lease, MembershipStore, StoreError, WatchEvent
 
 JOIN_HOLD_S = 10.0
 """Longest a join waits for the switch into the current generation to finish (its migration record)."""
@@ -60,6 +61,9 @@ class Leader:
         self.leaving, self.stop_requested = leaving, stop_requested
         self._lease, self._latest = lease, latest
         self.is_leader = False
+        self._gone = GoneAgents(node_id)
+        self._peer_failure = threading.Event()
+        """Set when this node's workers report a failed collective: check whether the leader is gone."""
         self._dirty = threading.Event()
         self._spec = ParallelSpec.parse(config.parallel) if config.parallel else None
         self._model = None
@@ -78,13 +82,63 @@ class Leader:
                     self.emit("leader_elected", {})
                     self._lead()
                     self.is_leader = False
+                    continue
+                if self._peer_failure.is_set():
+                    self._peer_failure.clear()
+                    if not self.leaving.is_set() and self._take_over_from_a_gone_leader():
+                        continue
+                else:
+                    self._learn_the_leader()
             except StoreError as err:
                 self.emit("store_unreachable", {"error": str(err)})
             except Exception as err:
                 self.is_leader = False
                 self.emit("leader_error", {"error": f"{type(err).__name__}: {err}", "where": where(err)})
                 log.exception("leader loop failed; standing for election again")
-            self.stop_requested.wait(max(0.2, self.config.lease_ttl / 5))
+            self._peer_failure.wait(max(0.2, self.config.lease_ttl / 5))
+
+    def notify_peer_failure(self) -> None:
+        """This node's workers saw a peer fail: if the leader died with it, take over now."""
+        self._peer_failure.set()
+
+    def _leader_node(self) -> tuple[KeyValue, NodeRecord] | None:
+        """The leader key and its holder's node record, when another agent holds it."""
+        kv = self.store.get("leader")
+        holder = self.reader.parse(LeaderRecord, kv) if kv is not None else None
+        if holder is None or holder.node_id == self.node_id:
+            return None
+        node_kv = self.store.get(f"nodes/{holder.node_id}")
+        record = self.reader.parse(NodeRecord, node_kv) if node_kv is not None else None
+        return (kv, record) if record is not None else None
+
+    def _learn_the_leader(self) -> None:
+        found = self._leader_node()
+        if found is not None:
+            self._gone.learn([found[1]])
+
+    def _take_over_from_a_gone_leader(self) -> bool:
+        """The leader's agent is gone (:mod:`etc_agent.agent.gone`): take its key (compare-and-set,
+        one agent wins) and its node out, instead of waiting for its lease."""
+        found = self._leader_node()
+        if found is None:
+            return False
+        kv, record = found
+        self._gone.learn([record])
+        if not self._gone.is_gone(record):
+            return False
+        if not self.store.compare_and_set(
+            "leader", LeaderRecord(node_id=self.node_id).dumps(), kv.version, lease=self._lease()
+        ):
+            return False
+        self.store.delete(f"nodes/{record.node_id}")
+        self.emit(
+            "agent_gone",
+            {
+                "node": record.node_id,
+                "how": "the leader's liveness port refused a connection after a failure; taking over",
+            },
+        )
+        return True
 
     def _win(self) -> bool:
         current = self.store.get("leader")
@@ -136,6 +190,7 @@ class Leader:
             event.key.startswith("nodes/")
             or "/status/" in event.key
             or "/abandoned/" in event.key
+            or "/peer_failed/" in event.key
             or event.key.endswith("/migration")  # a join held back until the switch is done
         ):
             self._dirty.set()
@@ -153,7 +208,30 @@ class Leader:
             return False
         statuses = self.statuses(current.number)
         failed = any(s.state == "failed" and n in current.members for n, s in statuses.items())
-        return failed or all_succeeded(current, statuses)
+        peer_failed = bool(self.store.get_prefix(f"generations/{current.number}/peer_failed/"))
+        return failed or peer_failed or all_succeeded(current, statuses)
+
+    def _drop_gone_agents(self, current: GenerationRecord) -> None:
+        """Members whose agent is gone (:mod:`etc_agent.agent.gone`) leave now, not when their lease
+        expires: their node records are deleted."""
+        records = self.members_now(include_leaving=True, include_unready=True)
+        self._gone.learn(records)
+        prefix = f"generations/{current.number}/"
+        evidence = (
+            len(self.store.get_prefix(f"{prefix}peer_failed/"))
+            + len(self.store.get_prefix(f"{prefix}abandoned/"))
+            + sum(s.state == "failed" for s in self.statuses(current.number).values())
+        )
+        for node_id in self._gone.check(current.number, evidence, current.members, records):
+            self.store.delete(f"nodes/{node_id}")
+            self.emit(
+                "agent_gone",
+                {
+                    "node": node_id,
+                    "generation": current.number,
+                    "how": "its liveness port refused a connection after a failure (not waiting for its lease)",
+                },
+            )
 
     # ---- reading the store ------------------------------------------------------------
     def statuses(self, generation: int) -> dict[str, NodeStatus]:
@@ -206,6 +284,7 @@ class Leader:
             return
         current = basis.current
         if current and current.status == "running":
+            self._drop_gone_agents(current)
             final, reason, basis.restart_count = self._after_running(basis)
             if final is not None:
                 self._publish(final, basis.version)

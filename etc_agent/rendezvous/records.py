@@ -57,6 +57,11 @@ class NodeRecord(Record):
     crashed_in: int | None = Field(
         None, description="While restarting: the generation whose worker crashed (its failure to be handled)."
     )
+    probe_port: int | None = Field(
+        None,
+        description="TCP port (all interfaces of ``host``) that accepts and closes connections while the "
+        "agent lives: the leader probes it when peers report a failure (refused: the agent is gone).",
+    )
     ready: bool = Field(
         True,
         description="False while a node joining an elastic job starts its workers; "
@@ -206,6 +211,11 @@ class MigrationRecord(Record):
 class AbandonRecord(Record):
     generation: int = Field(ge=0)
     reason: str = Field("", description="What failed (first line of the error, or which sender died).")
+
+
+class PeerFailureRecord(Record):
+    generation: int = Field(ge=0)
+    reason: str = Field("", description="The first line of the error a worker's collective raised.")
 
 
 class NodeStatus(Record):

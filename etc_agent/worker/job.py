@@ -402,6 +402,16 @@ class Job:
             file=sys.stderr,
             flush=True,
         )
+        if self.link is not None:
+            # The leader then checks which member agents are gone instead of waiting for their leases.
+            self.link.send(
+                {
+                    "op": "peer_failed",
+                    "local_rank": self.local_rank,
+                    "generation": self.generation,
+                    "reason": first_line,
+                }
+            )
         self._switch(self.generation + 1, "recovery after a failure", stopped=stopped, failure=True)
         return True
 

@@ -1,0 +1,60 @@
+"""A liveness port: how a leader tells, within milliseconds, that another node's agent process is gone.
+
+A SIGKILLed agent's lease expires only after ``--lease-ttl`` seconds, and until then the job waits
+for it. Each agent therefore listens on one more TCP port (all interfaces, an ephemeral port
+published in its node record) that accepts a connection and closes it at once: nothing is read,
+so nothing can be asked of it. When peers report a failure, the leader connects to each member's
+port: a refused connection means no process listens there any more (the kernel answers for a
+process that died, at once), so the agent is gone; an accepted one means it lives; a timeout or
+any other error says nothing (a host that went away altogether, a firewall), and the lease decides
+as before.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from typing import Literal
+
+Probe = Literal["alive", "gone", "unknown"]
+
+
+class LivenessPort:
+    """The listening side: accept, close, nothing else (a daemon thread)."""
+
+    def __init__(self) -> None:
+        if socket.has_dualstack_ipv6():
+            self._sock = socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True, backlog=64)
+        else:
+            self._sock = socket.create_server(("", 0), backlog=64)
+        self.port: int = self._sock.getsockname()[1]
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name="etc-liveness", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            conn.close()
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+
+
+def probe(host: str, port: int, timeout_s: float = 0.5) -> Probe:
+    """Whether an agent listens at ``host:port``: ``gone`` only for a refused connection."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return "alive"
+    except ConnectionRefusedError:
+        return "gone"
+    except OSError:
+        return "unknown"
