@@ -48,6 +48,10 @@ class GoneAgents:
             if self._probe(record.host, record.probe_port, PROBE_TIMEOUT_S) == "alive":
                 self._reachable.add(record.node_id)
 
+    def knows(self, node_id: str) -> bool:
+        """Whether that node was probed once already."""
+        return node_id in self._seen
+
     def is_gone(self, record: NodeRecord) -> bool:
         """One node, now (an agent that is not the leader asks this of the leader)."""
         return (

@@ -62,6 +62,8 @@ class Leader:
         self._lease, self._latest = lease, latest
         self.is_leader = False
         self._gone = GoneAgents(node_id)
+        self._holder_seen: str | None = None
+        """Another agent that held the leader key at the last look."""
         self._peer_failure = threading.Event()
         """Set when this node's workers report a failed collective: check whether the leader is gone."""
         self._dirty = threading.Event()
@@ -112,6 +114,9 @@ class Leader:
         return (kv, record) if record is not None else None
 
     def _learn_the_leader(self) -> None:
+        """Probe a new leader's port once (its refusals count only then); nothing to read otherwise."""
+        if self._holder_seen is None or self._gone.knows(self._holder_seen):
+            return
         found = self._leader_node()
         if found is not None:
             self._gone.learn([found[1]])
@@ -144,6 +149,7 @@ class Leader:
         current = self.store.get("leader")
         record = LeaderRecord(node_id=self.node_id).dumps()
         holder = self.reader.parse(LeaderRecord, current) if current is not None else None
+        self._holder_seen = holder.node_id if holder is not None and holder.node_id != self.node_id else None
         if current is None:
             return self.store.create("leader", record, lease=self._lease())
         if holder is None:
