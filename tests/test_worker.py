@@ -211,3 +211,31 @@ def test_resumable_checkpoints_skip_incomplete_and_unusable_ones_and_say_so(tmp_
     assert f"step00000028-g2 is not usable (its data file {data.name} is missing)" in err
     assert "step00000032-g2 is not usable (DCP's .metadata does not load" in err
     assert resumable_checkpoints(tmp_path / "absent") == {}
+
+
+def test_the_mesh_groups_are_bounded_by_the_job_timeout_from_their_creation(monkeypatch):
+    """A subgroup still being created (connecting to a peer that gave its generation up) must give
+    up at the job's timeout, not torch's 30-minute default: the timeout goes into new_group itself."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    import torch.distributed.device_mesh as device_mesh
+
+    from etc_agent.layout.config import ParallelConfig
+    from etc_agent.worker.context import make_context
+    from etc_agent.worker.groups import destroy_all_groups
+
+    created = []
+    new_group = device_mesh.new_group
+
+    def recording(*args, **kwargs):
+        created.append(kwargs.get("timeout"))
+        return new_group(*args, **kwargs)
+
+    monkeypatch.setattr(device_mesh, "new_group", recording)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=10))
+    try:
+        make_context(ParallelConfig.parse("tp=1,pp=1,dp=1"), 0, 0, torch.device("cpu"), timeout=timedelta(seconds=7))
+        assert created and all(t == timedelta(seconds=7) for t in created), created
+    finally:
+        destroy_all_groups()

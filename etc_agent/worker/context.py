@@ -75,6 +75,22 @@ class ParallelContext:
         return self.config.rank(pp_rank, self.dp_rank, self.tp_rank)
 
 
+def _bounded_groups(timeout: timedelta) -> dict | None:
+    """``init_device_mesh``'s per-dimension backend options carrying ``timeout`` (DeviceMesh passes
+    an option's timeout to ``new_group``); None for a backend string it cannot express so."""
+    import torch._C._distributed_c10d as c10d
+
+    backend = str(dist.get_backend())
+    if backend == "nccl" and hasattr(c10d, "ProcessGroupNCCL"):
+        options = c10d.ProcessGroupNCCL.Options()
+    elif backend in ("gloo", "nccl"):
+        options = c10d.Backend.Options(backend)
+    else:
+        return None
+    options._timeout = timeout
+    return {name: (backend, options) for name in MESH_DIMS}
+
+
 def make_context(
     config: ParallelConfig,
     rank: int,
@@ -85,12 +101,19 @@ def make_context(
 ) -> ParallelContext:
     """Build the mesh and groups of ``config`` on the default process group (which must span the world).
 
-    ``timeout`` bounds every collective of the mesh's groups (as the default group's is bounded):
-    subgroups otherwise get torch's default of 30 minutes, and a rank blocked in one of them on a
-    peer that went into recovery would wait that long.
+    ``timeout`` bounds every collective of the mesh's groups (as the default group's is bounded),
+    from their creation on: subgroups otherwise get torch's default of 30 minutes, and a rank
+    blocked in one of them on a peer that went into recovery would wait that long. (Set only after
+    the creation, it left the creation itself unbounded: a rank still connecting a subgroup of a
+    generation its peer had given up waited 30 minutes there, and every later generation for it.)
     """
     config.check_world_size(dist.get_world_size())
-    mesh = init_device_mesh(device.type, (config.pp, config.dp, config.tp), mesh_dim_names=MESH_DIMS)
+    mesh = init_device_mesh(
+        device.type,
+        (config.pp, config.dp, config.tp),
+        mesh_dim_names=MESH_DIMS,
+        backend_override=_bounded_groups(timeout) if timeout is not None else None,
+    )
     if timeout is not None:
         for name in MESH_DIMS:
             mesh.get_group(name).set_timeout(timeout)
