@@ -84,11 +84,10 @@ class Leader:
                     self.emit("leader_elected", {})
                     self._lead()
                     self.is_leader = False
-                    continue
-                if self._peer_failure.is_set():
+                elif self._peer_failure.is_set():
                     self._peer_failure.clear()
                     if not self.leaving.is_set() and self._take_over_from_a_gone_leader():
-                        continue
+                        continue  # the key is ours now: lead at once
                 else:
                     self._learn_the_leader()
             except StoreError as err:
