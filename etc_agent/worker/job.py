@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -404,14 +405,12 @@ class Job:
         )
         if self.link is not None:
             # The leader then checks which member agents are gone instead of waiting for their leases.
-            self.link.send(
-                {
-                    "op": "peer_failed",
-                    "local_rank": self.local_rank,
-                    "generation": self.generation,
-                    "reason": first_line,
-                }
-            )
+            # In the background: peers blocked on this process's groups are released only by the
+            # teardown in the switch below, which must not wait for the agent's reply and store writes.
+            report = {"op": "peer_failed", "local_rank": self.local_rank, "generation": self.generation}
+            threading.Thread(
+                target=self.link.send, args=({**report, "reason": first_line},), name="etc-peer-failed", daemon=True
+            ).start()
         self._switch(self.generation + 1, "recovery after a failure", stopped=stopped, failure=True)
         return True
 
