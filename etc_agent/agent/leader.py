@@ -216,16 +216,16 @@ class Leader:
         peer_failed = bool(self.store.get_prefix(f"generations/{current.number}/peer_failed/"))
         return failed or peer_failed or all_succeeded(current, statuses)
 
-    def _drop_gone_agents(self, current: GenerationRecord) -> None:
+    def _drop_gone_agents(self, current: GenerationRecord, statuses: dict[str, NodeStatus], num_abandoned: int) -> None:
         """Members whose agent is gone (:mod:`etc_agent.agent.gone`) leave now, not when their lease
-        expires: their node records are deleted."""
+        expires: their node records are deleted. ``statuses`` and ``num_abandoned``: what the caller
+        read of ``current`` (failures reported in it)."""
         records = self.members_now(include_leaving=True, include_unready=True)
         self._gone.learn(records)
-        prefix = f"generations/{current.number}/"
         evidence = (
-            len(self.store.get_prefix(f"{prefix}peer_failed/"))
-            + len(self.store.get_prefix(f"{prefix}abandoned/"))
-            + sum(s.state == "failed" for s in self.statuses(current.number).values())
+            len(self.store.get_prefix(f"generations/{current.number}/peer_failed/"))
+            + num_abandoned
+            + sum(s.state == "failed" for s in statuses.values())
         )
         for node_id in self._gone.check(current.number, evidence, current.members, records):
             self.store.delete(f"nodes/{node_id}")
@@ -289,7 +289,6 @@ class Leader:
             return
         current = basis.current
         if current and current.status == "running":
-            self._drop_gone_agents(current)
             final, reason, basis.restart_count = self._after_running(basis)
             if final is not None:
                 self._publish(final, basis.version)
@@ -370,6 +369,7 @@ class Leader:
             )
             if r is not None
         ]
+        self._drop_gone_agents(current, statuses, len(abandoned))
         failed = [n for n, s in statuses.items() if s.state == "failed" and n in current.members]
         fatal = [s.message for n, s in statuses.items() if s.state == "failed" and s.fatal]
         if fatal:
