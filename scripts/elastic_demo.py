@@ -249,6 +249,12 @@ def migrations(cluster: Cluster) -> list[dict]:
     return sorted(out, key=lambda m: m["generation"])  # each agent's log holds the ones its rank 0 reported
 
 
+CRASHES = ("kill", "hang", "kill-twice", "kill-in-recovery")
+"""Events that take down a worker of agent 1 (its agent restarts it): ``kill`` (SIGKILL), ``hang``
+(SIGSTOP: its agent must notice the silence), ``kill-twice`` (its replacement too, as soon as it
+exists), ``kill-in-recovery`` (a worker of agent 2 too, once agent 2 reports the first failure)."""
+
+
 def run_scenario(
     parallel: str,
     nproc: int,
@@ -420,12 +426,21 @@ def run_scenario(
                 cluster.agents[target].kill()
                 if cluster.launchers[target] is not None:
                     cluster.launchers[target].kill()
-            elif event in ("kill", "hang", "kill-twice"):
+            elif event in CRASHES:
                 pids = cluster.worker_pids(1)
                 if not pids:
                     raise RuntimeError(f"no live worker of agent 1 to {event}\n" + cluster.tail())
                 # hang: SIGSTOP freezes the worker without killing it; its agent must notice the silence.
                 os.kill(pids[-1], signal.SIGSTOP if event == "hang" else signal.SIGKILL)
+                if event == "kill-in-recovery":
+                    # A second death while the survivors recover from the first: a worker of agent 2
+                    # as soon as its agent reports that it left its collective.
+                    cluster.wait_for(
+                        lambda: any('"peer_failure"' in line for line in list(cluster.outputs[2])),
+                        120,
+                        "agent 2's worker to report the first failure",
+                    )
+                    os.kill(cluster.worker_pids(2)[-1], signal.SIGKILL)
                 if event == "kill-twice":
                     # A second death during the recovery: the replacement, as soon as it is there.
                     cluster.wait_for(
@@ -441,7 +456,7 @@ def run_scenario(
             )
             if wait_migrations:
                 migrated(expected)
-                if event in ("kill", "hang", "kill-twice"):
+                if event in CRASHES:
                     # The others go on without the crashed worker's node; it rejoins once its restarted
                     # worker runs (a second migration, unless the restart was quicker than the leader).
                     earlier = migrations(cluster)[:before]
@@ -570,7 +585,7 @@ def main() -> None:
         unknown = {
             e
             for e in events
-            if e not in ("join", "leave", "leave-crash", "kill", "kill-twice", "kill-agent", "hang")
+            if e not in ("join", "leave", "leave-crash", "kill-agent", "kill-leader", *CRASHES)
             and not e.startswith("reconfigure:")
         }
         if unknown:

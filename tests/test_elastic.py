@@ -27,9 +27,11 @@ CASES = {
     "tp2-sidecar-bitwise": ("tp=2,pp=1,dp=auto", 2, 60, 0.15, ("join", "leave", "kill"), True),
     # A joining agent starts its 4 workers before it enters (10+ s on 2 loaded cores): long enough runs.
     "tp2pp2-zero1-bitwise": ("tp=2,pp=2,dp=auto,zero=1", 4, 60, 0.5, ("join", "leave"), True),
-    "tp2pp2-loss": ("tp=2,pp=2,dp=auto", 4, 36, 0.2, ("join", "leave", "kill"), False),
+    # hang: SIGSTOP of a worker, killed by its agent after --worker-heartbeat-timeout (AGENT_ARGS).
+    "tp2pp2-loss": ("tp=2,pp=2,dp=auto", 4, 44, 0.2, ("join", "leave", "kill", "hang"), False),
 }
 MODEL_ARGS = {"tp2pp2-loss": ["--layers", "2"]}  # one layer per stage: 8 workers on 2 cores train slowly
+AGENT_ARGS = {"tp2pp2-loss": ["--worker-heartbeat-timeout", "3"]}
 
 
 def etcd_rdzv(etcd_server, name: str) -> list[str]:
@@ -60,6 +62,7 @@ def test_elastic_training_through_join_leave_and_crash(name, etcd_server, tmp_pa
         events=events,
         extra_script_args=extra,
         sidecar=sidecar,
+        agent_args=AGENT_ARGS.get(name),
     )
     logs = result["cluster"].tail(60)
     assert result["codes"] == [0] * len(result["codes"]), f"agents exited {result['codes']}\n{logs}"
@@ -78,15 +81,16 @@ def test_elastic_training_through_join_leave_and_crash(name, etcd_server, tmp_pa
     # job go on without the crashed worker's node, and a second one when that node rejoins.
     records = sorted(result["migrations"], key=lambda m: m["generation"])
     per_event = [[records[i] for i in done["migrations"]] for done in result["events"]]
-    in_place = [e == "kill" and "in place" in r[0]["reason"] for e, r in zip(events, per_event)]
-    assert [len(r) for r in per_event] == [2 if e == "kill" and not p else 1 for e, p in zip(events, in_place)], [
+    crashes = ("kill", "hang")
+    in_place = [e in crashes and "in place" in r[0]["reason"] for e, r in zip(events, per_event)]
+    assert [len(r) for r in per_event] == [2 if e in crashes and not p else 1 for e, p in zip(events, in_place)], [
         r["reason"] for r in records
     ]
     unit = 4 if "pp=2" in parallel else 2
     world = 2 * nproc
     for event, (record, *rejoin), restarted_in_place in zip(events, per_event, in_place):
         old_world = world
-        shrinks = event == "leave" or (event == "kill" and not restarted_in_place)
+        shrinks = event == "leave" or (event in crashes and not restarted_in_place)
         world = world + nproc if event == "join" else (world - nproc if shrinks else world)
         assert (record["old_world_size"], record["new_world_size"]) == (old_world, world), record
         assert f"dp={world // unit}" in record["new_config"], record
@@ -98,7 +102,7 @@ def test_elastic_training_through_join_leave_and_crash(name, etcd_server, tmp_pa
             assert record["bytes_moved"] > 0, record  # the new replicas receive their state
         if event == "leave":
             assert len(record["senders"]) == nproc, record
-        if event == "kill":
+        if event in crashes:
             assert "worker failure" in record["reason"] and len(record["lost"]) >= 1, record
             assert record["leave_spread_s"] <= 2.0, record  # every survivor left its collective at once
             # Below --nnodes MIN the others wait for the restart in place; else they go on at once
@@ -110,6 +114,10 @@ def test_elastic_training_through_join_leave_and_crash(name, etcd_server, tmp_pa
                 world = old_world
             else:
                 assert record["bytes_moved"] > 0, record  # the restarted worker's shards came from a replica
+
+    if "hang" in events:
+        hung = [json.loads(line) for line in result["cluster"].outputs[1] if '"worker_hung"' in line]
+        assert len(hung) == 1 and hung[0]["silent_s"] >= 3, logs  # its agent found it silent and killed it
 
     # No checkpoint was written or read: the run directory holds only the loss log and the final dump.
     assert sorted(p.name for p in work.iterdir() if not p.name.startswith("agent-")) == ["loss.jsonl", "state.pt"]
@@ -594,5 +602,44 @@ def test_a_replacement_killed_while_it_joins_costs_the_survivor_one_more_switch(
     records = [json.loads(line) for line in (tmp_path / "loss.jsonl").read_text().splitlines()]
     resumed = min(r["wall"] for r in records if r["wall"] > killed)
     assert resumed - killed < 25, f"the survivor trained again {resumed - killed:.1f} s after the first death\n{logs}"
+    _, reference_state = reference_losses(steps, tmp_path, extra)
+    assert compare_states(result["state_file"], reference_state) == []
+
+
+def test_a_second_worker_killed_during_the_recovery_costs_the_survivor_one_more_switch(etcd_server, tmp_path):
+    """3 agents x 1 worker (dp=3, --nnodes 1:3): the worker of agent 1 is SIGKILLed, and the worker of
+    agent 2 as soon as agent 2 reports that it left its collective for the first failure. Agent 0's
+    replica holds everything: it trains again after at most two switches (the generation the second
+    death breaks, if it was published in time, and the next one), and both nodes rejoin once their
+    restarted workers run; every step trained once, the final state bitwise the uninterrupted run's."""
+    extra, steps = ["--elementwise"], 40
+    result = run_scenario(
+        "tp=1,pp=1,dp=auto",
+        1,
+        steps,
+        0.15,
+        tmp_path,
+        echo=False,
+        rdzv=etcd_rdzv(etcd_server, "inrecovery"),
+        events=("kill-in-recovery",),
+        initial_agents=3,
+        min_nodes=1,
+        extra_script_args=extra,
+        event_steps=[6],
+    )
+    logs = result["cluster"].tail(80)
+    assert result["codes"] == [0, 0, 0], f"agents exited {result['codes']}\n{logs}"
+    assert sorted(result["losses"]) == list(range(steps)), logs
+    for agent in (1, 2):
+        assert '"workers_failed"' in "".join(result["cluster"].outputs[agent]), f"agent {agent}\n{logs}"
+    killed = result["events"][0]["wall"]
+    records = [json.loads(line) for line in (tmp_path / "loss.jsonl").read_text().splitlines()]
+    before = max(r["generation"] for r in records if r["wall"] <= killed)
+    resumed = min((r for r in records if r["generation"] > before), key=lambda r: r["wall"])
+    assert resumed["generation"] <= before + 2, f"the survivor trained again in generation {resumed['generation']}"
+    assert resumed["wall"] - killed < 15, f"the survivor trained again {resumed['wall'] - killed:.1f} s after"
+    switches = [m for m in result["migrations"] if before < m["generation"] <= resumed["generation"]]
+    assert switches and all(m["leave_spread_s"] is None or m["leave_spread_s"] <= 2.0 for m in switches), switches
+    assert max(m["new_world_size"] for m in result["migrations"]) == 3  # both nodes came back
     _, reference_state = reference_losses(steps, tmp_path, extra)
     assert compare_states(result["state_file"], reference_state) == []

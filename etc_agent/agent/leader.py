@@ -30,6 +30,23 @@ log = logging.getLogger("etc_agent.agent")
 
 
 @dataclass
+class _Nodes:
+    """The node records as one read of ``nodes/`` found them, in group order. A decision works from one
+    read: a record that changes meanwhile (a crashed worker's node taking itself out of the membership
+    just before it reports the failure) is then seen the same way by every part of the decision."""
+
+    records: list[NodeRecord]
+
+    def members(self, include_leaving: bool = False, include_unready: bool = False) -> list[NodeRecord]:
+        """The ready nodes that are not leaving (and those too, when asked)."""
+        return [r for r in self.records if (include_leaving or not r.leaving) and (include_unready or r.ready)]
+
+    def drop(self, node_id: str) -> None:
+        """A node whose record the decision deleted."""
+        self.records = [r for r in self.records if r.node_id != node_id]
+
+
+@dataclass
 class _Basis:
     """What the next generation is decided from: the current one as read, and what carries over."""
 
@@ -216,11 +233,13 @@ class Leader:
         peer_failed = bool(self.store.get_prefix(f"generations/{current.number}/peer_failed/"))
         return failed or peer_failed or all_succeeded(current, statuses)
 
-    def _drop_gone_agents(self, current: GenerationRecord, statuses: dict[str, NodeStatus], num_abandoned: int) -> None:
+    def _drop_gone_agents(
+        self, current: GenerationRecord, statuses: dict[str, NodeStatus], num_abandoned: int, nodes: _Nodes
+    ) -> None:
         """Members whose agent is gone (:mod:`etc_agent.agent.gone`) leave now, not when their lease
-        expires: their node records are deleted. ``statuses`` and ``num_abandoned``: what the caller
-        read of ``current`` (failures reported in it)."""
-        records = self.members_now(include_leaving=True, include_unready=True)
+        expires: their node records are deleted (and dropped from ``nodes``). ``statuses`` and
+        ``num_abandoned``: what the caller read of ``current`` (failures reported in it)."""
+        records = nodes.members(include_leaving=True, include_unready=True)
         self._gone.learn(records)
         evidence = (
             len(self.store.get_prefix(f"generations/{current.number}/peer_failed/"))
@@ -229,6 +248,7 @@ class Leader:
         )
         for node_id in self._gone.check(current.number, evidence, current.members, records):
             self.store.delete(f"nodes/{node_id}")
+            nodes.drop(node_id)
             self.emit(
                 "agent_gone",
                 {
@@ -253,13 +273,15 @@ class Leader:
         return self.store.get("elastic") is not None
 
     def members_now(self, include_leaving: bool = False, include_unready: bool = False) -> list[NodeRecord]:
-        """The registered, ready nodes in group order: ``--node-rank`` hints first, then by registration."""
+        """The registered, ready nodes in group order (one read of the store)."""
+        return self._read_nodes().members(include_leaving, include_unready)
+
+    def _read_nodes(self) -> _Nodes:
+        """Every node record, in group order: ``--node-rank`` hints first, then by registration."""
         nodes = []
         for kv in self.store.get_prefix("nodes/"):
             record = self.reader.parse(NodeRecord, kv)
-            if record is None:
-                continue
-            if (include_leaving or not record.leaving) and (include_unready or record.ready):
+            if record is not None:
                 nodes.append((record, kv.mod_revision))
         nodes.sort(
             key=lambda item: (
@@ -268,7 +290,7 @@ class Leader:
                 item[0].node_id,
             )
         )
-        return [n for n, _ in nodes]
+        return _Nodes([n for n, _ in nodes])
 
     def _requested_spec(self) -> ParallelSpec | None:
         """A layout asked for at run time (``etc-agent reconfigure``), which wins over ``--parallel``."""
@@ -289,13 +311,18 @@ class Leader:
             return
         current = basis.current
         if current and current.status == "running":
-            final, reason, basis.restart_count = self._after_running(basis)
+            # The statuses first, then the node records: a node that reported a worker failure took
+            # itself out of the membership before, so the records read after it show that too.
+            statuses = self.statuses(current.number)
+            nodes = self._read_nodes()
+            final, reason, basis.restart_count = self._after_running(basis, statuses, nodes)
             if final is not None:
                 self._publish(final, basis.version)
                 return
         else:
+            nodes = self._read_nodes()
             reason = "start" if current is None else "enough nodes"
-        alive = self.members_now()
+        alive = nodes.members()
         alive_ids = [n.node_id for n in alive]
         # Keep surviving members in their order, then newcomers.
         ordered = [n for n in (current.members if current else []) if n in alive_ids] + [
@@ -304,7 +331,7 @@ class Leader:
         ordered = ordered[: self.config.max_nodes]
         devices = {n.node_id: n.num_devices for n in alive}
         if current and current.status == "running" and self._live_job():
-            ordered, reason = self._keep_restarting(current, ordered, devices, reason)
+            ordered, reason = self._keep_restarting(current, ordered, devices, reason, nodes)
         fitted = self._fit(basis, ordered, devices)
         if fitted is None:
             return
@@ -330,7 +357,7 @@ class Leader:
                     basis, ordered, devices, f"{len(ordered)} of at least {self.config.min_nodes} nodes"
                 )
             return
-        self._publish_running(basis, ordered, devices, parallel, reason)
+        self._publish_running(basis, ordered, devices, parallel, reason, nodes)
 
     def _basis(self) -> _Basis | None:
         """The current generation and what the next one inherits; None once the job is over."""
@@ -356,11 +383,12 @@ class Leader:
             basis.started = True
         return basis
 
-    def _after_running(self, basis: _Basis) -> tuple[GenerationRecord | None, str | None, int]:
+    def _after_running(
+        self, basis: _Basis, statuses: dict[str, NodeStatus], nodes: _Nodes
+    ) -> tuple[GenerationRecord | None, str | None, int]:
         """What the statuses of a running generation call for: (a final record to publish, or None;
         the reason for a next running one, or None for a membership/layout change; the restart count)."""
         current, number, restart_count = basis.current, basis.number, basis.restart_count
-        statuses = self.statuses(current.number)
         abandoned = [
             r
             for r in (
@@ -369,7 +397,7 @@ class Leader:
             )
             if r is not None
         ]
-        self._drop_gone_agents(current, statuses, len(abandoned))
+        self._drop_gone_agents(current, statuses, len(abandoned), nodes)
         failed = [n for n, s in statuses.items() if s.state == "failed" and n in current.members]
         fatal = [s.message for n, s in statuses.items() if s.state == "failed" and s.fatal]
         if fatal:
@@ -386,7 +414,7 @@ class Leader:
             # current generation already answers.
             failed += [
                 n.node_id
-                for n in self.members_now(include_unready=True)
+                for n in nodes.members(include_unready=True)
                 if n.restarting
                 and n.crashed_in == current.number
                 and n.node_id in current.members
@@ -422,14 +450,14 @@ class Leader:
         return None, None, restart_count
 
     def _keep_restarting(
-        self, current: GenerationRecord, ordered: list[str], devices: dict[str, int], reason: str | None
+        self, current: GenerationRecord, ordered: list[str], devices: dict[str, int], reason: str | None, nodes: _Nodes
     ) -> tuple[list[str], str | None]:
         """Members restarting a crashed worker are out of the membership until it runs, so the others go
         on without them; unless the others alone cannot (fewer than --nnodes MIN, or no layout fits):
         then they stay members and the generation waits for the restarted process (a restart in place)."""
         restarting = {
             n.node_id: n
-            for n in self.members_now(include_unready=True)
+            for n in nodes.members(include_unready=True)
             if not n.ready and n.node_id in current.members and n.node_id not in ordered
         }
         if not restarting or (self._fits(ordered, devices) and self.config.migration == "live"):
@@ -521,6 +549,7 @@ class Leader:
         devices: dict[str, int],
         parallel: str | None,
         reason: str,
+        nodes: _Nodes,
     ) -> None:
         current = basis.current
         # Departing members that are still alive send their state before they exit.
@@ -528,7 +557,7 @@ class Leader:
         # surviving copy of some state (a node failure took the other), and go idle after sending.
         # So do the surviving workers of a node that restarts a crashed one (registered, not ready).
         # Their restarted workers hold nothing and are left out (nobody waits for them to start).
-        registered = {n.node_id: n for n in self.members_now(include_leaving=True, include_unready=True)}
+        registered = {n.node_id: n for n in nodes.members(include_leaving=True, include_unready=True)}
         previous = current.members if current else []
         sending = {
             n: [d for d in range(r.num_devices) if d not in r.restarting]
