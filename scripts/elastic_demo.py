@@ -147,7 +147,8 @@ class Cluster:
 
     def worker_pids(self, agent: int) -> list[int]:
         """Live worker pids of one agent, from /proc: its children running the example, or the
-        children of its fork server (``--start-method forkserver``, the default)."""
+        children of its fork server (``--start-method forkserver``, the default) but the workers'
+        stores it hosts (``etc-store``)."""
         table: dict[int, tuple[int, str]] = {}
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
@@ -157,8 +158,8 @@ class Cluster:
                 cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
                 continue
-            if stat.rsplit(")", 1)[1].split()[0] == "Z":
-                continue  # exited, not yet reaped
+            if stat.rsplit(")", 1)[1].split()[0] == "Z" or stat.split("(", 1)[1].startswith("etc-store)"):
+                continue  # exited, not yet reaped; or a store host
             table[int(entry.name)] = (int(stat.rsplit(")", 1)[1].split()[1]), cmdline)
         parent = (self.launchers[agent] if self.sidecar else self.agents[agent]).pid
         servers = {pid for pid, (ppid, cmd) in table.items() if ppid == parent and "etc_agent.worker.forkserver" in cmd}

@@ -54,6 +54,7 @@ from etc_agent.agent.forkserver import ForkServer
 from etc_agent.agent.leader import Leader
 from etc_agent.agent.protocol import RESTART_EXIT, Phase, PhaseTracker
 from etc_agent.agent.records import RecordReader
+from etc_agent.agent.storehost import WorkerStores
 from etc_agent.agent.workers import AttachedWorkers, Attachments, WorkerGroup, WorkerSpec
 from etc_agent.rendezvous.records import (
     AbandonRecord,
@@ -120,7 +121,7 @@ class Agent:
         self._log_root = Path(spec.log_dir) if spec.log_dir else Path(tempfile.mkdtemp(prefix="etcrun-"))
         self._run_dir = self._log_root / f"{config.run_id}_{self.node_id}"
         self._threads: list[threading.Thread] = []
-        self._tcp_store = None
+        self._worker_stores = WorkerStores(self.host, None)
         self._latest: GenerationRecord | None = None
         self._unreported: tuple[GenerationRecord, NodeStatus] | None = None
         self._end_watch = EndWatch(self.node_id)
@@ -135,7 +136,6 @@ class Agent:
         self._attachments = Attachments()
         self._assignments: dict[int, Assignment] = {}
         """What each local worker is in the generation this node serves (rank, group, store address)."""
-        self._stores: list = []
         self._ready = True
         self._restarting: set[int] = set()
         """Local ranks restarted after a crash whose new process has not said hello yet (the node is
@@ -221,14 +221,10 @@ class Agent:
                 self._static_attempts.add(gen.restart_count)
                 record = MasterRecord(addr=self._static_store.host, port=self._static_store.port)
             else:
-                # Like torchrun's c10d agents: the first member hosts the workers' TCPStore, a fresh one
-                # per generation (stale keys of an old generation would break gloo's connect).
-                from torch.distributed import TCPStore
-
-                self._tcp_store = TCPStore(self.host, 0, is_master=True, wait_for_workers=False)
-                # Live workers may still be leaving the previous generation's group: keep its store too.
-                self._stores = [*self._stores[-1:], self._tcp_store]
-                record = MasterRecord(addr=self.host, port=self._tcp_store.port)
+                # Like torchrun's c10d agents: the first member hosts the workers' store
+                # (etc_agent.agent.storehost).
+                addr, port = self._worker_stores.new()
+                record = MasterRecord(addr=addr, port=port)
             self.store.create(key, record.dumps())
         deadline = time.monotonic() + self.config.join_timeout
         while time.monotonic() < deadline and not self.stop_requested.is_set():
@@ -390,7 +386,6 @@ class Agent:
             self.emit("workers_stopping", {"reason": why, **({"signal": sig.name} if sig != signal.SIGTERM else {})})
             self.workers.stop(self.config.shutdown_timeout, sig)
             self.workers = None
-        self._tcp_store = None
 
     def _report(self, gen: GenerationRecord, status: NodeStatus) -> None:
         if self._reported == (gen.number, status.state):
@@ -412,12 +407,15 @@ class Agent:
     def run(self) -> int:
         """Run until the job ends (0 on success), this node leaves (0), or it fails (1)."""
         if self.spec.start_method == "forkserver" and not self.spec.no_python and not self.config.sidecar:
-            # Its imports run beside this process's and the rendezvous: workers fork ready from it.
+            # Its imports run beside this process's and the rendezvous: workers fork ready from it,
+            # and so do the workers' stores this agent hosts (this process never imports torch).
             self._forkserver = ForkServer()
-        # torch takes ~1.5 s to import: pay it before joining, not when a generation needs the
-        # TCPStore. Not in a background thread: TCPStores made while torch was still importing in
-        # another thread made workers abort ("terminate called without an active exception").
-        import torch.distributed  # noqa: F401
+            self._worker_stores = WorkerStores(self.host, self._forkserver)
+        else:
+            # torch takes ~1.5 s to import: pay it before joining, not when a generation needs the
+            # TCPStore. Not in a background thread: TCPStores made while torch was still importing
+            # in another thread made workers abort ("terminate called without an active exception").
+            import torch.distributed  # noqa: F401
 
         host, port = parse_address(
             self.config.control_addr or ("127.0.0.1:29401" if self.config.sidecar else "127.0.0.1:0")
@@ -455,6 +453,7 @@ class Agent:
             self._control.stop()
             if self._liveness is not None:
                 self._liveness.close()
+            self._worker_stores.close()
             if self._forkserver is not None:
                 self._forkserver.close()
             try:
