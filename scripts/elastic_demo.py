@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import signal
 import socket
@@ -514,27 +515,61 @@ def reference_losses(
         return read_losses(loss_log), state_file
     loss_log = work / "reference_loss.jsonl"
     state_file = work / "reference_state.pt"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            module,
-            "--steps",
-            str(parallel_steps),
-            "--loss-log",
-            str(loss_log),
-            "--dump-state",
-            str(state_file),
-            *(extra_script_args or []),
-        ],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        text=True,
-        env={k: v for k, v in os.environ.items() if not k.startswith("ETC_AGENT")},
-    )
+    argv = [
+        module,
+        "--steps",
+        str(parallel_steps),
+        "--loss-log",
+        str(loss_log),
+        "--dump-state",
+        str(state_file),
+        *(extra_script_args or []),
+    ]
+    output = work / "reference_output.txt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ETC_AGENT")}
+    # Forked from multiprocessing's fork server, which imported torch once for every reference run of
+    # this process (a new interpreter spends ~3 s of CPU on it each time); what runs is what
+    # `python -m MODULE ARGS` runs, in ROOT, with this environment less its ETC_AGENT_* variables.
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor"])
+    process = ctx.Process(target=_run_module, args=(argv, env, str(ROOT), str(output)), daemon=True)
+    process.start()
+    process.join(timeout=600)
+    if process.exitcode != 0:
+        process.kill()
+        tail = output.read_text()[-4000:] if output.exists() else ""
+        raise RuntimeError(f"reference run {' '.join(argv)} failed (exit code {process.exitcode}):\n{tail}")
     _REFERENCES[key] = (loss_log, state_file)
     return read_losses(loss_log), state_file
+
+
+def _run_module(argv: list[str], env: dict[str, str], cwd: str, output: str) -> None:
+    """``python -m ARGV...`` in this (forked) process, its output to ``output``; exits with its code."""
+    import runpy
+
+    code = 1
+    try:
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+        fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        sys.argv = list(argv)
+        sys.path[0] = cwd
+        try:
+            runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    except BaseException:  # noqa: BLE001 - reported through the exit code and the output file
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # not the interpreter's exit: torch 2.13's gloo teardown can deadlock there
 
 
 _REFERENCES: dict[tuple, tuple[Path, Path]] = {}

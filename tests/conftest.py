@@ -10,6 +10,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Before any process is forked from multiprocessing's fork server (dist_harness, the demo's reference
+# runs): it keeps the sys.path it started with, and its children import their functions from these.
+sys.path.insert(0, str(ROOT / "scripts"))
 MODELS = ROOT / "configs" / "models"
 
 # Every test is in exactly one layer (markers registered in pyproject.toml; docs/development.md):

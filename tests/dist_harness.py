@@ -1,7 +1,13 @@
-"""Run a function in N fresh processes on a gloo process group (127.0.0.1, random port).
+"""Run a function in N new processes on a gloo process group (127.0.0.1, random port).
 
 One scenario helper for every multi-process test: ``run_workers(n, fn, *args)`` returns each rank's
 return value and re-raises the first worker failure with its traceback. Every wait is bounded.
+
+The processes are forked from multiprocessing's fork server, which imports torch (and
+``torch.distributed``, DTensor, dynamo) once per test session: a new interpreter would spend 2-3 s
+of CPU on those imports for every rank of every test. Nothing of this package is preloaded (its
+modules read fault-injection variables at import), and each process gets the test's environment
+as it is when ``run_workers`` is called, not the server's.
 """
 
 from __future__ import annotations
@@ -21,7 +27,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, world: int, port: int, fn: Callable, args: tuple, queue, pg_timeout_s: float) -> None:
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def _child(
+    rank: int, world: int, port: int, fn: Callable, args: tuple, queue, pg_timeout_s: float, env: dict[str, str]
+) -> None:
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
@@ -54,11 +73,12 @@ def run_workers(
     may_exit: frozenset[int] = frozenset(),
 ) -> list[Any]:
     """Each rank's return value; a rank in ``may_exit`` may also die without reporting (its value: None)."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     port = free_port()
+    env = dict(os.environ)
     procs = [
-        ctx.Process(target=_child, args=(r, world, port, fn, args, queue, pg_timeout_s), daemon=True)
+        ctx.Process(target=_child, args=(r, world, port, fn, args, queue, pg_timeout_s, env), daemon=True)
         for r in range(world)
     ]
     for p in procs:

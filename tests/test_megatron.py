@@ -318,7 +318,7 @@ def test_megatron_gpt_trains_through_join_leave_reconfigure_and_crash_under_etcr
     work = tmp_path / "elastic"
     work.mkdir()
     digests = work / "digests.jsonl"
-    script = ["--global-batch", "12", "--digest-log", str(digests)]
+    script = ["--global-batch", "12", "--micro-batch", "2", "--digest-log", str(digests)]
     rdzv = [
         "--rdzv-backend",
         "etcd-v3",
@@ -375,6 +375,6 @@ def test_megatron_gpt_trains_through_join_leave_reconfigure_and_crash_under_etcr
     ]
     assert list(dict.fromkeys(crossings)) == changes and len(crossings) <= len(changes) + 1, crossings
 
-    reference, _ = reference_losses(steps, work, ["--global-batch", "12"], module=module)
+    reference, _ = reference_losses(steps, work, ["--global-batch", "12", "--micro-batch", "2"], module=module)
     worst = max(abs(result["losses"][s] - reference[s]) / abs(reference[s]) for s in range(steps))
     assert worst < 1e-5, f"worst relative loss difference {worst:.2e} against the uninterrupted run"
