@@ -12,8 +12,11 @@ Cases: ``worker`` (SIGKILL of one worker, pure data parallel ``dp=auto``) and ``
 of a whole agent with its workers, ``tp=2,dp=auto`` with ``--placement resilient``).
 
 Figures, from the SIGKILL (wall clock, one machine): ``stall_s`` until the survivors finished their
-first step after it; ``full_strength_s`` until a step trained again with every worker of before
-(``worker`` only; a killed node does not come back); ``redone_steps``, steps trained twice.
+first step after it; ``lost_s``, the time the crash cost beyond training: the interval from the last
+step finished before the kill to the first one after it, less one step of the layout the survivors
+train in (the median interval of the next steps), so the interrupted step's work and the switch;
+``full_strength_s`` until a step trained again with every worker of before (``worker`` only; a
+killed node does not come back); ``redone_steps``, steps trained twice.
 
     python scripts/bench_crash.py --quick               # 1.1 MB of state, 1 repetition
     python scripts/bench_crash.py --size 300mb          # ~320 MB data-parallel job, 3 repetitions
@@ -78,12 +81,20 @@ def run_once(case: str, method: str, model_args: list[str], work: Path) -> dict:
     if not after:
         raise RuntimeError(f"{case}/{method}: no step trained after the kill\n" + result["cluster"].tail())
     resumed = after[0]
+    last_before = max(r["wall"] for r in records if r["wall"] <= killed["wall"])
+    # One step of the survivors' layout: the median interval between its next steps (not the
+    # full-strength layout's, which a rejoin brings back).
+    same = [r["wall"] for r in after if r["config"] == resumed["config"] and r["generation"] == resumed["generation"]]
+    intervals = [b - a for a, b in zip(same, same[1:])][:INTERVAL]
+    step_s = statistics.median(intervals) if intervals else None
     # A killed node does not come back; a restarted worker's node does (at once, for the baseline).
     back = None if case == "node" else next((r for r in after if r["config"] == full_config), None)
     return {
         "case": case,
         "method": method,
         "stall_s": round(resumed["wall"] - killed["wall"], 3),
+        "lost_s": round(resumed["wall"] - last_before - step_s, 3) if step_s is not None else None,
+        "step_s": round(step_s, 3) if step_s is not None else None,
         "full_strength_s": round(back["wall"] - killed["wall"], 3) if back else None,
         "killed_at_step": killed["step"],
         "resumed_at_step": resumed["step"],
@@ -109,6 +120,10 @@ def run_once(case: str, method: str, model_args: list[str], work: Path) -> dict:
             for m in result["migrations"]
         ],
     }
+
+
+def _fmt(value: float | None) -> str:
+    return f"{value:.2f}" if value is not None else "-"
 
 
 def main() -> None:
@@ -141,18 +156,26 @@ def main() -> None:
         return statistics.median(values) if values else None
 
     table = Table(title=f"Crash recovery ({size} model, 2 agents x 2, kill after a checkpoint; medians of {repeat})")
-    for column in ("case", "method", "survivor stall s", "full strength s", "redone steps", "ratio"):
+    for column in ("case", "method", "survivor stall s", "lost s", "step s", "full strength s", "redone", "ratio"):
         table.add_column(column, justify="right")
     summary = {}
     for case in cases:
         live, base = median((case, "live"), "stall_s"), median((case, "checkpoint"), "stall_s")
-        summary[case] = {"live_stall_s": live, "checkpoint_stall_s": base, "speedup": round(base / live, 2)}
+        summary[case] = {
+            "live_stall_s": live,
+            "checkpoint_stall_s": base,
+            "speedup": round(base / live, 2),
+            "live_lost_s": median((case, "live"), "lost_s"),
+            "checkpoint_lost_s": median((case, "checkpoint"), "lost_s"),
+        }
         for method in ("live", "checkpoint"):
             full = median((case, method), "full_strength_s")
             table.add_row(
                 case,
                 method,
                 f"{median((case, method), 'stall_s'):.2f}",
+                _fmt(median((case, method), "lost_s")),
+                _fmt(median((case, method), "step_s")),
                 f"{full:.2f}" if full is not None else "-",
                 f"{median((case, method), 'redone_steps'):.0f}",
                 f"{base / live:.1f}x" if method == "live" else "",
