@@ -135,13 +135,15 @@ def main() -> None:
         samples: dict[int, list[float]] = {}
         agent_pid = None
         leaked: list[int] = []
+        departed: set[int] = set()
+        """Agents told to leave or killed: out of the job although a leaving one may not have exited yet."""
         try:
             agent_pid = cluster.add_agent(host_store=True).pid
             for _ in range(args.min_agents - 1):
                 cluster.add_agent()
             cluster.wait_for(lambda: max(read_losses(loss_log), default=-1) >= 3, 300, "training to start")
             for i in range(args.events):
-                alive = [k for k, a in enumerate(cluster.agents) if a.poll() is None]
+                alive = [k for k, a in enumerate(cluster.agents) if a.poll() is None and k not in departed]
                 choices = ["kill"]
                 if len(alive) < args.max_agents:
                     choices.append("join")
@@ -157,12 +159,14 @@ def main() -> None:
                 elif event == "leave":
                     target = rng.choice([k for k in alive if k != 0])  # agent 0 hosts the embedded store
                     cluster.agents[target].send_signal(signal.SIGTERM)
+                    departed.add(target)
                 elif event == "kill-agent":
                     # A whole node dies (its workers die with it); over etcd it may be the leader.
                     target = rng.choice([k for k in alive if k != 0 or args.etcd])
                     if target == leader_of(cluster):
                         event = "kill-leader"
                     cluster.agents[target].kill()
+                    departed.add(target)
                 else:
                     target = rng.choice(alive)
                     pids = cluster.worker_pids(target)
