@@ -38,6 +38,7 @@ TEST_LAYERS: dict[str, tuple[str, dict[str, list[str]]]] = {
         "multiproc",
         {"e2e": ["test_etcrun_forks_its_workers_from_the_fork_server_by_default", "test_etcrun_start_method_spawn_*"]},
     ),
+    "test_failures.py": ("unit", {"multiproc": ["test_the_agent_does_not_import_torch"]}),
     "test_gone.py": ("unit", {}),
     "test_leader.py": ("unit", {}),
     "test_groups.py": (

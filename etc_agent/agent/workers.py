@@ -18,6 +18,7 @@ from typing import IO, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from etc_agent.agent._exec_with_parent import dying_with_this_process
+from etc_agent.agent.failures import ProcessFailure, format_failures
 from etc_agent.agent.forkserver import ForkedProcess, ForkServer
 
 
@@ -244,8 +245,6 @@ class WorkerGroup:
         """torchrun's ``ChildFailedError`` text for the workers that failed: each failure (time, host,
         rank, exit code, error file, the error file's traceback) and the root cause, the first one
         observed (an error file's own timestamp where the worker wrote one)."""
-        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
-
         failures: list[tuple[int, float, int, ProcessFailure]] = []
         for w in self.workers:
             code = w.proc.poll()
@@ -267,9 +266,7 @@ class WorkerGroup:
             return ""
         # torch's root cause is the first of the smallest timestamp: equal ones (one-second
         # resolution) go in the order the agent saw the exits.
-        return ChildFailedError(
-            name, {rank: failure for _, _, rank, failure in sorted(failures, key=lambda f: f[:3])}
-        ).format_msg()
+        return format_failures(name, {rank: failure for _, _, rank, failure in sorted(failures, key=lambda f: f[:3])})
 
     def failure_summary(self, host: str) -> str:
         """One line per failed worker (what the store's status record carries)."""
