@@ -81,7 +81,7 @@ def run_once(case: str, method: str, model_args: list[str], work: Path) -> dict:
     if not after:
         raise RuntimeError(f"{case}/{method}: no step trained after the kill\n" + result["cluster"].tail())
     resumed = after[0]
-    last_before = max(r["wall"] for r in records if r["wall"] <= killed["wall"])
+    last_before = max(r["wall"] for r in before)
     # One step of the survivors' layout: the median interval between its next steps (not the
     # full-strength layout's, which a rejoin brings back).
     same = [r["wall"] for r in after if r["config"] == resumed["config"] and r["generation"] == resumed["generation"]]

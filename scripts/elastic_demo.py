@@ -545,31 +545,16 @@ def reference_losses(
 
 def _run_module(argv: list[str], env: dict[str, str], cwd: str, output: str) -> None:
     """``python -m ARGV...`` in this (forked) process, its output to ``output``; exits with its code."""
-    import runpy
+    from etc_agent.utils.forkserver import run_as_main
 
-    code = 1
-    try:
-        os.chdir(cwd)
-        os.environ.clear()
-        os.environ.update(env)
-        fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        sys.argv = list(argv)
-        sys.path[0] = cwd
-        try:
-            runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
-            code = 0
-        except SystemExit as exit_:
-            code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
-    except BaseException:  # noqa: BLE001 - reported through the exit code and the output file
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)  # not the interpreter's exit: torch 2.13's gloo teardown can deadlock there
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    # Not the interpreter's exit: torch 2.13's gloo teardown can deadlock there.
+    os._exit(run_as_main(["-m", *argv]))
 
 
 _REFERENCES: dict[tuple, tuple[Path, Path]] = {}

@@ -121,7 +121,7 @@ class Agent:
         self._log_root = Path(spec.log_dir) if spec.log_dir else Path(tempfile.mkdtemp(prefix="etcrun-"))
         self._run_dir = self._log_root / f"{config.run_id}_{self.node_id}"
         self._threads: list[threading.Thread] = []
-        self._worker_stores = WorkerStores(self.host, None)
+        self._worker_stores: WorkerStores | None = None
         self._latest: GenerationRecord | None = None
         self._unreported: tuple[GenerationRecord, NodeStatus] | None = None
         self._end_watch = EndWatch(self.node_id)
@@ -223,6 +223,7 @@ class Agent:
             else:
                 # Like torchrun's c10d agents: the first member hosts the workers' store
                 # (etc_agent.agent.storehost).
+                assert self._worker_stores is not None  # made by run() before any generation is served
                 addr, port = self._worker_stores.new()
                 record = MasterRecord(addr=addr, port=port)
             self.store.create(key, record.dumps())
@@ -410,12 +411,12 @@ class Agent:
             # Its imports run beside this process's and the rendezvous: workers fork ready from it,
             # and so do the workers' stores this agent hosts (this process never imports torch).
             self._forkserver = ForkServer()
-            self._worker_stores = WorkerStores(self.host, self._forkserver)
         else:
             # torch takes ~1.5 s to import: pay it before joining, not when a generation needs the
             # TCPStore. Not in a background thread: TCPStores made while torch was still importing
             # in another thread made workers abort ("terminate called without an active exception").
             import torch.distributed  # noqa: F401
+        self._worker_stores = WorkerStores(self.host, self._forkserver)
 
         host, port = parse_address(
             self.config.control_addr or ("127.0.0.1:29401" if self.config.sidecar else "127.0.0.1:0")

@@ -216,7 +216,7 @@ def _child(message: dict[str, Any], streams: dict[str, int], server_pid: int, se
         os.environ.clear()
         os.environ.update(message["env"])
         _reseed()
-        code = _run(message["argv"])
+        code = run_as_main(message["argv"])
     except BaseException:  # noqa: BLE001 - whatever happened, this process must not return into the server's loop
         traceback.print_exc()
     finally:
@@ -234,8 +234,9 @@ def _reseed() -> None:
         torch.set_num_threads(int(threads))
 
 
-def _run(argv: list[str]) -> int:
-    """``python -u ARGV`` in this process: the script or ``-m`` module as ``__main__``; the exit code."""
+def run_as_main(argv: list[str]) -> int:
+    """``python -u ARGV`` in this process: the script or ``-m`` module as ``__main__``; the exit code
+    (a forked worker's life, and the test suite's forked reference runs)."""
     import atexit
     import runpy
     import threading
