@@ -608,11 +608,6 @@ def test_a_replacement_killed_while_it_joins_costs_the_survivor_one_more_switch(
     assert compare_states(result["state_file"], reference_state) == []
 
 
-@pytest.mark.skip(
-    reason="wedges 1 run in 2-3: the survivor stays blocked in ProcessGroupGloo's constructor (C++, GIL released) "
-    "for minutes when the second worker dies after it arrived in the generation's store but before gloo connected; "
-    "the GenerationStore cannot end that wait (it is past the store). Open bug, see docs/faults.md"
-)
 def test_a_second_worker_killed_during_the_recovery_costs_the_survivor_one_more_switch(etcd_server, tmp_path):
     """3 agents x 1 worker (dp=3, --nnodes 1:3): the worker of agent 1 is SIGKILLed, and the worker of
     agent 2 as soon as agent 2 reports that it left its collective for the first failure. Agent 0's

@@ -160,3 +160,81 @@ def test_forming_a_group_gives_up_when_a_newer_generation_exists_or_at_its_timeo
             assert is_peer_failure(RuntimeError(message))
         for mark in tmp_path.glob("done*"):
             mark.unlink()
+
+
+def _form_while_a_peer_dies_after_publishing(rank: int, world: int, port: int, marks: str) -> tuple[float, str]:
+    """Ranks form a gloo group of ``world`` with :func:`gloo_group` (collective timeout 30 s); the last
+    rank publishes its address and exits at its first wait in the store, before it connects. Each
+    survivor reports how long it took to learn of the death (in the constructor or at its first
+    receive from that peer) and the error."""
+    from etc_agent.worker.connect import gloo_group
+    from etc_agent.worker.genstore import GenerationStore
+
+    class DiesAfterPublishing(GenerationStore):
+        def wait(self, keys, timeout=None):
+            if rank == world - 1:
+                os._exit(9)
+            super().wait(keys, timeout)
+
+    inner = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, timeout=timedelta(seconds=30), wait_for_workers=False)
+    store = DiesAfterPublishing(inner, 7, lambda: None, timeout_s=30.0)
+    started = time.monotonic()
+    try:
+        group = gloo_group(dist.PrefixStore("gen7/migrate/", store), rank, world, timedelta(seconds=30))
+        # The active side of a pair counts it connected once its connect and first write succeed,
+        # which the kernel may grant a peer that is exiting: that rank learns at its first receive.
+        group.recv([torch.zeros(1)], world - 1, 0).wait()
+    except RuntimeError as err:
+        message = str(err)
+    else:
+        message = "received from the dead peer"
+    took = time.monotonic() - started
+    (Path(marks) / f"done{rank}").write_text("1")
+    deadline = time.monotonic() + 30  # the store's server (rank 0) stays up until the others are done
+    while rank == 0 and len(list(Path(marks).glob("done*"))) < world - 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return took, message
+
+
+def test_a_peer_that_dies_between_publishing_its_address_and_connecting_costs_the_others_seconds(tmp_path):
+    """gloo's passive side waits 5 x the group's timeout for a connection that never comes (50 s for a
+    10 s timeout with torch's constructor, scripts/repro_connect_wedge.py); formed under the connect
+    bound (1 s by default) the others fail within 5 s, with an error the switch takes for a peer failure.
+    Which side of each pair is passive follows the ports, so a run may test only the active side."""
+    from dist_harness import free_port
+
+    from etc_agent.worker.connect import CONNECT_WAIT_FACTOR, connect_timeout_s
+    from etc_agent.worker.errors import is_peer_failure
+
+    results = run_workers(
+        3, _form_while_a_peer_dies_after_publishing, free_port(), str(tmp_path), may_exit=frozenset({2})
+    )
+    assert results[2] is None
+    limit_s = CONNECT_WAIT_FACTOR * connect_timeout_s() + 2.0
+    for took, message in results[:2]:
+        assert took <= limit_s, (took, message)
+        assert is_peer_failure(RuntimeError(message)), message
+
+
+def _late_collective(rank: int, world: int, port: int) -> tuple[float, float]:
+    """A group formed under the connect bound, then an all-reduce that rank 1 joins 3 s late."""
+    from etc_agent.worker.connect import gloo_group
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, timeout=timedelta(seconds=30))
+    group = gloo_group(dist.PrefixStore("late/", store), rank, world, timedelta(seconds=30))
+    if rank == 1:
+        time.sleep(3.0)
+    started = time.monotonic()
+    tensor = torch.arange(4, dtype=torch.float32) + rank
+    group.allreduce([tensor]).wait()
+    return time.monotonic() - started, float(tensor.sum())
+
+
+def test_a_group_formed_under_the_connect_bound_keeps_the_collective_timeout():
+    from dist_harness import free_port
+
+    from etc_agent.worker.connect import connect_timeout_s
+
+    assert connect_timeout_s() < 3.0  # else the late peer below would not test anything
+    waits = run_workers(2, _late_collective, free_port())
+    assert waits[0][0] >= 2.5 and all(total == 16.0 for _, total in waits), waits

@@ -213,9 +213,10 @@ def test_resumable_checkpoints_skip_incomplete_and_unusable_ones_and_say_so(tmp_
     assert resumable_checkpoints(tmp_path / "absent") == {}
 
 
-def test_the_mesh_groups_are_bounded_by_the_job_timeout_from_their_creation(monkeypatch):
+def test_the_mesh_groups_are_bounded_by_the_connect_timeout_while_created_then_by_the_job_timeout(monkeypatch):
     """A subgroup still being created (connecting to a peer that gave its generation up) must give
-    up at the job's timeout, not torch's 30-minute default: the timeout goes into new_group itself."""
+    up within seconds, not at torch's 30-minute default: the connect bound goes into new_group itself
+    (etc_agent.worker.connect); the groups' collectives are then bounded by the job's timeout."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -235,7 +236,13 @@ def test_the_mesh_groups_are_bounded_by_the_job_timeout_from_their_creation(monk
     monkeypatch.setattr(device_mesh, "new_group", recording)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=10))
     try:
-        make_context(ParallelConfig.parse("tp=1,pp=1,dp=1"), 0, 0, torch.device("cpu"), timeout=timedelta(seconds=7))
-        assert created and all(t == timedelta(seconds=7) for t in created), created
+        monkeypatch.setenv("ETC_AGENT_CONNECT_TIMEOUT", "1.5")
+        ctx = make_context(
+            ParallelConfig.parse("tp=1,pp=1,dp=1"), 0, 0, torch.device("cpu"), timeout=timedelta(seconds=7)
+        )
+        assert created and all(t == timedelta(seconds=1.5) for t in created), created
+        for name in ctx.mesh.mesh_dim_names:
+            backend = ctx.mesh.get_group(name)._get_backend(torch.device("cpu"))
+            assert backend.options._timeout == timedelta(seconds=7), name
     finally:
         destroy_all_groups()

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from etc_agent.migrate.describe import BoxedTensor, describe_state
 from etc_agent.migrate.storage import read_regions, save_shards_on
 from etc_agent.migrate.transport import GroupTransport
+from etc_agent.worker.connect import gloo_group
 
 log = logging.getLogger("etc_agent.worker")
 
@@ -233,7 +234,7 @@ class PeriodicCheckpointer:
         self.snapshots = ([fallback] if fallback is not None else []) + [snapshot]
         staged_s = time.perf_counter() - started
         if self._group is None or self._group[0] != generation:
-            group = dist.ProcessGroupGloo(
+            group = gloo_group(
                 dist.PrefixStore(f"gen{generation}/ckpt{self._groups_dropped or ''}/", store),
                 rank,
                 world_size,

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from etc_agent.layout.config import ParallelConfig
+from etc_agent.worker.connect import forming_timeout
 
 MESH_DIMS = ("pp", "dp", "tp")
 
@@ -87,7 +88,7 @@ def _bounded_groups(timeout: timedelta) -> dict | None:
         options = c10d.Backend.Options(backend)
     else:
         return None
-    options._timeout = timeout
+    options._timeout = forming_timeout(backend, timeout)
     return {name: (backend, options) for name in MESH_DIMS}
 
 
@@ -101,11 +102,11 @@ def make_context(
 ) -> ParallelContext:
     """Build the mesh and groups of ``config`` on the default process group (which must span the world).
 
-    ``timeout`` bounds every collective of the mesh's groups (as the default group's is bounded),
-    from their creation on: subgroups otherwise get torch's default of 30 minutes, and a rank
-    blocked in one of them on a peer that went into recovery would wait that long. (Set only after
-    the creation, it left the creation itself unbounded: a rank still connecting a subgroup of a
-    generation its peer had given up waited 30 minutes there, and every later generation for it.)
+    ``timeout`` bounds every collective of the mesh's groups (as the default group's is bounded):
+    subgroups otherwise get torch's default of 30 minutes, and a rank blocked in one of them on a
+    peer that went into recovery would wait that long. Their creation is bounded too, by the
+    connect timeout (:mod:`etc_agent.worker.connect`): a rank still connecting a subgroup of a
+    generation its peer had given up once waited 30 minutes there, and every later generation for it.
     """
     config.check_world_size(dist.get_world_size())
     mesh = init_device_mesh(

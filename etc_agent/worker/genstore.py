@@ -36,7 +36,11 @@ class GenerationStore(dist.Store):
 
     # ---- waits ------------------------------------------------------------------------------------
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        limit_s = self.timeout_s if timeout is None else min(self.timeout_s, timeout.total_seconds())
+        # The caller's timeout is the group's forming bound (seconds, :mod:`etc_agent.worker.connect`),
+        # meant for gloo's pairwise connect; a wait here is for peers still building their state,
+        # which a newer generation ends, so it keeps the switch's own bound.
+        del timeout
+        limit_s = self.timeout_s
         deadline = time.monotonic() + limit_s
         while not self.inner.check(keys):
             newer = self.superseded()

@@ -53,6 +53,7 @@ from etc_agent.migrate.transport import TorchTransport
 from etc_agent.rendezvous.records import MigrationRecord
 from etc_agent.utils.plainstate import materialize_optimizer_state, to_json
 from etc_agent.worker.appstate import split_state
+from etc_agent.worker.connect import connect_timeout_s
 from etc_agent.worker.context import ParallelContext, make_context
 from etc_agent.worker.errors import ArrivalTimeout, JobError, JobFinished, StateLost, is_peer_failure
 from etc_agent.worker.groups import destroy_all_groups, mark_loaded_modules_clean
@@ -84,7 +85,9 @@ class Job:
         died during the step then fails every rank before any optimizer steps, so all states stay at
         the same step (otherwise dp groups away from the failure could step while others cannot)."""
         self.timeout_s = _env_float("ETC_AGENT_TIMEOUT", 120.0)
-        """Bound on forming a group, on every collective of the switch, and on waiting for a generation."""
+        """Bound on every wait of a switch in the store, on every collective, and on waiting for a generation."""
+        self.connect_timeout_s = connect_timeout_s()
+        """Bound on gloo's pairwise connect while a group forms (read here so a bad value fails at start)."""
         # ETC_AGENT_LOCAL_RANK: the agent's own count, which --virtual-local-rank leaves intact (LOCAL_RANK is then 0).
         self.local_rank = int(
             os.environ.get("ETC_AGENT_LOCAL_RANK", os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))

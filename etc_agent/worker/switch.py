@@ -49,6 +49,7 @@ from etc_agent.planner.core import StateLostError
 from etc_agent.planner.validate import PlanValidationError
 from etc_agent.utils.plainstate import from_json, to_json
 from etc_agent.worker.appstate import load_state, split_state
+from etc_agent.worker.connect import gloo_group, init_default_group
 from etc_agent.worker.context import ParallelContext, make_context
 from etc_agent.worker.errors import ArrivalTimeout, BuildMismatch, JobFinished, PlannerBug, StateLost, is_peer_failure
 from etc_agent.worker.genstore import GenerationStore
@@ -262,12 +263,12 @@ class Switch:
         grouped = built = time.perf_counter()
         store = GenerationStore(job.store, generation, lambda: self._newer(generation), job.timeout_s)
         if assignment.rank is not None:
-            dist.init_process_group(
+            init_default_group(
                 job.backend,
-                store=dist.PrefixStore(f"gen{generation}/train/", store),
-                rank=assignment.rank,
-                world_size=assignment.world_size,
-                timeout=timeout,
+                dist.PrefixStore(f"gen{generation}/train/", store),
+                assignment.rank,
+                assignment.world_size,
+                timeout,
             )
             config = job.config_for(assignment.parallel, assignment.world_size)
             # Before the first optimizer step nothing is lost if nobody holds state: build it fresh.
@@ -278,7 +279,7 @@ class Switch:
             new_state = job.build_state(ctx)
             new_tensors, _ = split_state(new_state)
             built = time.perf_counter()
-        group = dist.ProcessGroupGloo(
+        group = gloo_group(
             dist.PrefixStore(f"gen{generation}/migrate/", store),
             assignment.pg_rank,
             assignment.pg_world_size,

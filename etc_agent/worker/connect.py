@@ -1,0 +1,71 @@
+"""Forming gloo groups with a short connect bound: a peer that dies while the group forms costs seconds.
+
+Forming a gloo group has two waits. The first is in the store, for every rank's address; the
+:class:`~etc_agent.worker.genstore.GenerationStore` ends it as soon as a newer generation exists.
+The second is in C++ (``tcp::Pair::waitUntil``, the GIL released), for each peer's TCP connection.
+The rank on the passive side of a pair waits up to five times the group's timeout there and
+nothing can end that wait from Python (gloo's ``connectAsListener`` drops the timeout; the pair's
+condition variable is the only bound). A peer SIGKILLed after it published its address and before
+it connected therefore held every other rank of the generation for 5 x ``ETC_AGENT_TIMEOUT``
+(10 minutes with the default of 120 s, reproduced with ``scripts/repro_connect_wedge.py``).
+
+By the time the pairs connect, every rank has published its address and is inside the same
+constructor (gloo's TCP context reads all addresses before it connects any pair, and a passive
+side's peer connects as soon as it reaches that pair), so a live peer connects within
+milliseconds. The groups are therefore formed with ``ETC_AGENT_CONNECT_TIMEOUT`` (seconds,
+default 1) and given the collective timeout right after: ``ProcessGroupGloo`` reads its
+default timeout at every collective, so ``_set_default_timeout`` bounds what follows. A peer that
+dies mid-formation now costs the others at most 5 x the connect timeout, after which the
+constructor raises and the switch treats it as a peer failure.
+
+NCCL forms its communicators through the store (whose waits the generation store already ends)
+and has no such pairwise wait; its groups keep one timeout. Only gloo is checked here.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch.distributed as dist
+
+CONNECT_TIMEOUT_ENV = "ETC_AGENT_CONNECT_TIMEOUT"
+DEFAULT_CONNECT_TIMEOUT_S = 1.0
+CONNECT_WAIT_FACTOR = 5
+"""gloo's passive side of a pair waits this many times the group's timeout for its peer."""
+
+
+def connect_timeout_s() -> float:
+    """The bound on forming a gloo group (``ETC_AGENT_CONNECT_TIMEOUT``)."""
+    raw = os.environ.get(CONNECT_TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_CONNECT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{CONNECT_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    if not value > 0:
+        raise ValueError(f"{CONNECT_TIMEOUT_ENV}={raw!r} must be a positive number of seconds")
+    return value
+
+
+def forming_timeout(backend: str, timeout: timedelta) -> timedelta:
+    """The timeout to form a ``backend`` group with, whose collectives get ``timeout`` afterwards."""
+    if backend != "gloo":
+        return timeout
+    return min(timeout, timedelta(seconds=connect_timeout_s()))
+
+
+def gloo_group(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> dist.ProcessGroupGloo:
+    """A gloo group formed under the connect bound whose collectives are bounded by ``timeout``."""
+    group = dist.ProcessGroupGloo(store, rank, world_size, forming_timeout("gloo", timeout))
+    group._set_default_timeout(timeout)
+    return group
+
+
+def init_default_group(backend: str, store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> None:
+    """``init_process_group`` on ``store``, formed under the connect bound, collectives bounded by ``timeout``."""
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world_size, timeout=forming_timeout(backend, timeout)
+    )
+    dist.distributed_c10d._set_pg_timeout(timeout)
