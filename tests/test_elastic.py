@@ -301,9 +301,20 @@ def test_ten_worker_kills_in_a_row_never_stall_the_survivors_over_2_s(etcd_serve
     assert compare_states(result["state_file"], reference_state) == []
 
 
-@pytest.mark.parametrize("agents,nproc,event", [(4, 2, "kill-agent"), (2, 4, "kill-leader")], ids=["4x2", "2x4-leader"])
-def test_a_whole_node_killed_loses_no_state_with_the_resilient_placement(etcd_server, tmp_path, agents, nproc, event):
-    """SIGKILL of a whole agent (its workers die with it) under tp=2,pp=2,dp=2. The placement keeps
+@pytest.mark.parametrize(
+    "parallel,agents,nproc,event",
+    [
+        ("tp=2,pp=2,dp=auto", 4, 2, "kill-agent"),
+        ("tp=2,pp=2,dp=auto", 2, 4, "kill-leader"),
+        ("tp=2,pp=1,dp=auto", 3, 2, "kill-agent"),
+    ],
+    ids=["4x2", "2x4-leader", "tp2-3x2"],
+)
+def test_a_whole_node_killed_loses_no_state_with_the_resilient_placement(
+    etcd_server, tmp_path, parallel, agents, nproc, event
+):
+    """SIGKILL of a whole agent (its workers die with it) under tp=2,pp=2,dp=2 (and under tp=2,dp=3,
+    where each node holds one whole replica and the survivors go on with dp=2). The placement keeps
     the two DP replicas of each stage on different nodes (on 2 agents x 4, Megatron's order would put
     a whole stage on one node), so the survivors hold everything: training goes on with the exact
     state and no checkpoint. With 4 agents, the layout after the loss uses 2 of the 3 survivors: the
@@ -317,7 +328,7 @@ def test_a_whole_node_killed_loses_no_state_with_the_resilient_placement(etcd_se
     extra = ["--elementwise", "--micro-batch", "1"]
     steps = 40
     result = run_scenario(
-        "tp=2,pp=2,dp=auto",
+        parallel,
         nproc,
         steps,
         0.15,
@@ -336,9 +347,9 @@ def test_a_whole_node_killed_loses_no_state_with_the_resilient_placement(etcd_se
     assert sorted(result["codes"]) == [-9] + [0] * (agents - 1), f"agents exited {result['codes']}\n{logs}"
     assert sorted(result["losses"]) == list(range(steps)), logs
     [record] = result["migrations"]
-    assert record["old_config"].startswith("tp=2,pp=2,dp=2") and record["new_config"].startswith("tp=2,pp=2,dp=1"), (
-        record
-    )
+    dp_before = agents * nproc // (2 * (2 if "pp=2" in parallel else 1))
+    assert record["old_config"].startswith(parallel.replace("dp=auto", f"dp={dp_before}")), record
+    assert record["new_config"].startswith(parallel.replace("dp=auto", f"dp={dp_before - 1}")), record
     assert len(record["lost"]) == nproc and record["bytes_restored"] == 0, record
     assert record["leave_spread_s"] <= 2.0, record  # every survivor left its collective at once
     assert '"agent_gone"' in text and record["total_stall_s"] < 15, record  # not the 30 s lease
