@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+TEST_SECRET = b"the job secret of the store tests"
+"""The secret of the embedded stores the tests start themselves (etcrun makes its own)."""
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # Before any process is forked from multiprocessing's fork server (dist_harness, the demo's reference
@@ -25,6 +27,7 @@ MODELS = ROOT / "configs" / "models"
 # which takes in all its parametrizations, or its name with the [id]; * stands for any characters.
 # A test marked @pytest.mark.unit/multiproc/e2e in its file keeps that mark.
 TEST_LAYERS: dict[str, tuple[str, dict[str, list[str]]]] = {
+    "test_auth.py": ("unit", {}),
     "test_checkpoint_baseline.py": ("multiproc", {}),
     "test_cli.py": ("e2e", {}),  # etc-agent plan in a subprocess, about 2 s each
     "test_dependencies.py": ("unit", {}),

@@ -123,6 +123,13 @@ def test_plan_auto_prints_candidates_and_reason():
         (plan_args(frm="tp=4,pp=2,dp=2", old="n0:8,n1:8", to="tp=4", new="n0:4") + ["--failed", "n1"], "state lost"),
         (plan_args()[:-2], "Missing option '--new'"),
         (plan_args() + ["--mem-cap", "0"], "--mem-cap must be positive"),
+        (plan_args(frm="tp=1,dp=100000000", old="n0:100000000"), "exceeds 1048576 devices"),
+        (plan_args(old="n0:[0-99999999]"), "more than 1048576 devices"),
+        (plan_args(model="../../tests/huge_model"), "exceed 1e+15 (1 PB"),
+        (plan_args() + ["--plot", "no/such/dir/heat.png"], "--plot no/such/dir/heat.png: no directory no/such/dir"),
+        (["simulate", "--plot", "no/such/dir/sim.png"], "--plot no/such/dir/sim.png: no directory"),
+        (["status", "--rdzv-backend", "embedded", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "r"], "cannot reach"),
+        (["status", "--rdzv-backend", "embedded", "--rdzv-endpoint", "127.0.0.1:99999", "--rdzv-id", "r"], "99999"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, message):
@@ -131,6 +138,41 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
     assert "Traceback" not in out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("etc-agent: error: ") and message in lines[0], out.stderr
+
+
+def test_reconfigure_refuses_a_layout_the_job_cannot_take_and_a_store_without_the_secret_refuses_it(monkeypatch):
+    from conftest import TEST_SECRET
+
+    from etc_agent.rendezvous.embedded import EmbeddedStore, EmbeddedStoreServer
+    from etc_agent.rendezvous.records import GenerationRecord
+
+    server = EmbeddedStoreServer(secret=TEST_SECRET)
+    store = EmbeddedStore(server.endpoint, "job", secret=TEST_SECRET)
+    record = GenerationRecord(number=3, status="running", members=["a", "b"], num_devices=[2, 2], parallel="tp=2")
+    store.put("generation", record.dumps())
+    common = ["--rdzv-backend", "embedded", "--rdzv-endpoint", server.endpoint, "--rdzv-id", "job"]
+    try:
+        monkeypatch.setenv("ETC_AGENT_SECRET", TEST_SECRET.decode())
+        for parallel, message in [
+            ("tp=8,dp=auto", "does not fit the job's 4 devices"),
+            ("tp=1,pp=1,dp=8", "does not fit the job's 4 devices"),
+            ("tp=4", "a TP group stays inside one node"),
+            ("tp=auto", "tp and pp must be given"),
+        ]:
+            out = etc_agent("reconfigure", "--parallel", parallel, *common)
+            lines = out.stderr.strip().splitlines()
+            assert out.returncode == 2 and len(lines) == 1 and message in lines[0], (parallel, out.stderr)
+        assert store.get("parallel") is None
+        assert etc_agent("reconfigure", "--parallel", "tp=1,pp=2,dp=auto", *common).returncode == 0
+        assert json.loads(store.get("parallel").value) == {"spec": "tp=1,pp=2,dp=auto,zero=0"}
+
+        monkeypatch.setenv("ETC_AGENT_SECRET", "a guess at the job's secret")
+        out = etc_agent("reconfigure", "--parallel", "tp=2,dp=auto", *common)
+        assert out.returncode == 2 and "unauthenticated" in out.stderr and "Traceback" not in out.stderr, out.stderr
+        assert json.loads(store.get("parallel").value)["spec"] == "tp=1,pp=2,dp=auto,zero=0"
+    finally:
+        store.close()
+        server.stop()
 
 
 def test_etc_agent_console_script_is_installed():

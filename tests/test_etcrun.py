@@ -78,6 +78,10 @@ def finish(procs: list[subprocess.Popen], timeout: float = 120) -> list[tuple[in
     return [(p.returncode, texts[i]) for i, p in enumerate(procs)]
 
 
+SCRIPT = "tests/scripts/sleeper.py"
+"""A script that exists (etcrun refuses a missing one before anything starts)."""
+
+
 def run_etcrun(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """``etcrun args`` to completion (a minute at most), output captured as text; ``env`` adds variables."""
     return subprocess.run(
@@ -339,26 +343,26 @@ def test_compat_mode_gives_up_after_max_restarts(job):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--nnodes", "3:1", "x.py"], "--nnodes '3:1'"),
-        (["--nproc-per-node", "zero", "x.py"], "--nproc-per-node 'zero'"),
-        (["--rdzv-backend", "zookeeper", "--rdzv-endpoint", "h:1", "x.py"], "--rdzv-backend 'zookeeper'"),
-        (["--rdzv-backend", "etcd-v3", "x.py"], "--rdzv-endpoint is required"),
+        (["--nnodes", "3:1", SCRIPT], "--nnodes '3:1'"),
+        (["--nproc-per-node", "zero", SCRIPT], "--nproc-per-node 'zero'"),
+        (["--rdzv-backend", "zookeeper", "--rdzv-endpoint", "h:1", SCRIPT], "--rdzv-backend 'zookeeper'"),
+        (["--rdzv-backend", "etcd-v3", SCRIPT], "--rdzv-endpoint is required"),
         (
-            ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "x", "x.py"],
+            ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "x", SCRIPT],
             "cannot reach etcd",
         ),
         (
-            ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--etcd-ca-cert", "/nope.pem", "x.py"],
+            ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--etcd-ca-cert", "/nope.pem", SCRIPT],
             "not found",
         ),
-        (["--standalone", "-r", "3", "x.py"], "--redirects/--tee need --log-dir"),
-        (["--standalone", "--start-method", "bogus", "x.py"], "--start-method 'bogus': use forkserver, fork or spawn"),
-        (["--no-such-flag", "x.py"], "No such option"),
-        (["--standalone", "--parallel", "auto", "x.py"], "tp/pp auto needs --model"),
-        (["--standalone", "--parallel", "tp=2,dp=many", "x.py"], "neither an integer nor auto"),
-        (["--standalone", "--parallel", "auto", "--model", "/nope.yaml", "x.py"], "no such file"),
+        (["--standalone", "-r", "3", SCRIPT], "--redirects/--tee need --log-dir"),
+        (["--standalone", "--start-method", "bogus", SCRIPT], "--start-method 'bogus': use forkserver, fork or spawn"),
+        (["--no-such-flag", SCRIPT], "No such option"),
+        (["--standalone", "--parallel", "auto", SCRIPT], "tp/pp auto needs --model"),
+        (["--standalone", "--parallel", "tp=2,dp=many", SCRIPT], "neither an integer nor auto"),
+        (["--standalone", "--parallel", "auto", "--model", "/nope.yaml", SCRIPT], "no such file"),
         (
-            ["--standalone", "--nproc-per-node", "2", "--parallel", "tp=4,dp=auto", "x.py"],
+            ["--standalone", "--nproc-per-node", "2", "--parallel", "tp=4,dp=auto", SCRIPT],
             "a TP group stays inside one node",
         ),
         (
@@ -373,20 +377,39 @@ def test_compat_mode_gives_up_after_max_restarts(job):
                 "127.0.0.1:1",
                 "--parallel",
                 "tp=2,pp=2,dp=2",
-                "x.py",
+                SCRIPT,
             ],
             "allows at most 4",
         ),
         (
-            ["--standalone", "--parallel", "auto", "--model", str(ROOT / "tests" / "bad_model.yaml"), "x.py"],
+            ["--standalone", "--parallel", "auto", "--model", str(ROOT / "tests" / "bad_model.yaml"), SCRIPT],
             "bad_model.yaml",
         ),
-        (["--standalone", "--worker-heartbeat-timeout", "-1", "x.py"], "--worker-heartbeat-timeout"),
-        (["--standalone", "--checkpoint-interval", "5", "x.py"], "--checkpoint-interval needs --checkpoint-dir"),
+        (["--standalone", "--worker-heartbeat-timeout", "-1", SCRIPT], "--worker-heartbeat-timeout"),
+        (["--standalone", "--checkpoint-interval", "5", SCRIPT], "--checkpoint-interval needs --checkpoint-dir"),
         (
-            ["--standalone", "--checkpoint-interval", "-2", "--checkpoint-dir", "/tmp", "x.py"],
+            ["--standalone", "--checkpoint-interval", "-2", "--checkpoint-dir", "/tmp", SCRIPT],
             "--checkpoint-interval: Input should be greater than or equal to 0",
         ),
+        (["--standalone", "no/such/train.py"], "the training script no/such/train.py: no such file"),
+        (["--standalone", "-m", "no_such_module_here"], "-m no_such_module_here: no module of that name"),
+        (["--standalone", "-m", "etc_agent.no_such_part"], "-m etc_agent.no_such_part: no module of that name"),
+        (["--standalone", "--no-python", "no-such-binary-here"], "--no-python no-such-binary-here: no such executable"),
+        (["--standalone", "--log-dir", "pyproject.toml", SCRIPT], "--log-dir pyproject.toml: not a directory"),
+        (["--config", "tests", SCRIPT], "--config tests: a directory, not a YAML file"),
+        (["--config", "tests/no-such.yaml", SCRIPT], "--config tests/no-such.yaml: no such file"),
+        (["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:70000", SCRIPT], "port 70000 is not in 0-65535"),
+        (["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost", SCRIPT], "bad address 'localhost'"),
+        (["--standalone", "--control-addr", "127.0.0.1:99999", SCRIPT], "port 99999 is not in 0-65535"),
+        (
+            ["--rdzv-backend", "c10d", "--rdzv-endpoint", "10.255.255.1:29400", "--rdzv-conf", "is_host=1", SCRIPT],
+            "reachable from the network: give every node the job's secret",
+        ),
+        (
+            ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf", "secret_file=/nope", SCRIPT],
+            "--rdzv-conf secret_file /nope: cannot read the job's secret",
+        ),
+        (["--standalone", "--parallel", "tp=1,dp=100000000", SCRIPT], "needs 100000000 workers"),
     ],
 )
 def test_bad_flags_are_one_line_and_exit_2(args, message):
@@ -424,7 +447,7 @@ def test_bad_flags_are_one_line_and_exit_2(args, message):
 )
 def test_a_rejected_agent_setting_is_one_line_naming_the_flag(args, env, message):
     """AgentConfig checks the settings; etcrun names the flag (or variable) the value came from, not the field."""
-    p = run_etcrun("--standalone", *args, "x.py", env=env)
+    p = run_etcrun("--standalone", *args, SCRIPT, env=env)
     assert p.returncode == 2, p.stderr
     lines = p.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"etcrun: error: {message}"), p.stderr
@@ -433,7 +456,7 @@ def test_a_rejected_agent_setting_is_one_line_naming_the_flag(args, env, message
 
 def test_a_rejected_etcd_setting_names_its_rdzv_conf_key():
     p = run_etcrun(
-        "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf", "read_timeout=0", "x.py"
+        "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf", "read_timeout=0", SCRIPT
     )
     assert (
         p.returncode == 2 and p.stderr == "etcrun: error: --rdzv-conf read_timeout: Input should be greater than 0\n"
@@ -451,11 +474,11 @@ def test_a_rejected_etcd_setting_names_its_rdzv_conf_key():
 def test_a_rejected_agent_setting_from_a_job_config_names_the_file_and_key(tmp_path, content, message):
     config = tmp_path / "job.yaml"
     config.write_text("standalone: true\n" + content)
-    p = run_etcrun("--config", str(config), "x.py")
+    p = run_etcrun("--config", str(config), SCRIPT)
     assert p.returncode == 2 and p.stderr == f"etcrun: error: --config {config}: {message}\n", p.stderr
 
     # The same setting given as a flag wins over the file, and is the one named.
-    p = run_etcrun("--config", str(config), "--max-restarts", "-2", "x.py")
+    p = run_etcrun("--config", str(config), "--max-restarts", "-2", SCRIPT)
     assert (
         p.returncode == 2 and p.stderr == "etcrun: error: --max-restarts: Input should be greater than or equal to 0\n"
     ), p.stderr
@@ -754,6 +777,16 @@ def test_workers_reach_their_agent_over_the_control_channel(tmp_path):
         assert "step" in steps and "record" in record and "reboot" in unknown and "invalid request" in extra, a[
             "errors"
         ]
+        # Signed requests that do not fit what the agent knows: another pid, another rank's name,
+        # rank 0's reports from a worker that is not training rank 0 (or a record of no generation).
+        pid, other_rank, report = a["errors"][6:9]
+        assert "pid 1 is not the worker this agent started" in pid, a["errors"]
+        assert "names local rank" in other_rank, a["errors"]
+        assert "training rank 0's report" in report or "invalid request" in report, a["errors"]
+        # Requests without this worker's key never reach the agent's handlers.
+        assert [("bad signature" if i == 0 else "unknown key") in e for i, e in enumerate(a["unsigned"])] == [
+            True
+        ] * 3, a["unsigned"]
 
 
 def test_waiting_for_min_nodes_times_out_with_a_clear_reason(job):
@@ -803,7 +836,7 @@ def test_a_job_config_file_gives_the_flags_and_the_command_line_wins(tmp_path):
 def test_a_bad_job_config_is_one_line_and_exit_2(tmp_path, content, message):
     config = tmp_path / "job.yaml"
     config.write_text(content)
-    p = run_etcrun("--config", str(config), "x.py")
+    p = run_etcrun("--config", str(config), SCRIPT)
     assert p.returncode == 2, p.stderr
     lines = [line for line in p.stderr.strip().splitlines() if line]
     assert len(lines) == 1 and message in lines[0] and str(config) in lines[0], p.stderr

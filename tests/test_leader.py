@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+from conftest import TEST_SECRET
 
 from etc_agent.agent.config import AgentConfig
 from etc_agent.agent.leader import Leader
@@ -21,7 +22,7 @@ class _ChangesAfterReads(EmbeddedStore):
     itself out of the membership (what its agent does just before it reports the failure)."""
 
     def __init__(self, endpoint: str, run_id: str, after: int, change):
-        super().__init__(endpoint, run_id)
+        super().__init__(endpoint, run_id, secret=TEST_SECRET)
         self.after, self.change, self.reads = after, change, 0
 
     def get_prefix(self, prefix: str):
@@ -35,7 +36,7 @@ class _ChangesAfterReads(EmbeddedStore):
 
 @pytest.fixture
 def server():
-    server = EmbeddedStoreServer()
+    server = EmbeddedStoreServer(secret=TEST_SECRET)
     yield server
     server.stop()
 
@@ -52,10 +53,11 @@ def test_a_node_taking_itself_out_during_a_decision_is_never_published_as_a_depa
     never one that says b left (a decision that read the record twice saw b in the first read and
     gone in the second)."""
     run_id = f"leader-{after}"
-    writer = EmbeddedStore(server.endpoint, run_id)
+    writer = EmbeddedStore(server.endpoint, run_id, secret=TEST_SECRET)
     writer.put("elastic", json.dumps({"node": "a"}))
-    writer.put("nodes/a", _node("a"))
-    writer.put("nodes/b", _node("b"))
+    lease = writer.grant_lease(60)  # the leader admits only nodes registered under a lease
+    writer.put("nodes/a", _node("a"), lease=lease)
+    writer.put("nodes/b", _node("b"), lease=lease)
     current = GenerationRecord(
         number=0,
         status="running",
@@ -69,7 +71,7 @@ def test_a_node_taking_itself_out_during_a_decision_is_never_published_as_a_depa
     writer.put("generation", current.dumps())
 
     def take_b_out() -> None:
-        writer.put("nodes/b", _node("b", ready=False, restarting=[1], crashed_in=0))
+        writer.put("nodes/b", _node("b", ready=False, restarting=[1], crashed_in=0), lease=lease)
 
     store = _ChangesAfterReads(server.endpoint, run_id, after, take_b_out)
     config = AgentConfig(run_id=run_id, min_nodes=1, max_nodes=2, nproc_per_node=2, parallel="tp=2,dp=auto")

@@ -7,6 +7,7 @@ import time
 import uuid
 
 import pytest
+from conftest import TEST_SECRET
 
 from etc_agent.rendezvous.embedded import EmbeddedStore, EmbeddedStoreServer
 from etc_agent.rendezvous.etcd import EtcdOptions, EtcdStore
@@ -15,7 +16,7 @@ from etc_agent.rendezvous.store import LeaseExpired, StoreError
 
 @pytest.fixture(scope="module")
 def embedded_server():
-    server = EmbeddedStoreServer()
+    server = EmbeddedStoreServer(secret=TEST_SECRET)
     yield server
     server.stop()
 
@@ -32,7 +33,7 @@ def make_store(request):
             store = EtcdStore(EtcdOptions(endpoint=server.endpoint), run_id)
         else:
             server = request.getfixturevalue("embedded_server")
-            store = EmbeddedStore(server.endpoint, run_id)
+            store = EmbeddedStore(server.endpoint, run_id, secret=TEST_SECRET)
         stores.append(store)
         return store
 
@@ -90,6 +91,10 @@ def test_lease_expiry_removes_the_node_within_ttl_plus_one_second(make_store):
     store.put("nodes/n1", "{}", lease=lease)
     kept = store.grant_lease(ttl)
     store.put("nodes/n2", "{}", lease=kept)
+    store.put("nodes/n3", "{}")
+    # A record names its lease (the leader admits no node without one).
+    assert store.get("nodes/n1").lease != 0 and store.get("nodes/n1").lease != store.get("nodes/n2").lease
+    assert [kv.lease != 0 for kv in store.get_prefix("nodes/")] == [True, True, False]
     started = time.monotonic()
     for _ in range(6):  # keep n2 alive with heartbeats, let n1 lapse
         time.sleep(0.5)
@@ -162,9 +167,11 @@ def test_embedded_store_rejects_malformed_requests_and_keeps_serving(embedded_se
     """The store listens on the network: every request is validated (pydantic) before it is handled."""
     import socket
 
+    from etc_agent.utils.auth import Key
     from etc_agent.utils.jsonline import JsonLineError, parse_address, request
 
     address = parse_address(embedded_server.endpoint)
+    key = Key("job", TEST_SECRET)
     for bad, reason in [
         ({"op": "put", "key": "k"}, "value"),  # missing field
         ({"op": "put", "key": "k", "value": 3}, "value"),  # wrong type
@@ -176,11 +183,13 @@ def test_embedded_store_rejects_malformed_requests_and_keeps_serving(embedded_se
         ({"no_op": 1}, "op"),
     ]:
         with pytest.raises(JsonLineError, match="invalid request") as err:
-            request(address, bad, timeout=5)
+            request(address, bad, timeout=5, key=key)
         assert reason in str(err.value), (bad, str(err.value))
-    with socket.create_connection(address, timeout=5) as sock:  # not JSON at all
-        sock.sendall(b"\x80not json\n")
+    with socket.create_connection(address, timeout=5) as sock:  # signed, but not JSON at all
+        challenge = sock.recv(4096).split(b'"')[3]
+        body = b"\x80not json"
+        sock.sendall(b"job " + key.sign(challenge, body).encode() + b" " + body + b"\n")
         assert b"error" in sock.recv(4096)
-    store = EmbeddedStore(embedded_server.endpoint, "after-bad")
+    store = EmbeddedStore(embedded_server.endpoint, "after-bad", secret=TEST_SECRET)
     store.put("k", "v")
     assert store.get("k").value == "v"

@@ -49,6 +49,7 @@ from etc_agent.agent.control import (
     SwitchFailed,
     Trained,
 )
+from etc_agent.agent.controlauth import ControlKeys, NotAllowed
 from etc_agent.agent.endwatch import EndWatch
 from etc_agent.agent.forkserver import ForkServer
 from etc_agent.agent.leader import Leader
@@ -65,6 +66,7 @@ from etc_agent.rendezvous.records import (
     PeerFailureRecord,
 )
 from etc_agent.rendezvous.store import LeaseExpired, MembershipStore, StoreError
+from etc_agent.utils import auth
 from etc_agent.utils.jsonline import JsonLineServer, parse_address
 from etc_agent.utils.liveness import LivenessPort
 
@@ -134,6 +136,7 @@ class Agent:
         (always for a sidecar: only worker-API processes can attach)."""
         self._elastic_announced = False
         self._attachments = Attachments()
+        self._control_keys = ControlKeys(config.nproc_per_node, config.sidecar)
         self._assignments: dict[int, Assignment] = {}
         """What each local worker is in the generation this node serves (rank, group, store address)."""
         self._ready = True
@@ -202,6 +205,10 @@ class Agent:
         while not self.stop_requested.wait(interval):
             try:
                 self._lease.refresh()
+                if not self.leaving.is_set() and self.store.get(f"nodes/{self.node_id}") is None:
+                    # The lease lives but the record is gone (keys deleted by hand, a wiped prefix).
+                    self.emit("node_record_vanished", {"action": "registering again"})
+                    self._put_record()
             except LeaseExpired:
                 self.emit("lease_expired", {"action": "re-registering"})
                 try:
@@ -251,6 +258,7 @@ class Agent:
             "ETC_AGENT_GENERATION": str(generation),
             "ETC_AGENT_NODE_ID": self.node_id,
             "ETC_AGENT_ADDR": self._control.address,
+            auth.TOKEN_ENV: self._control_keys.token(local_rank),
             "ETC_AGENT_MIGRATION": self.config.migration,
         }
         if self.config.checkpoint_dir:
@@ -323,6 +331,8 @@ class Agent:
             for local in range(self.config.nproc_per_node)
             if not leaving or gen.sends(self.node_id, local)
         }
+        rank0 = [local for local, a in self._assignments.items() if a.rank == 0]
+        self._control_keys.serving(gen.number, rank0[0] if rank0 else None)
 
     def _start_workers(self, gen: GenerationRecord) -> None:
         index = gen.members.index(self.node_id)
@@ -422,8 +432,18 @@ class Agent:
             self.config.control_addr or ("127.0.0.1:29401" if self.config.sidecar else "127.0.0.1:0")
         )
         self._control = JsonLineServer(
-            self._on_control, host, port, name="etc-control", schema=CONTROL_REQUEST, on_held=self._attached
+            self._on_control,
+            host,
+            port,
+            name="etc-control",
+            schema=CONTROL_REQUEST,
+            on_held=self._attached,
+            keys=self._control_keys.lookup,
         )
+        if self.config.sidecar and auth.configured_secret() is None:
+            # Workers another launcher starts on this host find the channel's key in this user's
+            # private file (elsewhere they derive it from ETC_AGENT_SECRET).
+            auth.write_local_secret(*auth.control_secret_name(self._control.address), self._control_keys.master)
         if self.config.sidecar:
             self.emit(
                 "sidecar",
@@ -452,6 +472,8 @@ class Agent:
             for t in self._threads:
                 t.join(timeout=2)
             self._control.stop()
+            if self.config.sidecar:
+                auth.remove_local_secret(*auth.control_secret_name(self._control.address))
             if self._liveness is not None:
                 self._liveness.close()
             self._worker_stores.close()
@@ -462,13 +484,19 @@ class Agent:
             except StoreError:
                 pass
 
-    def _on_control(self, req: ControlRequest) -> dict:
-        """The control channel of this node's workers (``ETC_AGENT_ADDR``): requests validated against
-        :mod:`etc_agent.agent.control` (one model per ``op``), JSON replies."""
+    def _on_control(self, req: ControlRequest, key_id: str) -> dict:
+        """The control channel of this node's workers (``ETC_AGENT_ADDR``): requests signed with one
+        worker's key, validated against :mod:`etc_agent.agent.control` (one model per ``op``) and
+        checked against what this agent knows (:mod:`etc_agent.agent.controlauth`); JSON replies."""
         if getattr(req, "local_rank", 0) >= self.config.nproc_per_node:
             raise ValueError(
                 f"local_rank {req.local_rank} is not a worker of this node (--nproc-per-node {self.config.nproc_per_node})"
             )
+        try:
+            self._control_keys.check(req, key_id, self._started_pid)
+        except NotAllowed as err:
+            self.emit("control_refused", {"key": key_id, "op": req.op, "reason": str(err)})
+            raise
         handler = {
             Hello: self._on_hello,
             Heartbeat: self._on_hello,
@@ -484,6 +512,13 @@ class Agent:
             GenerationQuery: self._on_generation_query,
         }[type(req)]
         return handler(req)
+
+    def _started_pid(self, local_rank: int) -> int | None:
+        """The pid of the process this agent started for ``local_rank`` (None: none, or a sidecar)."""
+        workers = self.workers
+        if not isinstance(workers, WorkerGroup):
+            return None
+        return workers.pids().get(local_rank)
 
     def _on_hello(self, req: Hello | Heartbeat) -> dict:
         # A new process under a local rank another process already served replaces it (sidecar: the
@@ -511,7 +546,9 @@ class Agent:
                 number = self.contacts.served.pop(req.local_rank) + 1
             node_env = self._node_env(req.local_rank, number)
             env = {
-                k: v for k, v in node_env.items() if k not in ("LOCAL_RANK", "ETC_AGENT_LOCAL_RANK", "OMP_NUM_THREADS")
+                k: v
+                for k, v in node_env.items()
+                if k not in ("LOCAL_RANK", "ETC_AGENT_LOCAL_RANK", "OMP_NUM_THREADS", auth.TOKEN_ENV)
             }
             reply = reply.model_copy(update={"sidecar": True, "env": env})
         return reply.model_dump()
@@ -1051,11 +1088,39 @@ class Agent:
         )
         return 1
 
+    def _others_go_on(self) -> bool:
+        """Whether another node that is not leaving is registered (True when the store cannot tell)."""
+        try:
+            records = [self.reader.parse(NodeRecord, kv) for kv in self.store.get_prefix("nodes/")]
+        except StoreError:
+            return True
+        return any(r is not None and r.node_id != self.node_id and not r.leaving for r in records)
+
     def _send_state_before_leaving(self) -> None:
         """Elastic workers of a departing node send their shards in the generation that drops this
-        node, then exit; bounded by ``shutdown_timeout`` (counted from when the new generation came)."""
-        deadline = time.monotonic() + self.config.join_timeout
-        while time.monotonic() < deadline and not self.hard_stop.is_set():
+        node, then exit; bounded by ``shutdown_timeout`` (counted from when the new generation came).
+
+        The wait for that generation is bounded by what it takes a leader to publish one: the
+        reconfiguration delay, a new leader's election after a lease lapses, and a margin. Without it
+        the node leaves as a crash would: the survivors restore its state from replicas."""
+        wait_s = self.config.reconfig_delay + self.config.lease_ttl + DEPARTURE_MARGIN_S
+        deadline = time.monotonic() + wait_s
+        next_check = time.monotonic() + 1.0
+        while not self.hard_stop.is_set():
+            if time.monotonic() >= deadline:
+                self.emit(
+                    "departure_unacknowledged",
+                    {
+                        "waited_s": round(wait_s, 1),
+                        "note": "no generation without this node was published; leaving without sending state",
+                    },
+                )
+                return
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + 1.0
+                if not self._others_go_on():
+                    self.emit("departure_alone", {"note": "no other node carries the job on: nothing to send to"})
+                    return
             try:
                 gen = self._read_generation()
             except StoreError:
@@ -1092,6 +1157,10 @@ class Agent:
             if all(code is not None for code in self.workers.poll().values()):
                 return
             time.sleep(0.05)
+
+
+DEPARTURE_MARGIN_S = 10.0
+"""Beyond the reconfiguration delay and a lease: how long a departing node waits for the leader."""
 
 
 class _Superseded(Exception):

@@ -80,6 +80,8 @@ class Leader:
         self.is_leader = False
         self._gone = GoneAgents(node_id)
         self._holder_seen: str | None = None
+        self._leaseless_seen: set[str] = set()
+        self._vanished_said = False
         """Another agent that held the leader key at the last look."""
         self._peer_failure = threading.Event()
         """Set when this node's workers report a failed collective: check whether the leader is gone."""
@@ -280,6 +282,13 @@ class Leader:
         """Every node record, in group order: ``--node-rank`` hints first, then by registration."""
         nodes = []
         for kv in self.store.get_prefix("nodes/"):
+            if not kv.lease:
+                # Every agent registers under its lease; a record without one outlives any process
+                # and is not a member (a leftover, or written by hand).
+                if kv.key not in self._leaseless_seen:
+                    self._leaseless_seen.add(kv.key)
+                    log.warning("%s has no lease: not a member of the job (agents register under a lease)", kv.key)
+                continue
             record = self.reader.parse(NodeRecord, kv)
             if record is not None:
                 nodes.append((record, kv.mod_revision))
@@ -372,13 +381,25 @@ class Leader:
             restart_count=current.restart_count if current else 0,
             started=bool(current and (current.started or current.status == "running")),
         )
+        latest = self._latest()
+        if kv is None and latest is not None:
+            # The job had a generation and the store lost it (its prefix wiped, say): a store failure,
+            # not a new job. Go on after the last number this agent saw, as a job that started.
+            if not self._vanished_said:
+                self._vanished_said = True
+                self.emit(
+                    "store_records_vanished",
+                    {"last_generation": latest.number, "note": "the job's generation record is gone from the store"},
+                )
+            basis.number, basis.started = latest.number + 1, True
+            basis.restart_count = latest.restart_count
+            return basis
         if kv is not None and current is None:
             # Overwritten by something foreign: continue after every number the job has used, so no
             # agent ever sees an old number again; the state of the job is unknown, so say it started.
             used = [
                 int(k.key.split("/")[1]) for k in self.store.get_prefix("generations/") if k.key.split("/")[1].isdigit()
             ]
-            latest = self._latest()
             basis.number = max([*used, latest.number if latest else -1]) + 1
             basis.started = True
         return basis

@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -30,9 +31,10 @@ from etc_agent.agent.config import AgentConfig
 from etc_agent.agent.workers import WorkerSpec, parse_std_spec
 from etc_agent.cli._entry import run_app
 from etc_agent.cli.options import build_model
-from etc_agent.rendezvous.embedded import EmbeddedStore, EmbeddedStoreServer
+from etc_agent.rendezvous.embedded import EmbeddedStore, EmbeddedStoreServer, host_secret
 from etc_agent.rendezvous.etcd import EtcdOptions, EtcdStore
 from etc_agent.rendezvous.store import StoreError
+from etc_agent.utils.jsonline import parse_address
 
 ETCD_BACKENDS = {"etcd", "etcd-v2", "etcd-v3"}
 EMBEDDED_BACKENDS = {"embedded", "c10d", "static"}
@@ -161,31 +163,45 @@ def _is_local(host: str) -> bool:
 
 
 def open_store(
-    backend: str, endpoint: str, run_id: str, host_store: bool | None, etcd: EtcdOptions | None, wait_s: float
+    backend: str,
+    endpoint: str,
+    run_id: str,
+    host_store: bool | None,
+    etcd: EtcdOptions | None,
+    wait_s: float,
+    secret_file: str | None = None,
 ):
     """The membership store for this agent (and, for the embedded backend, the server when we host it)."""
     if backend in ETCD_BACKENDS:
         assert etcd is not None
         return EtcdStore(etcd, run_id), None
     host, _, port = endpoint.rpartition(":")
+    parse_address(endpoint)  # a port out of range is the user's mistake, said in one line
     if host_store is None:
         host_store = _is_local(host)
     server = None
     if host_store:
+        secret, fresh = host_secret(endpoint, secret_file)
         try:
-            server = EmbeddedStoreServer(host if host not in ("", "localhost") else "127.0.0.1", int(port))
+            bind = host if host not in ("", "localhost") else "127.0.0.1"
+            server = EmbeddedStoreServer(bind, int(port), secret=secret)
         except OSError as err:
             if err.errno != errno.EADDRINUSE:
                 raise
             server = None  # another local agent hosts it (torchrun's c10d does the same)
-    return EmbeddedStore(endpoint, run_id, connect_timeout_s=wait_s), server
+        else:
+            if fresh:  # a loopback store: its secret goes to this user's private file
+                server.publish_local_secret(endpoint, run_id, secret)
+    return EmbeddedStore(endpoint, run_id, connect_timeout_s=wait_s, secret_file=secret_file), server
 
 
 STATIC_ENDPOINT_KEY = "etc_agent/membership_store"
 """Key in the static rendezvous' TCPStore that names the embedded membership store's address."""
 
 
-def open_static_store(master_addr: str, master_port: int, node_rank: int, run_id: str, wait_s: float):
+def open_static_store(
+    master_addr: str, master_port: int, node_rank: int, run_id: str, wait_s: float, secret_file: str | None = None
+):
     """torchrun's static rendezvous: node rank 0 hosts a TCPStore on ``--master-addr:--master-port``,
     the store the workers reach at ``MASTER_ADDR:MASTER_PORT`` (``env://`` and ``tcp://`` inits
     alike). The membership store (embedded) listens on a free port beside it, and other nodes read
@@ -210,10 +226,14 @@ def open_static_store(master_addr: str, master_port: int, node_rank: int, run_id
         bind = "127.0.0.1" if master_addr in ("", "localhost") else master_addr
         if not _is_local(bind):
             bind = "0.0.0.0"
-        server = EmbeddedStoreServer(bind, 0)
+        secret, fresh = host_secret(f"{bind}:0", secret_file)
+        server = EmbeddedStoreServer(bind, 0, secret=secret)
         endpoint = f"{master_addr}:{server.port}"
+        if fresh:
+            server.publish_local_secret(endpoint, run_id, secret)
         workers_store.set(STATIC_ENDPOINT_KEY, endpoint)
-        return EmbeddedStore(endpoint, run_id, connect_timeout_s=wait_s), server, workers_store
+        store = EmbeddedStore(endpoint, run_id, connect_timeout_s=wait_s, secret=secret)
+        return store, server, workers_store
     try:
         bootstrap = TCPStore(
             master_addr, master_port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=wait_s)
@@ -224,7 +244,7 @@ def open_static_store(master_addr: str, master_port: int, node_rank: int, run_id
             f"static rendezvous: node rank 0 did not answer at {master_addr}:{master_port} within {wait_s:.0f} s "
             f"({str(err).splitlines()[0]})"
         ) from None
-    return EmbeddedStore(endpoint, run_id, connect_timeout_s=wait_s), None, None
+    return EmbeddedStore(endpoint, run_id, connect_timeout_s=wait_s, secret_file=secret_file), None, None
 
 
 def _describe(field: str) -> str:
@@ -287,7 +307,8 @@ def etcrun(
             "--rdzv-conf",
             help=f"key=value,... Agent settings: join_timeout: {_describe('join_timeout')} "
             f"lease_ttl: as --lease-ttl (wins over it). Store options {RDZV}: is_host: 1 if this agent "
-            "hosts the embedded store, 0 if not; read_timeout: seconds per etcd request.",
+            "hosts the embedded store, 0 if not; read_timeout: seconds per etcd request; secret_file: a file "
+            "holding the job's secret (embedded store; or ETC_AGENT_SECRET).",
         ),
     ] = "",
     standalone: Annotated[
@@ -475,6 +496,11 @@ class Rendezvous:
     host_store: bool | None = None
     etcd: EtcdOptions | None = None
 
+    @property
+    def secret_file(self) -> str | None:
+        """``--rdzv-conf secret_file``: the job's secret for the embedded store (docs/security.md)."""
+        return self.conf.get("secret_file")
+
 
 ETCD_OPTION_FLAGS = {
     "endpoint": "--rdzv-endpoint",
@@ -602,7 +628,49 @@ def _worker_spec(f: SimpleNamespace, nproc: int) -> WorkerSpec:
     )
     if (any(spec.redirects.values()) or any(spec.tee.values())) and f.log_dir is None:
         raise ValueError("--redirects/--tee need --log-dir")
+    if f.log_dir is not None:
+        _check_log_dir(Path(f.log_dir))
+    if f.training_script:
+        _check_entrypoint(f.training_script, module=f.module, no_python=f.no_python)
     return spec
+
+
+def _check_log_dir(path: Path) -> None:
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--log-dir {path}: not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"--log-dir {path}: cannot create it ({err.strerror})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"--log-dir {path}: not writable")
+
+
+def _check_entrypoint(script: str, module: bool, no_python: bool) -> None:
+    """What every worker would fail on at once is said before anything starts (workers start in this
+    process's working directory, so a relative path or a module of it is looked up here)."""
+    if no_python:
+        if shutil.which(script) is None and not (Path(script).is_file() and os.access(script, os.X_OK)):
+            raise ValueError(f"--no-python {script}: no such executable (not a file here, not on PATH)")
+        return
+    if module:
+        import importlib.util
+
+        sys.path.insert(0, os.getcwd())
+        try:
+            found = importlib.util.find_spec(script)
+        except ModuleNotFoundError:  # a parent package is missing
+            found = None
+        except Exception:  # noqa: BLE001 - a parent that fails to import here may import in a worker
+            return
+        finally:
+            sys.path.pop(0)
+        if found is None:
+            raise ValueError(f"-m {script}: no module of that name (from {os.getcwd()} and this Python's path)")
+        return
+    path = Path(script)
+    if not (path.is_file() or (path.is_dir() and (path / "__main__.py").is_file())):
+        raise ValueError(f"the training script {script}: no such file")
 
 
 def _run(
@@ -616,10 +684,18 @@ def _run(
     wait_s = min(config.join_timeout, 60.0)
     if rdzv.backend == "static" and "is_host" not in rdzv.conf:
         store, server, workers_store = open_static_store(
-            f.master_addr, f.master_port, f.node_rank, rdzv.run_id, wait_s=wait_s
+            f.master_addr, f.master_port, f.node_rank, rdzv.run_id, wait_s=wait_s, secret_file=rdzv.secret_file
         )
     else:
-        store, server = open_store(rdzv.backend, rdzv.endpoint, rdzv.run_id, rdzv.host_store, rdzv.etcd, wait_s=wait_s)
+        store, server = open_store(
+            rdzv.backend,
+            rdzv.endpoint,
+            rdzv.run_id,
+            rdzv.host_store,
+            rdzv.etcd,
+            wait_s=wait_s,
+            secret_file=rdzv.secret_file,
+        )
     agent = Agent(config, spec, store, workers_store=workers_store)
     install_signal_handlers(agent, handled_signals)
     try:

@@ -40,8 +40,12 @@ def load_job_config(path: Path, command: Callable) -> dict[str, Any]:
     """etcrun parameter name -> value for every key set in the YAML file ``path``."""
     if not path.exists():
         raise ValueError(f"--config {path}: no such file")
+    if path.is_dir():
+        raise ValueError(f"--config {path}: a directory, not a YAML file")
     try:
         raw = yaml.safe_load(path.read_text()) or {}
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"--config {path}: cannot read it as text ({type(err).__name__}: {err})") from None
     except yaml.YAMLError as err:
         raise ValueError(f"--config {path}: not valid YAML ({str(err).splitlines()[0]})") from None
     if not isinstance(raw, dict):

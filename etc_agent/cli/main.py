@@ -114,6 +114,8 @@ def plan(
     from etc_agent.planner.core import PlannerOptions, plan_model_migration, resilience_advice
     from etc_agent.planner.policy import PolicyOptions, choose_config
 
+    if plot is not None:
+        _check_output(plot, "--plot")
     spec = ModelSpec.from_yaml(model)
     old_config = ParallelConfig.parse(from_)
     old_devices = DeviceSet.parse(old)
@@ -332,6 +334,7 @@ def reconfigure(
     with _open_store(
         rdzv_backend, rdzv_endpoint, rdzv_id, etcd_ca_cert, etcd_cert, etcd_key, etcd_user, etcd_password
     ) as store:
+        _check_fits_the_job(spec, store, rdzv_id)
         store.put("parallel", json.dumps({"spec": spec.short()}))
     sys.stdout.write(f"requested {spec.short()} for run {rdzv_id}\n")
 
@@ -381,6 +384,9 @@ def simulate(
     from etc_agent.sim.estimate import simulate as run
     from etc_agent.sim.suites import PAPER_SIZES, bench_suite, paper_suite
 
+    plot_path = plot if plot is not None else Path(f"simulate-{suite}.png")
+    if str(plot_path) != "-":
+        _check_output(plot_path, "--plot")
     values = CostModel.from_file(costs_file) if costs_file else {}
     if values:
         build_model(CostModel, values, str(costs_file))
@@ -438,7 +444,6 @@ def simulate(
         failed = [r["name"] for r in rows if not r["ok"]]
         if not rows:
             raise UserError(f"--measured {measured}: no transition of the bench suite has both stalls")
-    plot_path = plot if plot is not None else Path(f"simulate-{suite}.png")
     if str(plot_path) != "-":
         report.plot(results, plot_path, f"simulated migration stall ({suite} suite)")
         console.print(f"plot written to {plot_path}")
@@ -447,6 +452,39 @@ def simulate(
     if failed:
         console.print(f"[red]off by more than {tolerance:.0%}[/]: {', '.join(failed)}")
         raise typer.Exit(1)
+
+
+def _check_fits_the_job(spec, store, rdzv_id: str) -> None:
+    """A layout the running job's devices cannot take is refused here, not parked by the leader."""
+    from etc_agent.rendezvous.records import GenerationRecord
+
+    kv = store.get("generation")
+    if kv is None:
+        raise UserError(f"run {rdzv_id}: no generation in the store (is the job running, and is this its run id?)")
+    gen = GenerationRecord.loads(kv.value)
+    if gen.status in ("failed", "succeeded"):
+        raise UserError(f"run {rdzv_id}: the job {gen.status}; nothing to reconfigure")
+    total = sum(gen.num_devices)
+    if spec.tp is None or spec.pp is None:
+        raise UserError(f"--parallel {spec.short()}: tp and pp must be given (dp may be auto)")
+    if spec.resolve(total) is None:
+        raise UserError(
+            f"--parallel {spec.short()}: does not fit the job's {total} devices (tp*pp = {spec.tp * spec.pp}"
+            f"{'' if spec.dp is None else f', dp = {spec.dp}'})"
+        )
+    if any(n % spec.tp for n in gen.num_devices):
+        raise UserError(
+            f"--parallel {spec.short()}: a TP group stays inside one node, and the job's nodes have "
+            f"{', '.join(map(str, gen.num_devices))} devices"
+        )
+
+
+def _check_output(path: Path, flag: str) -> None:
+    """A file the command will write: its directory must exist (said before any work is done)."""
+    if path.is_dir():
+        raise UserError(f"{flag} {path}: a directory; give a file name")
+    if not path.parent.is_dir():
+        raise UserError(f"{flag} {path}: no directory {path.parent}")
 
 
 def _open_store(rdzv_backend, rdzv_endpoint, rdzv_id, ca_cert, cert, key, user, password):

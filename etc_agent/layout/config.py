@@ -39,6 +39,12 @@ class ParallelConfig(BaseModel):
 
     @model_validator(mode="after")
     def _zero_needs_dp(self) -> ParallelConfig:
+        from etc_agent.layout.devices import MAX_DEVICES
+
+        if self.tp * self.pp * self.dp > MAX_DEVICES:
+            raise ValueError(
+                f"tp*pp*dp = {self.tp * self.pp * self.dp} exceeds {MAX_DEVICES} devices (the planner's limit)"
+            )
         if self.zero and self.dp == 1:
             raise ValueError(f"zero=1 needs dp > 1 (got {self.short()}): with one replica there is nothing to split")
         return self

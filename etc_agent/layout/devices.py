@@ -14,6 +14,10 @@ from dataclasses import dataclass
 _NODE_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 
+MAX_DEVICES = 1 << 20
+"""Devices a job may have (1,048,576): plans and placements are refused beyond it, in constant memory."""
+
+
 @dataclass(frozen=True, order=True, slots=True)
 class Device:
     node: str
@@ -53,10 +57,14 @@ class DeviceSet:
                 raise ValueError(f"bad device set {text!r}: expected node:count items like n0:8,n1:8, got {item!r}")
             if spec.startswith("[") and spec.endswith("]"):
                 locals_ = _parse_ranges(spec[1:-1], text)
-            elif spec.isdigit() and int(spec) > 0:
+            elif spec.isdigit() and 0 < int(spec) <= MAX_DEVICES:
                 locals_ = list(range(int(spec)))
+            elif spec.isdigit() and int(spec) > MAX_DEVICES:
+                raise ValueError(f"bad device set {text!r}: more than {MAX_DEVICES} devices (the planner's limit)")
             else:
                 raise ValueError(f"bad device set {text!r}: {item!r} needs a positive device count or [a-b,c]")
+            if len(devices) + len(locals_) > MAX_DEVICES:
+                raise ValueError(f"bad device set {text!r}: more than {MAX_DEVICES} devices (the planner's limit)")
             devices.extend(Device(node, i) for i in locals_)
         if not devices:
             raise ValueError(f"bad device set {text!r}: no devices")
@@ -120,6 +128,8 @@ def _parse_ranges(spec: str, text: str) -> list[int]:
         first, last = int(lo), int(hi) if dash else int(lo)
         if last < first:
             raise ValueError(f"bad device set {text!r}: empty range {part!r}")
+        if len(out) + last - first + 1 > MAX_DEVICES:
+            raise ValueError(f"bad device set {text!r}: more than {MAX_DEVICES} devices (the planner's limit)")
         out.extend(range(first, last + 1))
     return out
 

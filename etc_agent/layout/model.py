@@ -33,6 +33,10 @@ def canonical_dtype(name: str) -> str:
     return name
 
 
+MAX_STATE_BYTES = 10**15
+"""A model whose training state exceeds 1 PB is refused (its plans would not fit in memory here)."""
+
+
 class ModelSpec(BaseModel):
     """Shapes of a GPT / Llama style decoder, enough to lay out every byte of its training state."""
 
@@ -82,6 +86,11 @@ class ModelSpec(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
+        if self.state_bytes() > MAX_STATE_BYTES:
+            raise ValueError(
+                f"{self.state_bytes():.3g} bytes of parameters and optimizer state exceed {MAX_STATE_BYTES:.0e} "
+                "(1 PB, the planner's limit)"
+            )
         groups = self.query_groups
         if self.num_attention_heads % groups:
             raise ValueError(

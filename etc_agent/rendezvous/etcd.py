@@ -139,7 +139,13 @@ class EtcdStore(MembershipStore):
             raise StoreError(f"etcd {what} failed ({self.options.endpoint}): {_short(err)}") from err
 
     def _kv(self, value: bytes, meta) -> KeyValue:
-        return KeyValue(self.relative_key(meta.key.decode()), value.decode(), int(meta.version), int(meta.mod_revision))
+        return KeyValue(
+            self.relative_key(meta.key.decode()),
+            value.decode(),
+            int(meta.version),
+            int(meta.mod_revision),
+            int(getattr(meta, "lease_id", 0) or getattr(meta, "lease", 0) or 0),
+        )
 
     def get(self, key: str) -> KeyValue | None:
         value, meta = self._call("get", self.client.get, self.full_key(key))

@@ -35,6 +35,8 @@ class KeyValue:
     version: int
     """1 when created, +1 on every update; 0 means absent (for compare-and-set)."""
     mod_revision: int
+    lease: int = 0
+    """The lease the key is bound to (0: none; it stays until deleted)."""
 
 
 @dataclass(frozen=True)

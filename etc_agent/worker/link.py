@@ -6,7 +6,6 @@ models (:class:`~etc_agent.agent.control.Assignment` above all), so the switch r
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -17,7 +16,8 @@ import time
 from typing import Any
 
 from etc_agent.agent.control import Assignment, AssignmentReply, HelloReply
-from etc_agent.utils.jsonline import JsonLineError, parse_address, request
+from etc_agent.utils import auth
+from etc_agent.utils.jsonline import JsonLineError, hold, parse_address, request
 from etc_agent.worker.errors import JobError, JobFinished
 
 log = logging.getLogger("etc_agent.worker")
@@ -29,6 +29,10 @@ class AgentLink:
     def __init__(self, address: str, local_rank: int, poll_interval: float = 0.1):
         self.address = parse_address(address)
         self.local_rank = local_rank
+        try:
+            self.key = auth.worker_key(address, local_rank)
+        except auth.AuthError as err:
+            raise JobError(str(err)) from None
         self.poll_interval = poll_interval
         self.latest: int = -1
         """The newest generation number the agent has seen."""
@@ -39,7 +43,10 @@ class AgentLink:
         self._changed = threading.Condition(self._lock)
         self._stopping = False
         hello = request(
-            self.address, {"op": "hello", "local_rank": local_rank, "pid": os.getpid(), "elastic": True}, timeout=10
+            self.address,
+            {"op": "hello", "local_rank": local_rank, "pid": os.getpid(), "elastic": True},
+            timeout=10,
+            key=self.key,
         )
         self.hello = HelloReply.model_validate(hello)
         self._attachment: socket.socket | None = None
@@ -57,20 +64,12 @@ class AgentLink:
     def _attach(self) -> None:
         """Sidecar mode: hold a connection to the agent for as long as this process lives; the agent is
         not our parent, and that connection closing is how it learns we are gone."""
-        sock = socket.create_connection(self.address, timeout=10)
-        sock.sendall((json.dumps({"op": "attach", "local_rank": self.local_rank, "pid": os.getpid()}) + "\n").encode())
-        reply = b""
-        while not reply.endswith(b"\n"):
-            chunk = sock.recv(4096)
-            if not chunk:
-                raise JobError(f"the agent at {self.address[0]}:{self.address[1]} closed the attach connection")
-            reply += chunk
-        answer = json.loads(reply)
-        if "error" in answer:
-            raise JobError(
-                f"the agent at {self.address[0]}:{self.address[1]} refused the attachment: {answer['error']}"
+        try:
+            sock, _ = hold(
+                self.address, {"op": "attach", "local_rank": self.local_rank, "pid": os.getpid()}, 10, self.key
             )
-        sock.settimeout(None)
+        except (OSError, JsonLineError) as err:
+            raise JobError(f"the agent at {self.address[0]}:{self.address[1]} refused the attachment: {err}") from None
         self._attachment = sock
 
     def _poll(self) -> None:
@@ -78,7 +77,7 @@ class AgentLink:
         while not self._stop.is_set():
             try:
                 reply = AssignmentReply.model_validate(
-                    request(self.address, {"op": "assignment", "local_rank": self.local_rank}, timeout=10)
+                    request(self.address, {"op": "assignment", "local_rank": self.local_rank}, timeout=10, key=self.key)
                 )
                 failures = 0
                 if reply.stop and not self._stopping:
@@ -137,7 +136,7 @@ class AgentLink:
 
     def send(self, req: dict[str, Any]) -> None:
         try:
-            request(self.address, req, timeout=10)
+            request(self.address, req, timeout=10, key=self.key)
         except (OSError, JsonLineError) as err:
             log.warning("could not send %s to the agent: %s", req.get("op"), err)
 

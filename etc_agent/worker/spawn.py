@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -27,14 +28,16 @@ import time
 from etc_agent.agent._exec_with_parent import dying_with_this_process
 from etc_agent.agent.forkserver import ForkedProcess, ForkServer
 from etc_agent.agent.workers import WorkerSpec
+from etc_agent.utils import auth
 from etc_agent.utils.jsonline import JsonLineError, parse_address, request
 
 
 def _job_over(address: tuple[str, int]) -> str | None:
     """'succeeded'/'failed' once the agent says the job ended; None while it runs or cannot be asked."""
     try:
-        reply = request(address, {"op": "generation"}, timeout=5)
-    except (OSError, JsonLineError):
+        key = auth.worker_key(f"{address[0]}:{address[1]}", 0)
+        reply = request(address, {"op": "generation"}, timeout=5, key=key)
+    except (OSError, JsonLineError, auth.AuthError):
         return None
     latest = reply.get("latest") or {}
     return latest.get("status") if latest.get("status") in ("succeeded", "failed") else None
@@ -49,6 +52,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--agent", default=os.environ.get("ETC_AGENT_ADDR", "127.0.0.1:29401"), help="The sidecar's --control-addr."
     )
     ap.add_argument("--max-restarts", type=int, default=100, help="Restarts of one local rank before giving up.")
+    ap.add_argument(
+        "--agent-wait",
+        type=float,
+        default=60.0,
+        help="Seconds to wait for the sidecar to answer before starting anything (containers start in any order).",
+    )
     ap.add_argument("-m", "--module", action="store_true", help="Run the script as a Python module.")
     ap.add_argument(
         "--start-method",
@@ -64,9 +73,40 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _agent_answers(address: tuple[str, int]) -> str | None:
+    """None when the sidecar at ``address`` answers; else why not."""
+    try:
+        socket.create_connection(address, timeout=5).close()
+    except OSError as err:
+        return f"cannot reach it: {err}"
+    try:
+        key = auth.worker_key(f"{address[0]}:{address[1]}", 0)
+        request(address, {"op": "generation"}, timeout=5, key=key)
+    except (OSError, JsonLineError, auth.AuthError) as err:
+        return str(err)
+    return None
+
+
+def _wait_for_agent(address: tuple[str, int], wait_s: float) -> str | None:
+    deadline = time.monotonic() + wait_s
+    while (why := _agent_answers(address)) is not None:
+        if time.monotonic() >= deadline:
+            return why
+        time.sleep(0.5)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
-    address = parse_address(args.agent)
+    try:
+        address = parse_address(args.agent)
+    except ValueError as err:
+        _say(f"--agent: {err}")
+        return 2
+    why = _wait_for_agent(address, args.agent_wait)
+    if why is not None:
+        _say(f"no sidecar answered at {args.agent} within {args.agent_wait:g} s ({why}); nothing started")
+        return 2
     spec = WorkerSpec(entrypoint=[args.script, *args.script_args], module=args.module)
     # The workers die with this process (a container's main process going away takes them along).
     command = dying_with_this_process(spec.command())
@@ -102,10 +142,19 @@ def main(argv: list[str] | None = None) -> int:
             if r in done or (code := p.poll()) is None:
                 continue
             over = _job_over(address) if code != 0 else None
-            if code == 0 or stopping or over is not None or restarts[r] >= args.max_restarts:
+            gone = _agent_answers(address) if code != 0 and over is None and not stopping else None
+            if code == 0 or stopping or over is not None or gone is not None or restarts[r] >= args.max_restarts:
                 done[r] = code
                 if code != 0:
-                    why = "stopping" if stopping else f"the job {over}" if over else f"{restarts[r]} restarts used"
+                    why = (
+                        "stopping"
+                        if stopping
+                        else f"the job {over}"
+                        if over
+                        else f"the sidecar does not answer: {gone}"
+                        if gone
+                        else f"{restarts[r]} restarts used"
+                    )
                     _say(f"local_rank {r} exited {code}; not restarted ({why})")
                 continue
             restarts[r] += 1
