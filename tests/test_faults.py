@@ -5,6 +5,7 @@ does not fit the state."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 
@@ -38,7 +39,11 @@ def test_foreign_values_in_the_prefix_are_rejected_and_logged(job):  # noqa: F81
     j.add_agent(script_args=("6",))
     j.add_agent(script_args=("6",))
     first = j.wait_for(lambda g: g.status == "running" and g.world_size == 4, 60, "two agents running")
-    j.store.put("nodes/intruder", "not json at all")
+    lease = j.store.grant_lease(60)  # garbage under a lease is parsed, and rejected
+    j.store.put("nodes/intruder", "not json at all", lease=lease)
+    # A valid node record without a lease (a leftover, or written by hand): never a member.
+    evil = NodeRecord(node_id="evil-node", host="127.0.0.1", num_devices=2, pid=os.getpid())
+    j.store.put("nodes/evil-node", evil.dumps())
     j.store.put(f"generations/{first.number}/status/intruder", json.dumps({"schema_version": 99, "state": "running"}))
     j.store.put("parallel", "{")
     j.store.put(f"generations/{first.number + 5}/master", json.dumps({"addr": 1}))
@@ -51,11 +56,13 @@ def test_foreign_values_in_the_prefix_are_rejected_and_logged(job):  # noqa: F81
     healed = j.wait_for(
         lambda g: g.number > first.number + 5 and g.status in ("running", "succeeded"), 30, "a valid generation again"
     )
+    assert "evil-node" not in healed.members and healed.world_size == 4, healed
     outputs = finish(j.agents, timeout=120)
     texts = "\n".join(text for _, text in outputs)
     for code, text in outputs:
         assert code == 0, text[-3000:]
     assert "Traceback" not in texts
+    assert "nodes/evil-node has no lease: not a member" in texts
     rejected = {e["key"]: e["reason"] for e in events(texts) if e.get("event") == "rejected_record"}
     assert "invalid NodeRecord" in rejected["nodes/intruder"]
     assert "schema version 99" in rejected[f"generations/{first.number}/status/intruder"]
@@ -220,3 +227,43 @@ def test_a_crash_before_the_first_step_rebuilds_the_initial_state_instead_of_fai
         assert steps[-1] == f"step 2 world 2 z {[float(i) - 1.5 for i in range(24)]}", steps
     finally:
         j.close()
+
+
+def test_forged_requests_are_refused_and_a_flood_leaves_the_job_training_and_the_agent_bounded():
+    """scripts/probe_control_plane.py, bounded: from a process without the job's secret, forged store
+    and control requests (generation -> succeeded, a lease-less node, leader deleted, fatal,
+    finished, hello with pid 1), then 10 s of idle connections, connect/close churn and 20 MB
+    unsigned lines. Every forged request is refused, the job trains to its last step and exits 0,
+    the store still answers the job's own clients, and the agent's RSS comes back within 50 MB."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "probe_control_plane.py"),
+            "--flood-s",
+            "10",
+            "--idle",
+            "300",
+            "--churn-threads",
+            "6",
+            "--long-lines",
+            "6",
+            "--steps",
+            "150",
+            "--step-delay",
+            "0.1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["forged_accepted"] == [] and result["forged_requests"] == 21, result
+    assert result["exit_code"] == 0 and result["steps_trained"] == result["steps_expected"], result
+    assert result["flood"]["idle_opened"] > 100 and result["flood"]["churn"] > 100, result
+    assert result["legit_requests"] > 20 and result["legit_failures"] <= result["legit_requests"] // 10, result
+    assert result["rss_after_mb"] - result["rss_before_mb"] <= 50, result

@@ -194,7 +194,13 @@ class Agent:
         self._lease = self.store.grant_lease(self.config.lease_ttl)
         self.store.put(f"nodes/{self.node_id}", self._node_record().dumps(), lease=self._lease)
         self.emit(
-            "registered", {"host": self.host, "devices": self.config.nproc_per_node, "lease_ttl": self._lease.ttl}
+            "registered",
+            {
+                "host": self.host,
+                "devices": self.config.nproc_per_node,
+                "lease_ttl": self._lease.ttl,
+                "control_addr": self._control.address,
+            },
         )
 
     def _put_record(self) -> None:
