@@ -42,3 +42,9 @@ def test_sidecar_pod_has_trainer_and_agent_containers_with_known_flags():
     control = next(a.split("=", 1)[1] for a in agent["args"] if a.startswith("--control-addr="))
     assert {"name": "ETC_AGENT_ADDR", "value": control} in trainer["env"]
     assert f"--agent={control}" in trainer["args"]
+    # Separate containers share no /tmp: both derive the control channel's keys from one Secret.
+    secrets = [
+        next(e["valueFrom"]["secretKeyRef"] for e in c["env"] if e["name"] == "ETC_AGENT_SECRET")
+        for c in (trainer, agent)
+    ]
+    assert secrets[0] == secrets[1], secrets
