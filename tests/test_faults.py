@@ -267,3 +267,31 @@ def test_forged_requests_are_refused_and_a_flood_leaves_the_job_training_and_the
     assert result["flood"]["idle_opened"] > 100 and result["flood"]["churn"] > 100, result
     assert result["legit_requests"] > 20 and result["legit_failures"] <= result["legit_requests"] // 10, result
     assert result["rss_after_mb"] - result["rss_before_mb"] <= 50, result
+
+
+def test_a_wiped_prefix_is_a_store_failure_the_job_survives_without_reusing_a_generation_number(job):  # noqa: F811
+    """Every key of the run deleted mid-run (``etcdctl del --prefix``; the agents' leases live on):
+    each agent registers again, the leader says once that the records vanished and publishes the
+    next generation after the last number it saw (never a number the job used), and the job ends
+    with exit code 0 within seconds, not never."""
+    j = job(nnodes="2", extra=("--log-format", "json", "--lease-ttl", "3"))
+    j.add_agent(script_args=("6",))
+    j.add_agent(script_args=("6",))
+    running = j.wait_for(lambda g: g.status == "running" and g.world_size == 4, 60, "two agents running")
+    j.wait_for_workers(running.number, 4)
+    wiped_at = time.monotonic()
+    j.store.client.delete_prefix(j.store.full_key(""))  # one request, as etcdctl del --prefix does
+    healed = j.wait_for(lambda g: g.number > running.number, 30, "a generation after the wipe")
+    assert healed.number == running.number + 1 and sorted(healed.members) == sorted(running.members), healed
+    outputs = finish(j.agents, timeout=60)
+    assert time.monotonic() - wiped_at < 30
+    texts = "\n".join(text for _, text in outputs)
+    for code, text in outputs:
+        assert code == 0, text[-3000:]
+    seen = [e for e in events(texts) if e.get("event") == "generation_seen"]
+    for node in {e["node"] for e in seen}:
+        numbers = [e["generation"] for e in seen if e["node"] == node]
+        assert numbers == sorted(set(numbers)), numbers  # no number seen twice, never going back
+    assert sum(e.get("event") == "node_record_vanished" for e in events(texts)) >= 2, texts[-3000:]
+    # Said by the leader (two, for a moment, when the leader key went with the rest; one publish wins).
+    assert 1 <= sum(e.get("event") == "store_records_vanished" for e in events(texts)) <= 2, texts[-3000:]

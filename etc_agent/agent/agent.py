@@ -760,7 +760,9 @@ class Agent:
                     return 1
                 self._wake.wait(min(1.0, max(self.config.monitor_interval, 0.2)))
                 continue
-            self._latest = gen
+            if gen is not None:
+                # Kept when the record vanishes: the leader goes on after the last number it saw.
+                self._latest = gen
             if gen and (self.generation is None or gen.number != self.generation.number):
                 code = self._on_generation(gen)
                 if code is not None:

@@ -80,9 +80,11 @@ class Leader:
         self.is_leader = False
         self._gone = GoneAgents(node_id)
         self._holder_seen: str | None = None
-        self._leaseless_seen: set[str] = set()
-        self._vanished_said = False
         """Another agent that held the leader key at the last look."""
+        self._leaseless_seen: set[str] = set()
+        """Node records without a lease this leader has already logged."""
+        self._vanished_said = False
+        """Whether this leader has said that the job's generation record vanished."""
         self._peer_failure = threading.Event()
         """Set when this node's workers report a failed collective: check whether the leader is gone."""
         self._dirty = threading.Event()
