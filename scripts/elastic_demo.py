@@ -149,8 +149,10 @@ class Cluster:
     def worker_pids(self, agent: int) -> list[int]:
         """Live worker pids of one agent, from /proc: its children running the example, or the
         children of its fork server (``--start-method forkserver``, the default) but the workers'
-        stores it hosts (``etc-store``)."""
+        stores it hosts (``etc-store``) and a child forked a moment ago that has not taken its name
+        yet (it could be a store host: a spare one is forked at every switch)."""
         table: dict[int, tuple[int, str]] = {}
+        comms: dict[int, str] = {}
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
                 continue
@@ -162,10 +164,13 @@ class Cluster:
             if stat.rsplit(")", 1)[1].split()[0] == "Z" or stat.split("(", 1)[1].startswith("etc-store)"):
                 continue  # exited, not yet reaped; or a store host
             table[int(entry.name)] = (int(stat.rsplit(")", 1)[1].split()[1]), cmdline)
+            comms[int(entry.name)] = stat.split("(", 1)[1].rsplit(")", 1)[0]
         parent = (self.launchers[agent] if self.sidecar else self.agents[agent]).pid
         servers = {pid for pid, (ppid, cmd) in table.items() if ppid == parent and "etc_agent.worker.forkserver" in cmd}
         return sorted(
-            pid for pid, (ppid, cmd) in table.items() if (ppid == parent and self.module in cmd) or ppid in servers
+            pid
+            for pid, (ppid, cmd) in table.items()
+            if (ppid == parent and self.module in cmd) or (ppid in servers and comms[pid] != comms[ppid])
         )
 
     def wait_for(self, predicate, timeout: float, what: str) -> None:

@@ -105,6 +105,13 @@ def test_a_store_that_listens_on_the_network_needs_a_secret_and_a_loopback_one_f
     assert not path.exists()
 
 
+def _until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.01)
+
+
 def test_request_size_connection_count_and_slow_clients_are_bounded():
     limits = ServerLimits(max_connections=4, max_request_bytes=1000, request_timeout_s=0.5, backlog=8)
     server = JsonLineServer(lambda req, _: {"ok": True}, keys=lambda i: JOB if i == "job" else None, limits=limits)
@@ -112,7 +119,7 @@ def test_request_size_connection_count_and_slow_clients_are_bounded():
     try:
         assert b"longer than 1000" in _raw(address, b"job " + b"x" * 5000 + b"\n")
         idle = [socket.create_connection(address, timeout=5) for _ in range(4)]
-        time.sleep(0.2)
+        _until(lambda: server.num_open == 4, 5, "the four idle connections to be accepted")
         # Every slot held by a connection that sent nothing: the oldest gives way to a new one.
         assert request(address, {"op": "x"}, 2, JOB) == {"ok": True}
         assert server.num_evicted == 1
@@ -122,7 +129,7 @@ def test_request_size_connection_count_and_slow_clients_are_bounded():
             assert sock.recv(4096) == b""
             sock.close()
         assert request(address, {"op": "x"}, 2, JOB) == {"ok": True}
-        assert server.num_open == 0
+        _until(lambda: server.num_open == 0, 5, "every connection closed")  # the server closes after replying
     finally:
         server.stop()
 

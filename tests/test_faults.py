@@ -282,7 +282,9 @@ def test_a_wiped_prefix_is_a_store_failure_the_job_survives_without_reusing_a_ge
     wiped_at = time.monotonic()
     j.store.client.delete_prefix(j.store.full_key(""))  # one request, as etcdctl del --prefix does
     healed = j.wait_for(lambda g: g.number > running.number, 30, "a generation after the wipe")
+    # The leader gives the agents a lease's time to put their records back: no "waiting" generation.
     assert healed.number == running.number + 1 and sorted(healed.members) == sorted(running.members), healed
+    assert healed.status == "running" and healed.reason == "records vanished from the store", healed
     outputs = finish(j.agents, timeout=60)
     assert time.monotonic() - wiped_at < 30
     texts = "\n".join(text for _, text in outputs)
@@ -295,3 +297,44 @@ def test_a_wiped_prefix_is_a_store_failure_the_job_survives_without_reusing_a_ge
     assert sum(e.get("event") == "node_record_vanished" for e in events(texts)) >= 2, texts[-3000:]
     # Said by the leader (two, for a moment, when the leader key went with the rest; one publish wins).
     assert 1 <= sum(e.get("event") == "store_records_vanished" for e in events(texts)) <= 2, texts[-3000:]
+
+
+@pytest.mark.parametrize("store_back", [True, False], ids=["store-back", "store-down"])
+def test_sigterm_after_a_store_timeout_ends_within_30_s_with_a_clear_exit_code(tmp_path, store_back):
+    """The job's only node, the only leader candidate, gets SIGTERM while its etcd does not answer
+    (SIGSTOPped past the 5 s request deadline). Nobody can publish a generation without it: the
+    agent stops its workers and exits 1 (the job did not finish, said in one event) within 30 s,
+    whether the store answers again 2 s after the signal or never."""
+    server = EtcdServer(tmp_path / "etcd-data")
+    losses = tmp_path / "losses.jsonl"
+    agent = launch(
+        *("--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "etcd-v3"),
+        *("--rdzv-endpoint", server.endpoint, "--rdzv-id", "sigterm", "--local-addr", "127.0.0.1"),
+        *("--lease-ttl", "2", "--reconfig-delay", "0.5", "--log-format", "json"),
+        *("-m", "etc_agent.examples.gpt", "--steps", "100000", "--step-delay", "0.05"),
+        *("--loss-log", str(losses)),
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while not (losses.exists() and losses.read_text().count("\n") >= 3):
+            assert agent.poll() is None and time.monotonic() < deadline, "the job did not start training"
+            time.sleep(0.2)
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        time.sleep(6.0)  # past the request deadline: the agent's keepalives and reads time out
+        agent.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        if store_back:
+            time.sleep(2.0)
+            os.kill(server.proc.pid, signal.SIGCONT)
+        [(code, text)] = finish([agent], timeout=30)
+        took = time.monotonic() - signalled
+        assert code == 1, text[-3000:]
+        assert took < 30, text[-3000:]
+        unfinished = [e for e in events(text) if e.get("event") == "job_unfinished"]
+        assert len(unfinished) == 1 and unfinished[0]["cause"] == "SIGTERM", text[-3000:]
+        assert any(e.get("event") == "store_unreachable" for e in events(text)), text[-3000:]
+    finally:
+        if server.proc.poll() is None:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        server.stop()
+        server.log.close()

@@ -55,6 +55,8 @@ class _Basis:
     number: int
     restart_count: int
     started: bool
+    records_vanished: bool = False
+    """The job's generation record is gone from the store while the job ran (its prefix wiped)."""
 
 
 class Leader:
@@ -83,8 +85,8 @@ class Leader:
         """Another agent that held the leader key at the last look."""
         self._leaseless_seen: set[str] = set()
         """Node records without a lease this leader has already logged."""
-        self._vanished_said = False
-        """Whether this leader has said that the job's generation record vanished."""
+        self._vanished_since: float | None = None
+        """When this leader first found the job's generation record gone (None: it never did)."""
         self._peer_failure = threading.Event()
         """Set when this node's workers report a failed collective: check whether the leader is gone."""
         self._dirty = threading.Event()
@@ -332,7 +334,9 @@ class Leader:
                 return
         else:
             nodes = self._read_nodes()
-            reason = "start" if current is None else "enough nodes"
+            reason = (
+                "enough nodes" if current else "records vanished from the store" if basis.records_vanished else "start"
+            )
         alive = nodes.members()
         alive_ids = [n.node_id for n in alive]
         # Keep surviving members in their order, then newcomers.
@@ -363,12 +367,20 @@ class Leader:
         if self._join_waits_for_switch(current, ordered):
             return
         if len(ordered) < self.config.min_nodes:
+            if basis.records_vanished and self._within_reregistration_grace():
+                return  # the node records went with the rest; their agents put them back within a lease
             if not (current and current.status == "waiting" and current.members == ordered):
                 self._publish_waiting(
                     basis, ordered, devices, f"{len(ordered)} of at least {self.config.min_nodes} nodes"
                 )
             return
         self._publish_running(basis, ordered, devices, parallel, reason, nodes)
+
+    def _within_reregistration_grace(self) -> bool:
+        """Whether agents whose node records vanished may still be putting them back (their keepalive
+        finds the record gone within a lease's time-to-live)."""
+        assert self._vanished_since is not None
+        return time.monotonic() - self._vanished_since < self.config.lease_ttl + self.config.reconfig_delay
 
     def _basis(self) -> _Basis | None:
         """The current generation and what the next one inherits; None once the job is over."""
@@ -387,14 +399,15 @@ class Leader:
         if kv is None and latest is not None:
             # The job had a generation and the store lost it (its prefix wiped, say): a store failure,
             # not a new job. Go on after the last number this agent saw, as a job that started.
-            if not self._vanished_said:
-                self._vanished_said = True
+            if self._vanished_since is None:
+                self._vanished_since = time.monotonic()
                 self.emit(
                     "store_records_vanished",
                     {"last_generation": latest.number, "note": "the job's generation record is gone from the store"},
                 )
             basis.number, basis.started = latest.number + 1, True
             basis.restart_count = latest.restart_count
+            basis.records_vanished = True
             return basis
         if kv is not None and current is None:
             # Overwritten by something foreign: continue after every number the job has used, so no
