@@ -376,10 +376,27 @@ class Agent:
                 time.sleep(0.02)
             self.workers.stop(self.config.shutdown_timeout)
         if self.node_id in gen.members:
-            for local_rank, code in self.workers.poll().items():
+            codes = self.workers.poll()
+            died = {r: c for r, c in codes.items() if c not in (None, 0, RESTART_EXIT)}
+            if died and self.config.migration == "live":
+                # Died between the last look and this generation: a crash restart too, said as one.
+                self._crash_restarts += 1
+                log.error(
+                    "worker failure (generation %d):\n%s",
+                    self.generation.number if self.generation else gen.number,
+                    self.workers.failure_report(self._script_name()),
+                )
+                self.emit(
+                    "workers_failed",
+                    {
+                        "generation": gen.number,
+                        "exit_codes": died,
+                        "action": f"restarting local ranks {sorted(died)} into generation {gen.number} as receivers "
+                        f"({self._crash_restarts}/{self.config.node_crash_restarts})",
+                    },
+                )
+            for local_rank, code in codes.items():
                 if code is not None:
-                    if self.config.migration == "live" and code not in (0, RESTART_EXIT):
-                        self._crash_restarts += 1  # died before this generation came: a crash restart too
                     self.workers.restart(
                         local_rank, self._worker_env(gen, master, local_rank), self._run_dir / f"attempt_{gen.number}"
                     )
