@@ -67,6 +67,7 @@ TEST_LAYERS: dict[str, tuple[str, dict[str, list[str]]]] = {
             "e2e": ["test_megatron_gpt_trains_through_join_leave_reconfigure_and_crash_under_etcrun"],
         },
     ),
+    "test_fsdp.py": ("multiproc", {"unit": ["test_a_strided_shard_that_is_not_fsdp_over_tp_is_refused_by_name"]}),
     "test_migrate.py": ("multiproc", {"unit": ["test_case_matrix_covers_the_required_transitions"]}),
     "test_migrate_module.py": ("multiproc", {}),
     "test_planner.py": ("unit", {"multiproc": ["test_plan_hash_is_the_same_in_fresh_processes"]}),

@@ -2,8 +2,10 @@
 
 Accepted leaves of a (possibly nested) state dict, flattened to dotted keys:
 
-- ``DTensor`` with any ``Shard``/``Replicate`` placements on a ``DeviceMesh`` (TP, FSDP2): the box
-  comes from ``compute_local_shape_and_global_offset``; the storage is the local tensor.
+- ``DTensor`` with any ``Shard``/``Replicate`` placements on a ``DeviceMesh`` (TP, FSDP2, HSDP),
+  and FSDP2's ``_StridedShard`` over tensor parallel (2-D FSDP + TP on one dim): the box comes from
+  ``compute_local_shape_and_global_offset``; the storage is the local tensor (for FSDP2, a view of
+  its padded sharded storage, so a migration writes into the module's parameters in place).
 - :class:`BoxedTensor`: Megatron-style tensors that carry their own global shape and offsets, and
   optionally a flat element range inside that box (distributed-optimizer shards).
 - plain ``torch.Tensor``: a full replica. 0-dim tensors are seen as one-element 1-D tensors.
@@ -139,13 +141,15 @@ def _describe_dtensor(key: str, value) -> LocalShard:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor import Shard as ShardPlacement
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
 
-    for placement in value.placements:
-        # Exact types: _StridedShard (FSDP2 over TP on one dim) subclasses Shard but is not a box.
-        if type(placement) not in (ShardPlacement, Replicate):
+    for mesh_dim, placement in enumerate(value.placements):
+        if isinstance(placement, _StridedShard):
+            _check_fsdp_over_tp(key, value, mesh_dim, placement)
+        elif type(placement) not in (ShardPlacement, Replicate):
             raise ValueError(
-                f"{key}: DTensor placement {placement} cannot be migrated (only Shard and Replicate; "
-                "reduce Partial placements and avoid strided sharding before migrating)"
+                f"{key}: DTensor placement {placement} cannot be migrated (only Shard, Replicate and "
+                "FSDP2's strided sharding over tensor parallel; reduce Partial placements before migrating)"
             )
     local = value._local_tensor
     global_shape = tuple(value.shape)
@@ -158,6 +162,25 @@ def _describe_dtensor(key: str, value) -> LocalShard:
     # Empty local shards (uneven Shard) report offset = dim size; keep them inside bounds.
     offsets = tuple(min(o, s) for o, s in zip(offsets, global_shape))
     return LocalShard(Shard(key, global_shape, offsets, lengths, canonical_dtype(str(local.dtype))), local)
+
+
+def _check_fsdp_over_tp(key: str, value, mesh_dim: int, placement) -> None:
+    """Accept the ``_StridedShard`` FSDP2 gives a parameter that tensor parallel already split on the
+    same dim: ``split_factor`` is the product of the later mesh dims that ``Shard`` that dim, so each
+    rank holds one contiguous chunk of its TP shard (a box). Other strided layouts are not boxes."""
+    from torch.distributed.tensor import Shard as ShardPlacement
+
+    later = [
+        value.device_mesh.size(later_dim)
+        for later_dim, other in enumerate(value.placements)
+        if later_dim > mesh_dim and type(other) is ShardPlacement and other.dim == placement.dim
+    ]
+    if not later or prod(later) != placement.split_factor:
+        raise ValueError(
+            f"{key}: DTensor placement {placement} on mesh dim {mesh_dim} is not FSDP2 over tensor parallel "
+            f"(split factor {placement.split_factor}, later Shard({placement.dim}) mesh sizes {later}): "
+            "its local shard is not one box and cannot be migrated"
+        )
 
 
 def describe_state(state: Mapping[str, Any] | None) -> list[LocalShard]:
