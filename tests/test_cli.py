@@ -44,8 +44,8 @@ def test_plan_json_contract():
     out = etc_agent(*plan_args(), "--json", check=True)
     data = json.loads(out.stdout)
     assert JSON_FIELDS <= set(data)
-    assert data["from"] == {"tp": 4, "pp": 2, "dp": 2, "zero": 0}
-    assert data["to"] == {"tp": 4, "pp": 2, "dp": 1, "zero": 0}
+    assert data["from"] == {"tp": 4, "pp": 2, "dp": 2, "zero": 0, "dp_shard": 1}
+    assert data["to"] == {"tp": 4, "pp": 2, "dp": 1, "zero": 0, "dp_shard": 1}
     assert data["devices_new"] == [f"n0:{i}" for i in range(8)]
     assert set(data["assignment"]) == {str(r) for r in range(8)}
     assert set(data["need_bytes"]) == set(data["devices_new"])

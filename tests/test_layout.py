@@ -204,3 +204,98 @@ def test_from_shards_roundtrip_and_errors():
     gap = StateLayout.from_shards([[Shard("w", (4,), (0,), (2,), "float32")]])
     with pytest.raises(ValueError, match="2 of 4 elements held by no rank"):
         gap.check_complete()
+
+
+def test_fsdp_and_hsdp_short_forms_map_onto_dp_and_dp_shard():
+    from etc_agent.layout.config import ParallelSpec
+
+    hsdp = ParallelConfig.parse("tp=2,dp_replicate=2,dp_shard=4")
+    assert (hsdp.tp, hsdp.dp, hsdp.dp_shard, hsdp.dp_replicate, hsdp.world_size) == (2, 8, 4, 2, 16)
+    assert hsdp.short() == "tp=2,pp=1,dp_replicate=2,dp_shard=4"
+    assert ParallelConfig.parse(hsdp.short()) == hsdp == ParallelConfig.parse("tp=2,dp=8,dp_shard=4")
+    assert ParallelConfig.parse("dp_shard=4").dp == 4  # plain FSDP: every data-parallel rank shards
+    assert ParallelConfig.parse("dp=4").short() == "tp=1,pp=1,dp=4,zero=0"  # no FSDP: Megatron's form
+    # auto: the shard degree (or else the replicate degree) takes the devices the fixed ones leave
+    assert ParallelSpec.parse("tp=2,dp_shard=auto").resolve(14) == ParallelConfig.parse("tp=2,dp_shard=7")
+    assert ParallelSpec.parse("dp_replicate=2,dp_shard=auto").resolve(7) == ParallelConfig.parse(
+        "dp_replicate=2,dp_shard=3"
+    )
+    assert ParallelSpec.parse("dp_shard=4").resolve(13) == ParallelConfig.parse("dp_replicate=3,dp_shard=4")
+    assert ParallelSpec.parse("dp_shard=4").resolve(3) is None
+    assert not ParallelSpec.parse("dp_shard=auto").fully_fixed
+    assert ParallelSpec.parse("dp_replicate=2,dp_shard=2").fully_fixed
+
+
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("dp=6,dp_shard=4", "does not divide"),
+        ("dp_shard=2,zero=1", "FSDP already shards"),
+        ("dp=4,dp_replicate=3,dp_shard=2", "is not dp_replicate"),
+        ("dp_shard=0", "dp_shard"),
+    ],
+)
+def test_fsdp_configs_that_cannot_be_are_refused(text, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        ParallelConfig.parse(text)
+
+
+@pytest.mark.parametrize("config", ["dp_shard=3", "tp=2,dp_shard=4", "tp=2,pp=2,dp_replicate=2,dp_shard=3"])
+def test_fsdp_layout_is_fully_shards_dim0_chunks_of_each_tp_box(config):
+    """Every rank of a shard group holds ``torch.chunk``'s dim-0 piece of its TP box (a gated FC1 on
+    its ffn dim), the replicas hold the same, and each replica group holds the state once."""
+    import torch
+
+    spec = SPECS["llama-tiny"]
+    cfg = ParallelConfig.parse(config)
+    layout = model_layout(spec, cfg)
+    tp_layout = model_layout(spec, ParallelConfig(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp))
+    for rank in range(cfg.world_size):
+        pp, dp, tp = cfg.coord(rank)
+        shard = dp % cfg.dp_shard
+        tp_boxes = {s.key: s for s in tp_layout.shards_of(rank)}
+        mine = layout.shards_of(rank)
+        assert sorted(s.key for s in mine) == sorted(tp_boxes)
+        for s in mine:
+            whole = tp_boxes[s.key]
+            dim = 1 if ".linear_fc1." in s.key else 0
+            pieces = torch.arange(whole.lengths[dim]).chunk(cfg.dp_shard)
+            start, length = (int(pieces[shard][0]), len(pieces[shard])) if shard < len(pieces) else (0, 0)
+            if length == 0:
+                assert s.lengths[dim] == 0, s
+                continue
+            assert s.offsets[dim] == whole.offsets[dim] + start and s.lengths[dim] == length, s
+            assert all(s.lengths[d] == whole.lengths[d] for d in range(len(s.lengths)) if d != dim), s
+    total = sum(s.nbytes for r in range(cfg.world_size) for s in layout.shards_of(r))
+    tp_total = sum(s.nbytes for r in range(cfg.world_size) for s in tp_layout.shards_of(r))
+    assert total * cfg.dp_shard == tp_total
+
+
+def test_plans_between_fsdp_layouts_are_valid_and_move_only_what_changes():
+    from etc_agent.planner import plan_model_migration
+
+    spec = SPECS["gpt-tiny"]
+    four, three = DeviceSet.parse("n0:4"), DeviceSet.parse("n0:3")
+    shrink = plan_model_migration(
+        spec, ParallelConfig.parse("dp_shard=4"), four, ParallelConfig.parse("dp_shard=3"), three
+    )
+    new_layout = model_layout(spec, ParallelConfig.parse("dp_shard=3"))
+    assert 0 < shrink.bytes_moved < sum(s.nbytes for r in range(3) for s in new_layout.shards_of(r))
+    same = plan_model_migration(
+        spec,
+        ParallelConfig.parse("dp_replicate=2,dp_shard=2"),
+        four,
+        ParallelConfig.parse("dp_replicate=2,dp_shard=2"),
+        four,
+    )
+    assert same.bytes_moved == 0
+    # HSDP losing a device's node: the other replica holds every lost shard
+    hsdp = plan_model_migration(
+        spec,
+        ParallelConfig.parse("dp_replicate=2,dp_shard=2"),
+        DeviceSet.parse("n0:2,n1:2"),
+        ParallelConfig.parse("dp_shard=2"),
+        DeviceSet.parse("n0:2"),
+        failed=DeviceSet.parse("n1:2"),
+    )
+    assert hsdp.bytes_moved == 0

@@ -294,3 +294,23 @@ def test_the_committed_calibration_predicts_the_committed_benchmark_within_30_pe
     assert len(rows) == 9 and all(r["ok"] for r in rows)
     # The live state also holds the optimizer's per-parameter step counters (a few KB) that model specs leave out.
     assert all(abs(r["sim_bytes_moved"] - r["bytes_moved"]) <= 4096 for r in rows)
+
+
+def test_the_fsdp_suite_simulates_hsdp_and_fsdp_jobs_losing_and_gaining_a_node():
+    """llama-70b HSDP 8 x 128 (1024 GPUs) and llama-13b FSDP / HSDP: each plan is made and priced;
+    a failure in HSDP reads nothing from storage (the other replicas hold every lost shard)."""
+    from etc_agent.sim.suites import fsdp_suite
+
+    scenarios = fsdp_suite()
+    assert {(s.spec.name, s.old_config.dp_replicate, s.old_config.dp_shard) for s in scenarios} == {
+        ("llama-70b", 8, 128),
+        ("llama-13b", 1, 64),
+        ("llama-13b", 4, 16),
+    }
+    for s in scenarios:
+        assert s.old_config.world_size == len(s.old_devices) and s.new_config.world_size == len(s.new_devices)
+        assert s.new_config.dp_replicate == s.old_config.dp_replicate
+    costs = CostModel()
+    hsdp_fail = next(s for s in scenarios if s.name == "HSDP 8x128 fail 1 node")
+    result = simulate(hsdp_fail, costs)
+    assert result.plan.bytes_moved > 0 and result.etc_s < result.ckpt_s

@@ -352,7 +352,8 @@ def simulate(
         str,
         typer.Option(
             "--suite",
-            help="paper: Megatron-style jobs on 8-1024 GPUs; bench: the transitions of "
+            help="paper: Megatron-style jobs on 8-1024 GPUs; fsdp: FSDP2 / HSDP jobs (llama-70b HSDP 8x128, "
+            "llama-13b FSDP 64 and HSDP 4x16) losing or gaining a node; bench: the transitions of "
             "scripts/bench_migration.py (1 GB example GPT, this machine's shape).",
         ),
     ] = "paper",
@@ -382,7 +383,7 @@ def simulate(
     from etc_agent.sim import report
     from etc_agent.sim.costs import CostModel
     from etc_agent.sim.estimate import simulate as run
-    from etc_agent.sim.suites import PAPER_SIZES, bench_suite, paper_suite
+    from etc_agent.sim.suites import PAPER_SIZES, bench_suite, fsdp_suite, paper_suite
 
     plot_path = plot if plot is not None else Path(f"simulate-{suite}.png")
     if str(plot_path) != "-":
@@ -406,8 +407,12 @@ def simulate(
         if models is not None:
             raise UserError("--models applies to the paper suite only")
         scenarios = bench_suite()
+    elif suite == "fsdp":
+        if models is not None:
+            raise UserError("--models applies to the paper suite only")
+        scenarios = fsdp_suite()
     else:
-        raise UserError(f"--suite {suite!r}: use paper or bench")
+        raise UserError(f"--suite {suite!r}: use paper, fsdp or bench")
     if measured is not None and suite != "bench":
         raise UserError("--measured compares with scripts/bench_migration.py: use it with --suite bench")
     if tolerance <= 0:

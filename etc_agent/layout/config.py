@@ -10,7 +10,8 @@ from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-_FIELDS = ("tp", "pp", "dp", "zero")
+_FIELDS = ("tp", "pp", "dp", "zero", "dp_replicate", "dp_shard")
+"""Names of the short form; ``dp_replicate`` and ``dp_shard`` are torchtitan's split of ``dp``."""
 
 
 class RankCoord(NamedTuple):
@@ -37,9 +38,22 @@ class ParallelConfig(BaseModel):
         "Megatron distributed optimizer); 0: every DP replica holds its shard's full optimizer state.",
     )
 
+    dp_shard: int = Field(
+        1,
+        ge=1,
+        description="FSDP2 shard degree (torchtitan's dp_shard): data-parallel ranks that split every "
+        "parameter and its optimizer state along dim 0 (ZeRO-3); dp = dp_replicate * dp_shard, so "
+        "dp_shard = dp is plain FSDP and 1 < dp_shard < dp is HSDP. 1: no parameter sharding.",
+    )
+
     @model_validator(mode="after")
     def _zero_needs_dp(self) -> ParallelConfig:
         from etc_agent.layout.devices import MAX_DEVICES
+
+        if self.dp % self.dp_shard:
+            raise ValueError(f"dp_shard={self.dp_shard} does not divide dp={self.dp} (dp = dp_replicate * dp_shard)")
+        if self.zero and self.dp_shard > 1:
+            raise ValueError("zero=1 with dp_shard > 1: FSDP already shards the optimizer state with the parameters")
 
         if self.tp * self.pp * self.dp > MAX_DEVICES:
             raise ValueError(
@@ -70,16 +84,32 @@ class ParallelConfig(BaseModel):
                 raise ValueError(f"bad parallel config {text!r}: {name}={raw!r} is not an integer") from None
         if not values:
             raise ValueError(f"bad parallel config {text!r}: empty")
+        if "dp_replicate" in values:
+            replicate, shard = values.pop("dp_replicate"), values.get("dp_shard", 1)
+            if "dp" in values and values["dp"] != replicate * shard:
+                raise ValueError(
+                    f"bad parallel config {text!r}: dp={values['dp']} is not dp_replicate * dp_shard = {replicate * shard}"
+                )
+            values["dp"] = replicate * shard
+        elif "dp_shard" in values:
+            values.setdefault("dp", values["dp_shard"])
         try:
             return cls(**values)
         except ValueError as err:  # pydantic's ValidationError is a ValueError
             raise ValueError(f"bad parallel config {text!r}: {_first_error(err)}") from None
 
     def short(self) -> str:
+        if self.dp_shard > 1:
+            return f"tp={self.tp},pp={self.pp},dp_replicate={self.dp_replicate},dp_shard={self.dp_shard}"
         return f"tp={self.tp},pp={self.pp},dp={self.dp},zero={self.zero}"
 
     def __str__(self) -> str:
         return self.short()
+
+    @property
+    def dp_replicate(self) -> int:
+        """Replicas of every FSDP shard group (torchtitan's dp_replicate); ``dp`` without FSDP."""
+        return self.dp // self.dp_shard
 
     # ---- geometry -------------------------------------------------------------
     @property
@@ -130,7 +160,9 @@ class ParallelSpec(BaseModel):
     """What the user asked for with ``--parallel``: fixed degrees, any of which may be ``auto``.
 
     ``tp=2,pp=1,dp=auto`` keeps tp and pp and lets dp fill the devices; ``auto`` alone leaves every
-    degree to the planner's policy (which needs a model spec).
+    degree to the planner's policy (which needs a model spec). FSDP2 / HSDP in torchtitan's terms:
+    ``tp=2,dp_shard=auto`` (plain FSDP over what tp leaves), ``dp_replicate=2,dp_shard=auto`` (HSDP
+    with two replicas), ``dp_shard=8`` (shard groups of 8, as many replicas as fit).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -139,6 +171,10 @@ class ParallelSpec(BaseModel):
     pp: int | None = Field(1, ge=1, description="Pipeline-parallel degree; None = auto.")
     dp: int | None = Field(None, ge=1, description="Data-parallel degree; None = auto (fill the devices).")
     zero: int = Field(0, ge=0, le=1, description="ZeRO-1 optimizer sharding (used when dp > 1).")
+    dp_shard: int | None = Field(1, ge=1, description="FSDP2 shard degree; None = auto (fill the devices).")
+    dp_replicate: int | None = Field(
+        None, ge=1, description="Replicas of each FSDP shard group; None = whatever dp and dp_shard leave."
+    )
 
     @classmethod
     def parse(cls, text: str) -> ParallelSpec:
@@ -152,7 +188,7 @@ class ParallelSpec(BaseModel):
                 raise ValueError(f"bad --parallel {text!r}: expected items like tp=2,pp=1,dp=auto,zero=1, got {item!r}")
             if name in values:
                 raise ValueError(f"bad --parallel {text!r}: {name} given twice")
-            if raw == "auto" and name != "zero":
+            if raw == "auto" and name not in ("zero", "dp_replicate"):
                 values[name] = None
                 continue
             try:
@@ -160,6 +196,13 @@ class ParallelSpec(BaseModel):
             except ValueError:
                 raise ValueError(f"bad --parallel {text!r}: {name}={raw!r} is neither an integer nor auto") from None
         values.setdefault("dp", None)
+        if "dp_shard" in values or "dp_replicate" in values:
+            if values["dp"] is not None:
+                raise ValueError(f"bad --parallel {text!r}: give dp, or dp_replicate/dp_shard, not both")
+            if values.get("dp_shard", 1) is None and values.get("dp_replicate") is None:
+                values["dp_replicate"] = 1  # dp_shard=auto alone: plain FSDP over every data-parallel rank
+            if values.get("zero"):
+                raise ValueError(f"bad --parallel {text!r}: zero=1 with dp_shard: FSDP already shards the optimizer")
         try:
             return cls(**values)
         except ValueError as err:
@@ -167,11 +210,18 @@ class ParallelSpec(BaseModel):
 
     @property
     def fully_fixed(self) -> bool:
+        if self.dp_shard != 1 or self.dp_replicate is not None:
+            return None not in (self.tp, self.pp, self.dp_shard, self.dp_replicate)
         return None not in (self.tp, self.pp, self.dp)
 
     def short(self) -> str:
-        parts = [f"{n}={'auto' if getattr(self, n) is None else getattr(self, n)}" for n in ("tp", "pp", "dp")]
-        return ",".join(parts + [f"zero={self.zero}"])
+        def text(name: str) -> str:
+            value = getattr(self, name)
+            return f"{name}={'auto' if value is None else value}"
+
+        if self.dp_shard != 1 or self.dp_replicate is not None:
+            return ",".join(text(n) for n in ("tp", "pp", "dp_replicate", "dp_shard"))
+        return ",".join([*(text(n) for n in ("tp", "pp", "dp")), f"zero={self.zero}"])
 
     def resolve(self, num_devices: int) -> ParallelConfig | None:
         """The config using the most of ``num_devices`` devices (None if none fits).
@@ -181,7 +231,21 @@ class ParallelSpec(BaseModel):
         if self.tp is None or self.pp is None:
             raise ValueError(f"--parallel {self.short()}: tp/pp auto needs --model (the planner's policy chooses them)")
         unit = self.tp * self.pp
+        if self.dp_shard != 1 or self.dp_replicate is not None:
+            return self._resolve_fsdp(num_devices // unit)
         dp = self.dp if self.dp is not None else num_devices // unit
         if dp < 1 or dp * unit > num_devices:
             return None
         return ParallelConfig(tp=self.tp, pp=self.pp, dp=dp, zero=self.zero if dp > 1 else 0)
+
+    def _resolve_fsdp(self, num_dp_ranks: int) -> ParallelConfig | None:
+        """FSDP/HSDP: the auto degree (shard, or else replicate) takes what the fixed one leaves."""
+        if self.dp_shard is None:
+            replicate = self.dp_replicate or 1
+            shard = num_dp_ranks // replicate
+        else:
+            shard = self.dp_shard
+            replicate = self.dp_replicate if self.dp_replicate is not None else num_dp_ranks // shard
+        if shard < 1 or replicate < 1 or replicate * shard > num_dp_ranks:
+            return None
+        return ParallelConfig(tp=self.tp, pp=self.pp, dp=replicate * shard, dp_shard=shard)

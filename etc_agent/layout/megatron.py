@@ -15,6 +15,12 @@ Conventions (see docs/design.md, "Layout conventions"):
 - Optimizer state (Adam moments, and an fp32 master copy for bf16/fp16 params) has the parameter's
   boxes; with ``zero=1`` each TP/PP box is additionally split across the DP group along its flattened
   element range (``torch.chunk`` sizes).
+- FSDP2 / HSDP (``dp_shard > 1``): as ``fully_shard`` leaves them, every parameter and its optimizer
+  state is split along dim 0 of its TP box across the ``dp_shard`` ranks of its shard group
+  (``torch.chunk`` sizes: uneven and empty last shards), replicated across ``dp_replicate`` groups.
+  The data-parallel index is ``replicate * dp_shard + shard`` (torchtitan's mesh order
+  ``pp, dp_replicate, dp_shard, tp``). A gated FC1 is sharded on its ffn dim (dim 1): torchtitan's
+  separate ``w1`` and ``w3``, each split on its rows.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ class TensorKind:
     shape: tuple[int, ...]
     split_dim: int | None
     """Dim split across TP, or None when replicated across TP."""
+    fsdp_dim: int = 0
+    """Dim FSDP2 splits across its shard group (dim 0 of the tensor as the framework holds it)."""
 
 
 def layer_tensors(spec: ModelSpec) -> list[TensorKind]:
@@ -53,9 +61,9 @@ def layer_tensors(spec: ModelSpec) -> list[TensorKind]:
         out.append(TensorKind("self_attention.linear_proj.bias", (h,), None))
     out += _norm(spec, "pre_mlp_layernorm")
     if spec.gated_mlp:
-        out.append(TensorKind("mlp.linear_fc1.weight", (2, f, h), 1))
+        out.append(TensorKind("mlp.linear_fc1.weight", (2, f, h), 1, fsdp_dim=1))
         if bias:
-            out.append(TensorKind("mlp.linear_fc1.bias", (2, f), 1))
+            out.append(TensorKind("mlp.linear_fc1.bias", (2, f), 1, fsdp_dim=1))
     else:
         out.append(TensorKind("mlp.linear_fc1.weight", (f, h), 0))
         if bias:
@@ -117,17 +125,24 @@ def model_layout(spec: ModelSpec, config: ParallelConfig) -> StateLayout:
     key_placement: dict[str, int] = {}
     key_dtype: dict[str, str] = {}
 
+    fsdp = config.dp_shard
+
     def placement_for(kind: TensorKind, stages: tuple[int, ...], zero_split: bool) -> int:
-        gkey = (kind.shape, kind.split_dim, zero_split)
+        gkey = (kind.shape, kind.split_dim, kind.fsdp_dim, zero_split)
         if gkey not in geometries:
-            geometries[gkey] = _geometry(kind, tp, dp, zero_split)
+            geometries[gkey] = _geometry(kind, tp, dp, zero_split, fsdp)
         pkey = (gkey, stages)
         if pkey not in placement_index:
             tp_idx = np.tile(np.arange(tp), dp)
             dp_idx = np.repeat(np.arange(dp), tp)
             ranks = np.concatenate([s * dp * tp + dp_idx * tp + tp_idx for s in stages])
             box_idx = tp_idx if kind.split_dim is not None else np.zeros_like(tp_idx)
-            shard = box_idx * dp + dp_idx if zero_split else box_idx
+            if zero_split:
+                shard = box_idx * dp + dp_idx
+            elif fsdp > 1:
+                shard = box_idx * fsdp + dp_idx % fsdp  # one chunk per shard-group rank, same in every replica
+            else:
+                shard = box_idx
             placement_index[pkey] = len(placements)
             placements.append(Placement(geometries[gkey], ranks, np.tile(shard, len(stages))))
         return placement_index[pkey]
@@ -143,7 +158,7 @@ def model_layout(spec: ModelSpec, config: ParallelConfig) -> StateLayout:
     return StateLayout(config.world_size, placements, key_placement, key_dtype)
 
 
-def _geometry(kind: TensorKind, tp: int, dp: int, zero_split: bool) -> Geometry:
+def _geometry(kind: TensorKind, tp: int, dp: int, zero_split: bool, fsdp: int = 1) -> Geometry:
     boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
     if kind.split_dim is None:
         boxes.append(((0,) * len(kind.shape), kind.shape))
@@ -153,6 +168,21 @@ def _geometry(kind: TensorKind, tp: int, dp: int, zero_split: bool) -> Geometry:
             offsets = tuple(start if d == kind.split_dim else 0 for d in range(len(kind.shape)))
             lengths = tuple(length if d == kind.split_dim else n for d, n in enumerate(kind.shape))
             boxes.append((offsets, lengths))
+    if fsdp > 1:
+        # FSDP2's dim-0 chunks of each TP box (of the fsdp dim: a gated FC1's ffn rows).
+        dim = kind.fsdp_dim
+        fsdp_boxes = []
+        for offsets, lengths in boxes:
+            for s in range(fsdp):
+                start, length = chunk_range(lengths[dim], fsdp, s)
+                fsdp_boxes.append(
+                    (
+                        tuple(o + start if d == dim else o for d, o in enumerate(offsets)),
+                        tuple(length if d == dim else n for d, n in enumerate(lengths)),
+                        None,
+                    )
+                )
+        return Geometry(kind.shape, fsdp_boxes)
     if not zero_split:
         return Geometry(kind.shape, [(o, n, None) for o, n in boxes])
     shard_boxes = []

@@ -153,7 +153,7 @@ class MigrationPlan:
         """The JSON object printed by ``etc-agent plan --json`` (field names are a public contract)."""
 
         def cfg(c: ParallelConfig | None) -> dict[str, int] | None:
-            return None if c is None else {"tp": c.tp, "pp": c.pp, "dp": c.dp, "zero": c.zero}
+            return None if c is None else {"tp": c.tp, "pp": c.pp, "dp": c.dp, "zero": c.zero, "dp_shard": c.dp_shard}
 
         return {
             "from": cfg(self.old_config),

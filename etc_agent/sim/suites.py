@@ -87,6 +87,37 @@ def _shrunk(config: ParallelConfig, num_devices: int) -> ParallelConfig | None:
     return ParallelConfig(tp=config.tp, pp=config.pp, dp=dp, zero=config.zero if dp > 1 else 0) if dp >= 1 else None
 
 
+FSDP_JOBS: tuple[tuple[str, int, int], ...] = (("llama-70b", 8, 128), ("llama-13b", 1, 64), ("llama-13b", 4, 16))
+"""PyTorch-native jobs of the fsdp suite: ``(model, dp_replicate, dp_shard)`` on 8-GPU nodes (HSDP
+8 x 128 = 1024 GPUs, plain FSDP over 64, HSDP 4 x 16)."""
+
+
+def fsdp_suite() -> list[Scenario]:
+    """FSDP2 / HSDP jobs (torchtitan's dp_replicate x dp_shard) losing a node to preemption and to a
+    failure, and growing by one: the shard groups shrink or grow (uneven shards), the replicas stay.
+    Pure FSDP has no replica, so its node failure is left out (that state comes from a checkpoint)."""
+    out: list[Scenario] = []
+    for name, replicate, shard in FSDP_JOBS:
+        spec = load_model(name)
+        n = replicate * shard
+        devices = cluster(n)
+        config = ParallelConfig(dp=n, dp_shard=shard)
+        label = f"HSDP {replicate}x{shard}" if replicate > 1 else f"FSDP {shard}"
+        # A node's 8 devices leave every shard group they were in: each group gives up 8 / replicate.
+        lost = GPUS_PER_NODE // replicate if replicate <= GPUS_PER_NODE else 1
+        smaller = cluster(n - GPUS_PER_NODE)
+        shrunk = ParallelConfig(dp=replicate * (shard - lost), dp_shard=shard - lost)
+        out.append(Scenario(f"{label} preempt 1 node", spec, config, devices, shrunk, smaller))
+        if replicate > 1:
+            last_node = devices.node_devices(devices.nodes[-1])
+            out.append(
+                Scenario(f"{label} fail 1 node", spec, config, devices, shrunk, smaller, failed=tuple(last_node))
+            )
+        grown = ParallelConfig(dp=replicate * (shard + lost), dp_shard=shard + lost)
+        out.append(Scenario(f"{label} scale out 1 node", spec, config, devices, grown, cluster(n + GPUS_PER_NODE)))
+    return out
+
+
 def paper_suite(models: dict[str, tuple[int, ...]] | None = None) -> list[Scenario]:
     out: list[Scenario] = []
     for name, sizes in (models or PAPER_SIZES).items():
