@@ -235,3 +235,45 @@ def test_a_strided_shard_that_is_not_fsdp_over_tp_is_refused_by_name():
     fake.placements = (_StridedShard(0, split_factor=3),)
     with pytest.raises(ValueError, match="layers.0.up.weight: DTensor placement"):
         _check_fsdp_over_tp("layers.0.up.weight", fake, 0, fake.placements[0])
+
+
+def context_worker(rank: int, world: int, config_text: str) -> dict:
+    from datetime import timedelta
+
+    from torch.distributed.fsdp import fully_shard
+
+    from etc_agent.layout import ParallelConfig
+    from etc_agent.worker.context import make_context
+
+    config = ParallelConfig.parse(config_text)
+    ctx = make_context(config, rank, 0, torch.device("cpu"), timeout=timedelta(seconds=30))
+    block = Block()
+    fully_shard(block, mesh=ctx.fsdp_mesh)
+    return {
+        "dims": list(ctx.mesh.mesh_dim_names),
+        "fsdp_ranks": ctx.fsdp_mesh.mesh.flatten().tolist(),
+        "dp_group_size": dist.get_world_size(ctx.dp_group),
+        "tp_group_size": dist.get_world_size(ctx.tp_group),
+        "dp_rank": ctx.dp_rank,
+        "placements": [type(p).__name__ for p in block.up.weight.placements],
+    }
+
+
+@pytest.mark.parametrize(
+    "config, fsdp_ranks, placements",
+    [
+        ("tp=2,dp_replicate=2,dp_shard=2", {0: [0, 2, 4, 6], 1: [1, 3, 5, 7]}, ["Replicate", "Shard"]),
+        ("tp=2,dp_shard=4", {0: [0, 2, 4, 6], 1: [1, 3, 5, 7]}, ["Shard"]),
+    ],
+)
+def test_the_context_mesh_has_torchtitans_dims_and_the_mesh_fully_shard_takes(config, fsdp_ranks, placements):
+    """8 processes: ``ctx.mesh`` is ``(pp, dp_replicate, dp_shard, tp)`` with ``dp`` flattened from
+    the two, ``ctx.fsdp_mesh`` the ranks of one TP column, and ``fully_shard`` on it gives HSDP's
+    ``(Replicate, Shard(0))`` or FSDP's ``Shard(0)``."""
+    results = run_workers(8, context_worker, config, timeout_s=240)
+    for rank, r in enumerate(results):
+        assert r["dims"] == ["pp", "dp_replicate", "dp_shard", "tp"]
+        assert r["fsdp_ranks"] == fsdp_ranks[rank % 2]
+        assert r["dp_group_size"] == 4 and r["tp_group_size"] == 2
+        assert r["dp_rank"] == rank // 2
+        assert r["placements"] == placements

@@ -13,6 +13,9 @@ from etc_agent.layout.config import ParallelConfig
 from etc_agent.worker.connect import forming_timeout
 
 MESH_DIMS = ("pp", "dp", "tp")
+FSDP_MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+"""torchtitan's dims (without cp), the mesh of a layout with ``dp_shard > 1``; ``dp`` is their
+flattened ``dp_replicate x dp_shard`` there."""
 
 
 @dataclass(frozen=True)
@@ -32,7 +35,8 @@ class ParallelContext:
     pp_rank: int
     dp_rank: int
     mesh: DeviceMesh
-    """Device mesh with dims ``("pp", "dp", "tp")`` over the whole world."""
+    """Device mesh over the whole world: dims ``("pp", "dp", "tp")``, or with FSDP (``dp_shard > 1``)
+    torchtitan's ``("pp", "dp_replicate", "dp_shard", "tp")`` with ``dp`` flattened from the two."""
     device: torch.device
     """The device this process computes on."""
     generation: int
@@ -71,6 +75,16 @@ class ParallelContext:
     def dp(self) -> int:
         return self.config.dp
 
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The mesh ``fully_shard`` takes: ``dp_shard`` (FSDP), ``(dp_replicate, dp_shard)`` (HSDP);
+        without FSDP the ``dp`` dim (``fully_shard`` on it shards over every data-parallel rank)."""
+        if self.config.dp_shard == 1:
+            return self.mesh["dp"]
+        if self.config.dp_replicate > 1:
+            return self.mesh["dp_replicate", "dp_shard"]
+        return self.mesh["dp_shard"]
+
     def pp_peer(self, pp_rank: int) -> int:
         """Global rank of the process at ``pp_rank`` in this process's pipeline (same dp, tp)."""
         return self.config.rank(pp_rank, self.dp_rank, self.tp_rank)
@@ -89,7 +103,7 @@ def _bounded_groups(timeout: timedelta) -> dict | None:
     else:
         return None
     options._timeout = forming_timeout(backend, timeout)
-    return {name: (backend, options) for name in MESH_DIMS}
+    return {name: (backend, options) for name in (*MESH_DIMS, *FSDP_MESH_DIMS)}
 
 
 def make_context(
@@ -109,14 +123,23 @@ def make_context(
     generation its peer had given up once waited 30 minutes there, and every later generation for it.
     """
     config.check_world_size(dist.get_world_size())
+    overrides = _bounded_groups(timeout) if timeout is not None else None
+    if config.dp_shard > 1:
+        names: tuple[str, ...] = FSDP_MESH_DIMS
+        shape: tuple[int, ...] = (config.pp, config.dp_replicate, config.dp_shard, config.tp)
+    else:
+        names, shape = MESH_DIMS, (config.pp, config.dp, config.tp)
     mesh = init_device_mesh(
         device.type,
-        (config.pp, config.dp, config.tp),
-        mesh_dim_names=MESH_DIMS,
-        backend_override=_bounded_groups(timeout) if timeout is not None else None,
+        shape,
+        mesh_dim_names=names,
+        backend_override={n: overrides[n] for n in names} if overrides else None,
     )
+    if config.dp_shard > 1:
+        # Registered on the root mesh: ``mesh.get_group("dp")`` and the job's teardown see it.
+        mesh["dp_replicate", "dp_shard"]._flatten("dp", backend_override=overrides["dp"] if overrides else None)
     if timeout is not None:
-        for name in MESH_DIMS:
+        for name in {*names, "dp"}:
             mesh.get_group(name).set_timeout(timeout)
     coord = config.coord(rank)
     return ParallelContext(
