@@ -57,6 +57,7 @@ TEST_LAYERS: dict[str, tuple[str, dict[str, list[str]]]] = {
     "test_k8s.py": ("e2e", {}),  # etcrun --help in a subprocess
     "test_layers.py": ("unit", {}),
     "test_layout.py": ("unit", {}),
+    "test_llama.py": ("e2e", {}),
     "test_megatron.py": (
         "multiproc",
         {

@@ -188,7 +188,7 @@ class ParallelSpec(BaseModel):
                 raise ValueError(f"bad --parallel {text!r}: expected items like tp=2,pp=1,dp=auto,zero=1, got {item!r}")
             if name in values:
                 raise ValueError(f"bad --parallel {text!r}: {name} given twice")
-            if raw == "auto" and name not in ("zero", "dp_replicate"):
+            if raw == "auto" and name != "zero":
                 values[name] = None
                 continue
             try:
@@ -199,8 +199,10 @@ class ParallelSpec(BaseModel):
         if "dp_shard" in values or "dp_replicate" in values:
             if values["dp"] is not None:
                 raise ValueError(f"bad --parallel {text!r}: give dp, or dp_replicate/dp_shard, not both")
-            if values.get("dp_shard", 1) is None and values.get("dp_replicate") is None:
-                values["dp_replicate"] = 1  # dp_shard=auto alone: plain FSDP over every data-parallel rank
+            if values.get("dp_shard", 1) is None:
+                if "dp_replicate" in values and values["dp_replicate"] is None:
+                    raise ValueError(f"bad --parallel {text!r}: dp_replicate and dp_shard cannot both be auto")
+                values.setdefault("dp_replicate", 1)  # dp_shard=auto alone: plain FSDP over every dp rank
             if values.get("zero"):
                 raise ValueError(f"bad --parallel {text!r}: zero=1 with dp_shard: FSDP already shards the optimizer")
         try:

@@ -1,0 +1,338 @@
+"""A Llama-style model (RMSNorm, RoPE, grouped-query attention, SwiGLU) trained through the worker
+API with PyTorch's own parallelism, structured as torchtitan parallelises its Llama:
+
+- tensor parallel (``parallelize_module`` on ``ctx.mesh["tp"]``): ``wq``/``wk``/``wv`` and
+  ``w1``/``w3`` column-parallel, ``wo`` and ``w2`` row-parallel, the token embedding row-parallel
+  over the vocabulary, the output head column-parallel with replicated logits; RMSNorm weights are
+  replicated DTensors on the TP mesh (no sequence parallel in this example);
+- FSDP2 (``dp_shard > 1``, ``--parallel tp=2,dp_shard=auto`` or HSDP ``dp_replicate=2,dp_shard=auto``):
+  ``fully_shard`` on every block, then on the stage's root, over ``ctx.fsdp_mesh``; gradients are
+  reduce-scattered (and all-reduced across replicas) by FSDP2; without FSDP (``dp=N``) gradients
+  are summed over the dp group in one flat all-reduce;
+- pipeline parallel: layers split into ``pp`` contiguous stages, activations and their gradients
+  sent between stages one micro-batch at a time (as in :mod:`etc_agent.examples.gpt`);
+- the global batch is fixed whatever the layout, the data position is the global step, the LR
+  schedule (warmup + cosine) is a carried ``LambdaLR``, the optimizer ``torch.optim.AdamW``.
+
+``etcrun --nproc-per-node 4 --parallel dp_shard=auto -m etc_agent.examples.llama`` trains it with
+FSDP2 over 4 workers; membership changes and ``etc-agent reconfigure`` move the sharded parameters
+and AdamW state into the module built for the new mesh. ``--elementwise`` replaces the gradient by
+an elementwise function of each parameter, so the state evolves layout-independently and can be
+compared bit for bit with a run in any other layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+import etc_agent
+from etc_agent.examples.gpt import init_weights, pace, stage_layers
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        weight = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
+        return normed * weight
+
+
+def rope_tables(seq: int, head_dim: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq, dtype=torch.float32), freqs)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs of ``x`` (``[batch, heads, seq, head_dim]``) by their position's angles."""
+    even, odd = x[..., 0::2], x[..., 1::2]
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return rotated.flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.wq = nn.Linear(hidden, heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(heads * self.head_dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        b, s, _ = x.shape
+        # Column-parallel projections hold whole heads: -1 is this rank's share of them.
+        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        repeat = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.w1 = nn.Linear(hidden, ffn, bias=False)
+        self.w2 = nn.Linear(ffn, hidden, bias=False)
+        self.w3 = nn.Linear(hidden, ffn, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, args: argparse.Namespace):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.hidden)
+        self.attention = Attention(args.hidden, args.heads, args.kv_heads)
+        self.ffn_norm = RMSNorm(args.hidden)
+        self.feed_forward = FeedForward(args.hidden, args.ffn)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Stage(nn.Module):
+    """The layers of one pipeline stage; names are global (``layers.<i>``) so keys do not depend on pp."""
+
+    def __init__(self, args: argparse.Namespace, first: bool, last: bool, layers: range):
+        super().__init__()
+        self.first, self.last = first, last
+        self.rope = rope_tables(args.seq, args.hidden // args.heads)
+        if first:
+            self.tok_embeddings = nn.Embedding(args.vocab, args.hidden)
+        self.layers = nn.ModuleDict({str(i): Block(args) for i in layers})
+        if last:
+            self.norm = RMSNorm(args.hidden)
+            self.output = nn.Linear(args.hidden, args.vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            x = self.tok_embeddings(x)
+        for block in self.layers.values():
+            x = block(x, self.rope)
+        if self.last:
+            x = self.output(self.norm(x))
+        return x
+
+
+def parallelize(model: Stage, ctx: etc_agent.ParallelContext) -> None:
+    """torchtitan's order: tensor parallel inside each block, then FSDP2 per block and on the root."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    cfg = ctx.config
+    if cfg.tp > 1:
+        tp_mesh = ctx.mesh["tp"]
+        plan: dict = {}
+        for i in model.layers:
+            for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
+                plan[f"layers.{i}.{name}"] = ColwiseParallel()
+            for name in ("attention.wo", "feed_forward.w2"):
+                plan[f"layers.{i}.{name}"] = RowwiseParallel()
+        if model.first:
+            plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate())
+        if model.last:
+            plan["output"] = ColwiseParallel(output_layouts=Replicate())
+        # Every rank built the same full weights: keep the local slices, no scatter.
+        parallelize_module(model, tp_mesh, plan, src_data_rank=None)
+        for norm in [m for m in model.modules() if isinstance(m, RMSNorm)]:
+            norm.weight = nn.Parameter(distribute_tensor(norm.weight.data, tp_mesh, [Replicate()], src_data_rank=None))
+    if cfg.dp_shard > 1:
+        for block in model.layers.values():
+            fully_shard(block, mesh=ctx.fsdp_mesh)
+        fully_shard(model, mesh=ctx.fsdp_mesh)
+
+
+def make_build(args: argparse.Namespace):
+    def build(ctx: etc_agent.ParallelContext) -> dict:
+        cfg = ctx.config
+        if args.heads % cfg.tp or args.kv_heads % cfg.tp or args.ffn % cfg.tp or args.vocab % cfg.tp:
+            raise ValueError(
+                f"tp={cfg.tp} must divide heads ({args.heads}), kv heads ({args.kv_heads}), ffn ({args.ffn}) "
+                f"and vocab ({args.vocab})"
+            )
+        first, last = ctx.pp_rank == 0, ctx.pp_rank == cfg.pp - 1
+        layers = stage_layers(args.layers, cfg.pp, ctx.pp_rank)
+        if ctx.restoring:
+            # A migration overwrites every element: build on meta, shard, then allocate only the
+            # local shards (no full-size weights on any rank).
+            with torch.device("meta"):
+                model = Stage(args, first, last, layers)
+            model.rope = rope_tables(args.seq, args.hidden // args.heads)
+        else:
+            model = Stage(args, first, last, layers)
+            init_weights(model, args.seed)
+        parallelize(model, ctx)
+        if ctx.restoring:
+            model.to_empty(device=ctx.device)
+        # Parameters mix TP-split and replicated DTensors and plain tensors: no foreach kernels.
+        optim = torch.optim.AdamW(
+            model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, foreach=False
+        )
+        warmup = max(1, args.steps // 10)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            optim,
+            lambda s: (
+                min(1.0, (s + 1) / warmup)
+                * (0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)) * 0.9 + 0.1)
+            ),
+        )
+        return {"model": model, "optim": optim, "sched": sched}
+
+    return build
+
+
+def batch(args: argparse.Namespace, step: int, index: int) -> torch.Tensor:
+    """Sequence ``index`` of global step ``step``: a noisy affine token walk (learnable, deterministic)."""
+    g = torch.Generator().manual_seed(args.seed * 7919 + step * 104729 + index)
+    start = int(torch.randint(args.vocab, (1,), generator=g))
+    mult = 1 + 2 * int(torch.randint(3, (1,), generator=g))
+    seq = [start]
+    for _ in range(args.seq):
+        seq.append((seq[-1] * mult + 1) % args.vocab)
+    tokens = torch.tensor(seq)
+    noise = torch.rand(args.seq + 1, generator=g) < 0.1
+    return torch.where(noise, torch.randint(args.vocab, (args.seq + 1,), generator=g), tokens)
+
+
+def train_step(job: etc_agent.Job, args: argparse.Namespace, step: int) -> float | None:
+    """One optimizer step over the global batch; the global mean loss on the reporting rank."""
+    ctx, model, optim, sched = job.ctx, job.state["model"], job.state["optim"], job.state["sched"]
+    cfg = ctx.config
+    per_replica = args.global_batch // cfg.dp
+    micro = args.micro_batch if cfg.pp > 1 else per_replica
+    first, last = ctx.pp_rank == 0, ctx.pp_rank == cfg.pp - 1
+    fsdp = cfg.dp_shard > 1
+    # FSDP2 averages gradients over the data-parallel ranks; the flat all-reduce below sums them.
+    scale = micro / per_replica if fsdp else micro / args.global_batch
+    loss_sum = torch.zeros(())
+    optim.zero_grad(set_to_none=True)
+    for mb in range(per_replica // micro):
+        lo = ctx.dp_rank * per_replica + mb * micro
+        data = torch.stack([batch(args, step, i) for i in range(lo, lo + micro)])
+        inputs, targets = data[:, :-1], data[:, 1:]
+        shape = (micro, args.seq, args.hidden)
+        if first:
+            x = inputs
+        else:
+            x = torch.empty(shape)
+            dist.recv(x, src=ctx.pp_peer(ctx.pp_rank - 1))
+            x.requires_grad_(True)
+        out = model(x)
+        if last:
+            loss = F.cross_entropy(out.reshape(-1, args.vocab), targets.reshape(-1)) * scale
+            loss.backward()
+            loss_sum += loss.detach()
+        else:
+            dist.send(out.detach(), dst=ctx.pp_peer(ctx.pp_rank + 1))
+            grad = torch.empty(shape)
+            dist.recv(grad, src=ctx.pp_peer(ctx.pp_rank + 1))
+            out.backward(grad)
+        if not first:
+            dist.send(x.grad, dst=ctx.pp_peer(ctx.pp_rank - 1))
+    if cfg.dp > 1 and not fsdp:
+        from etc_agent.examples.gpt import reduce_gradients
+
+        reduce_gradients(model, ctx.dp_group)
+    optim.step()
+    sched.step()
+    if last:
+        if cfg.dp > 1:
+            dist.all_reduce(loss_sum, group=ctx.dp_group)
+            if fsdp:
+                loss_sum /= cfg.dp
+        if ctx.dp_rank == 0 and ctx.tp_rank == 0:
+            return float(loss_sum)
+    return None
+
+
+def elementwise_step(job: etc_agent.Job) -> None:
+    """A layout-independent update: every gradient element is a function of its parameter element."""
+    from etc_agent.examples.gpt import elementwise_step as gpt_elementwise_step
+
+    gpt_elementwise_step(job)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--global-batch", type=int, default=12, help="Sequences per step, whatever dp is.")
+    ap.add_argument("--micro-batch", type=int, default=2, help="Sequences per pipeline micro-batch (pp > 1).")
+    ap.add_argument("--vocab", type=int, default=64)
+    ap.add_argument("--seq", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=32)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2, help="Key/value heads (grouped-query attention).")
+    ap.add_argument("--ffn", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--weight-decay", type=float, default=0.01)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--parallel", default="dp_shard=auto", help="Layout when etcrun --parallel does not give one.")
+    ap.add_argument("--elementwise", action="store_true", help="Layout-independent update (for bitwise state checks).")
+    ap.add_argument("--step-delay", type=float, default=0.0, help="Seconds to sleep per step (to watch a run).")
+    ap.add_argument("--slow-while", default=None, metavar="FILE", help="As in etc_agent.examples.gpt.")
+    ap.add_argument("--slow-step-delay", type=float, default=4.0)
+    ap.add_argument("--loss-log", default=None, help="Append {step, loss, ...} JSON lines here.")
+    ap.add_argument("--dump-state", default=None, help="At the end, save the full unsharded state here (torch.save).")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.global_batch % args.micro_batch:
+        raise ValueError("--global-batch must be a multiple of --micro-batch")
+    job = etc_agent.init(parallel=args.parallel)
+    job.start(make_build(args))
+    for step in job.steps(args.steps):
+        cfg = job.ctx.config
+        if args.global_batch % cfg.dp or (args.global_batch // cfg.dp) % (args.micro_batch if cfg.pp > 1 else 1):
+            raise ValueError(f"{cfg.short()} does not divide the global batch of {args.global_batch}")
+        started = time.perf_counter()
+        if args.elementwise:
+            elementwise_step(job)
+            loss = 0.0 if job.ctx.rank == 0 else None  # progress marker; the check is on the final state
+        else:
+            loss = train_step(job, args, step)
+        if loss is not None:
+            record = {
+                "step": step,
+                "loss": loss,
+                "config": job.ctx.config.short(),
+                "generation": job.ctx.generation,
+                "step_s": round(time.perf_counter() - started, 4),
+                "wall": round(time.time(), 4),
+            }
+            print(json.dumps(record), flush=True)
+            if args.loss_log:
+                with open(args.loss_log, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+        pace(args, step)
+    full = job.gather_state()
+    if full is not None and args.dump_state:
+        torch.save(full, args.dump_state)
+        print(f"saved the full state ({len(full)} tensors) to {args.dump_state}", file=sys.stderr, flush=True)
+    job.finish()
+
+
+if __name__ == "__main__":
+    main()

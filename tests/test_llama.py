@@ -1,0 +1,89 @@
+"""The Llama example (``etc_agent.examples.llama``) with PyTorch-native parallelism under ``etcrun``
+over a real etcd: FSDP2, HSDP and FSDP2 + TP layouts through reconfigurations, joins, a SIGTERM
+leave and a worker SIGKILL, losses against an uninterrupted one-process run of the same training."""
+
+from __future__ import annotations
+
+import uuid
+
+from elastic_demo import compare_states, reference_losses, run_scenario
+
+LLAMA = "etc_agent.examples.llama"
+
+
+def _rdzv(etcd_server, name: str) -> list[str]:
+    return [
+        "--rdzv-backend",
+        "etcd-v3",
+        "--rdzv-endpoint",
+        etcd_server.endpoint,
+        "--rdzv-id",
+        f"{name}-{uuid.uuid4().hex[:6]}",
+    ]
+
+
+def _worst_relative(losses: dict[int, float], reference: dict[int, float]) -> float:
+    return max(abs(losses[s] - reference[s]) / abs(reference[s]) for s in reference)
+
+
+def test_reconfigure_moves_fsdp2_state_between_fsdp_tp_and_hsdp_layouts(etcd_server, tmp_path):
+    """`etc-agent reconfigure` on the same 4 workers: FSDP over 4 -> FSDP 2 x TP 2 (``_StridedShard``)
+    -> HSDP 2 x 2 -> pipeline 2 x FSDP 2; every step's loss within 1e-4 of the reference."""
+    steps = 40
+    events = (
+        "reconfigure:tp=2,dp_shard=auto",
+        "reconfigure:dp_replicate=2,dp_shard=auto",
+        "reconfigure:pp=2,dp_shard=auto",
+    )
+    result = run_scenario(
+        "dp_shard=auto",
+        2,
+        steps,
+        0.1,
+        tmp_path,
+        echo=False,
+        rdzv=_rdzv(etcd_server, "llama-reconf"),
+        events=events,
+        module=LLAMA,
+    )
+    assert result["codes"] == [0, 0], result["cluster"].tail(40)
+    records = sorted(result["migrations"], key=lambda m: m["generation"])
+    assert [(r["old_config"], r["new_config"]) for r in records] == [
+        ("tp=1,pp=1,dp_replicate=1,dp_shard=4", "tp=2,pp=1,dp_replicate=1,dp_shard=2"),
+        ("tp=2,pp=1,dp_replicate=1,dp_shard=2", "tp=1,pp=1,dp_replicate=2,dp_shard=2"),
+        ("tp=1,pp=1,dp_replicate=2,dp_shard=2", "tp=1,pp=2,dp_replicate=1,dp_shard=2"),
+    ], result["cluster"].tail(40)
+    # HSDP 2 x 2 -> pp 2 x FSDP 2: every rank's new shards are a subset of what it held (its stage's
+    # layers, the same dim-0 chunk): nothing moves. The other two reshard.
+    assert [r["bytes_moved"] > 0 for r in records] == [True, True, False], [r["bytes_moved"] for r in records]
+    reference, _ = reference_losses(steps, tmp_path, module=LLAMA)
+    assert sorted(result["losses"]) == list(range(steps))
+    assert _worst_relative(result["losses"], reference) <= 1e-4
+
+
+def test_hsdp_through_a_join_a_sigterm_leave_and_a_worker_kill_is_bitwise_the_uninterrupted_run(etcd_server, tmp_path):
+    """HSDP with shard groups of 2 (``dp_shard=2``, replicas fill the agents): a third agent joins
+    (3 replicas), one leaves on SIGTERM, a worker is SIGKILLed (its shards come from the other
+    replica); with the layout-independent update the final state is bitwise the reference's."""
+    steps, extra = 40, ["--elementwise"]
+    result = run_scenario(
+        "dp_shard=2",
+        2,
+        steps,
+        0.1,
+        tmp_path,
+        echo=False,
+        rdzv=_rdzv(etcd_server, "llama-hsdp"),
+        events=("join", "leave", "kill"),
+        module=LLAMA,
+        extra_script_args=extra,
+    )
+    logs = result["cluster"].tail(60)
+    assert result["codes"][:2] == [0, 0], logs
+    assert sorted(result["losses"]) == list(range(steps)), logs
+    configs = {r["new_config"] for r in result["migrations"]}
+    assert "tp=1,pp=1,dp_replicate=3,dp_shard=2" in configs, configs
+    reasons = [r["reason"] for r in result["migrations"]]
+    assert any("failure" in reason for reason in reasons) and any("left" in reason for reason in reasons), reasons
+    _, reference_state = reference_losses(steps, tmp_path, extra, module=LLAMA)
+    assert compare_states(result["state_file"], reference_state) == []
