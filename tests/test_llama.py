@@ -87,3 +87,36 @@ def test_hsdp_through_a_join_a_sigterm_leave_and_a_worker_kill_is_bitwise_the_un
     assert any("failure" in reason for reason in reasons) and any("left" in reason for reason in reasons), reasons
     _, reference_state = reference_losses(steps, tmp_path, extra, module=LLAMA)
     assert compare_states(result["state_file"], reference_state) == []
+
+
+def test_pure_fsdp_loses_a_shard_to_a_kill_and_restores_just_it_from_the_periodic_checkpoint(etcd_server, tmp_path):
+    """FSDP over 4 (no replica): the killed worker's shards come from the last periodic checkpoint
+    and only those, the rest from the survivors' snapshots of the same step; the steps since are
+    trained again and the final state is bitwise the uninterrupted run's."""
+    checkpoints, work = tmp_path / "checkpoints", tmp_path / "run"
+    work.mkdir()
+    extra, steps = ["--elementwise"], 40
+    result = run_scenario(
+        "dp_shard=auto",
+        2,
+        steps,
+        0.15,
+        work,
+        echo=False,
+        rdzv=_rdzv(etcd_server, "llama-restore"),
+        events=("kill",),
+        agent_args=["--checkpoint-dir", str(checkpoints), "--checkpoint-interval", "5"],
+        extra_script_args=extra,
+        event_steps=[17],
+        module=LLAMA,
+    )
+    logs = result["cluster"].tail(60)
+    assert result["codes"] == [0, 0], f"agents exited {result['codes']}\n{logs}"
+    assert sorted(result["losses"]) == list(range(steps)), logs
+    failures = [m for m in result["migrations"] if "worker failure" in m["reason"]]
+    assert failures, result["migrations"]
+    record = failures[0]
+    assert 0 < record["bytes_restored"] < record["state_bytes"] * 0.5, record
+    assert record["redone_steps"] >= 1 and record["step"] % 5 == 0, record
+    _, reference_state = reference_losses(steps, tmp_path, extra, module=LLAMA)
+    assert compare_states(result["state_file"], reference_state) == []
