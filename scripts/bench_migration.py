@@ -10,6 +10,10 @@ on the first rank until it resumed on the last), bytes are the record's bytes mo
     python scripts/bench_migration.py --small          # 1.1 MB model, every transition
     python scripts/bench_migration.py --repeat 3       # ~1 GB of state, every transition
     python scripts/bench_migration.py --megatron       # Megatron-core GPT + distributed optimizer, 384 MB of state
+    python scripts/bench_migration.py --fsdp           # the Llama example under FSDP2 + TP / HSDP / pp, ~1 GB
+
+With ``--fsdp`` the checkpoint way is the same baseline (DCP save of every rank's FSDP2 shards, new
+interpreters, DCP load with resharding into the module built for the new mesh).
 
 Prints a rich table and one JSON line, and writes a bar chart (``--plot``).
 """
@@ -27,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from elastic_demo import run_scenario
 
-from etc_agent.sim.suites import BENCH_TRANSITIONS, BenchTransition
+from etc_agent.sim.suites import BENCH_TRANSITIONS, FSDP_BENCH_TRANSITIONS, BenchTransition
 
 # One definition of the suite, shared with the simulator's ``bench`` suite.
 SUITE = BENCH_TRANSITIONS
@@ -58,6 +62,15 @@ MODEL_FULL = [
 MODEL_QUICK = ["--layers", "10", "--global-batch", "12", "--micro-batch", "1", "--elementwise"]
 """The example's default widths with MODEL_FULL's 10 layers (same tensors, 1.1 MB): the fixed costs."""
 
+
+LLAMA_MODULE = "etc_agent.examples.llama"
+LLAMA_FULL = [
+    *("--hidden", "768", "--heads", "12", "--kv-heads", "4", "--ffn", "2560", "--layers", "10"),
+    *("--vocab", "8192", "--seq", "16", "--global-batch", "12", "--micro-batch", "1", "--elementwise"),
+]
+"""~87 M parameters: fp32 weights + AdamW state = 1.05 GB."""
+LLAMA_QUICK = ["--layers", "10", "--global-batch", "12", "--micro-batch", "1", "--elementwise"]
+"""The example's default widths with 10 layers (about 1 MB): the fixed costs."""
 
 MEGATRON_MODULE = "etc_agent.examples.megatron_gpt"
 MEGATRON_SUITE = [t for t in SUITE if "zero" not in t.name and "zero" not in t.event]
@@ -148,6 +161,11 @@ def main() -> None:
         "optimizer) instead of the DTensor one; the transitions without zero (with --quick: its small widths).",
     )
     ap.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="Train the Llama example with FSDP2 (+ TP, HSDP, pipeline stages) through the fsdp transitions.",
+    )
+    ap.add_argument(
         "--methods", default="live,checkpoint", help="Comma-separated subset of live,checkpoint (profiling one side)."
     )
     args = ap.parse_args()
@@ -156,8 +174,12 @@ def main() -> None:
 
     suite = QUICK if args.quick else SUITE
     module = "etc_agent.examples.gpt"
+    if args.megatron and args.fsdp:
+        ap.error("--megatron and --fsdp are different examples: give one")
     if args.megatron:
         suite, module = [t for t in suite if t in MEGATRON_SUITE], MEGATRON_MODULE
+    if args.fsdp:
+        suite, module = FSDP_BENCH_TRANSITIONS[:3] if args.quick else FSDP_BENCH_TRANSITIONS, LLAMA_MODULE
     if args.only:
         wanted = [w.strip() for w in args.only.split(",")]
         suite = [t for t in suite if any(w in t.name for w in wanted)]
@@ -170,6 +192,8 @@ def main() -> None:
     model_args = MODEL_QUICK if args.quick or args.small else MODEL_FULL
     if args.megatron:
         model_args = MEGATRON_QUICK if args.quick or args.small else MEGATRON_FULL
+    if args.fsdp:
+        model_args = LLAMA_QUICK if args.quick or args.small else LLAMA_FULL
     steps = 0  # unused: each job is stopped two steps after its change
     console = Console(stderr=True)
     rows = []

@@ -174,6 +174,16 @@ BENCH_TRANSITIONS = [
     BenchTransition("combined (tp down, pp up, zero on)", "tp=2,pp=1,dp=auto", "reconfigure:tp=1,pp=2,dp=auto,zero=1"),
 ]
 
+FSDP_BENCH_TRANSITIONS = [
+    BenchTransition("fsdp+tp join", "tp=2,dp_shard=auto", "join"),
+    BenchTransition("fsdp+tp leave", "tp=2,dp_shard=auto", "leave", initial_agents=3),
+    BenchTransition("fsdp+tp -> fsdp (tp down)", "tp=2,dp_shard=auto", "reconfigure:dp_shard=auto"),
+    BenchTransition("fsdp -> fsdp+tp (tp up)", "dp_shard=auto", "reconfigure:tp=2,dp_shard=auto"),
+    BenchTransition("fsdp+tp -> hsdp", "tp=2,dp_shard=auto", "reconfigure:dp_replicate=2,dp_shard=auto"),
+    BenchTransition("fsdp+tp -> pp2 x fsdp", "tp=2,dp_shard=auto", "reconfigure:pp=2,dp_shard=auto"),
+]
+"""``scripts/bench_migration.py --fsdp``: the Llama example under FSDP2 (+ TP, HSDP, pipeline stages)."""
+
 
 def bench_suite(model: str = "gpt-bench", per_agent: int = 2) -> list[Scenario]:
     spec = load_model(model)
