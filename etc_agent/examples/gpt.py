@@ -287,17 +287,18 @@ def make_build(args: argparse.Namespace):
                 ctx=ctx if cfg.zero else None,
                 zero_state=not ctx.restoring,
             )
-        warmup = max(1, args.steps // 10)
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            optim,
-            lambda s: (
-                min(1.0, (s + 1) / warmup)
-                * (0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)) * 0.9 + 0.1)
-            ),
-        )
-        return {"model": model, "optim": optim, "sched": sched}
+        return {"model": model, "optim": optim, "sched": lr_schedule(optim, args.steps)}
 
     return build
+
+
+def lr_schedule(optim: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup over a tenth of the run, then cosine down to a tenth (carried across layouts)."""
+    warmup = max(1, steps // 10)
+    return torch.optim.lr_scheduler.LambdaLR(
+        optim,
+        lambda s: min(1.0, (s + 1) / warmup) * (0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)) * 0.9 + 0.1),
+    )
 
 
 # ---- data and step -------------------------------------------------------------------------
@@ -468,19 +469,29 @@ def main(argv: list[str] | None = None) -> None:
         else:
             loss = train_step(job, args, step)
         if loss is not None:
-            record = {
-                "step": step,
-                "loss": loss,
-                "config": job.ctx.config.short(),
-                "generation": job.ctx.generation,
-                "step_s": round(time.perf_counter() - started, 4),
-                "wall": round(time.time(), 4),
-            }
-            print(json.dumps(record), flush=True)
-            if args.loss_log:
-                with open(args.loss_log, "a") as f:
-                    f.write(json.dumps(record) + "\n")
+            report_step(job, args, step, loss, started)
         pace(args, step)
+    finish(job, args)
+
+
+def report_step(job: etc_agent.Job, args: argparse.Namespace, step: int, loss: float, started: float) -> None:
+    """One JSON line per step on stdout (and ``--loss-log``): what the tests and benchmarks read."""
+    record = {
+        "step": step,
+        "loss": loss,
+        "config": job.ctx.config.short(),
+        "generation": job.ctx.generation,
+        "step_s": round(time.perf_counter() - started, 4),
+        "wall": round(time.time(), 4),
+    }
+    print(json.dumps(record), flush=True)
+    if args.loss_log:
+        with open(args.loss_log, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def finish(job: etc_agent.Job, args: argparse.Namespace) -> None:
+    """``--dump-state`` (the full unsharded state, on rank 0), then the job's end."""
     full = job.gather_state()
     if full is not None and args.dump_state:
         torch.save(full, args.dump_state)

@@ -24,9 +24,6 @@ compared bit for bit with a run in any other layout.
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import sys
 import time
 
 import torch
@@ -36,7 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 import etc_agent
-from etc_agent.examples.gpt import init_weights, pace, stage_layers
+from etc_agent.examples.gpt import batch, finish, init_weights, lr_schedule, pace, report_step, stage_layers
 
 
 class RMSNorm(nn.Module):
@@ -188,30 +185,9 @@ def make_build(args: argparse.Namespace):
         optim = torch.optim.AdamW(
             model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, foreach=False
         )
-        warmup = max(1, args.steps // 10)
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            optim,
-            lambda s: (
-                min(1.0, (s + 1) / warmup)
-                * (0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)) * 0.9 + 0.1)
-            ),
-        )
-        return {"model": model, "optim": optim, "sched": sched}
+        return {"model": model, "optim": optim, "sched": lr_schedule(optim, args.steps)}
 
     return build
-
-
-def batch(args: argparse.Namespace, step: int, index: int) -> torch.Tensor:
-    """Sequence ``index`` of global step ``step``: a noisy affine token walk (learnable, deterministic)."""
-    g = torch.Generator().manual_seed(args.seed * 7919 + step * 104729 + index)
-    start = int(torch.randint(args.vocab, (1,), generator=g))
-    mult = 1 + 2 * int(torch.randint(3, (1,), generator=g))
-    seq = [start]
-    for _ in range(args.seq):
-        seq.append((seq[-1] * mult + 1) % args.vocab)
-    tokens = torch.tensor(seq)
-    noise = torch.rand(args.seq + 1, generator=g) < 0.1
-    return torch.where(noise, torch.randint(args.vocab, (args.seq + 1,), generator=g), tokens)
 
 
 def train_step(job: etc_agent.Job, args: argparse.Namespace, step: int) -> float | None:
@@ -314,24 +290,9 @@ def main(argv: list[str] | None = None) -> None:
         else:
             loss = train_step(job, args, step)
         if loss is not None:
-            record = {
-                "step": step,
-                "loss": loss,
-                "config": job.ctx.config.short(),
-                "generation": job.ctx.generation,
-                "step_s": round(time.perf_counter() - started, 4),
-                "wall": round(time.time(), 4),
-            }
-            print(json.dumps(record), flush=True)
-            if args.loss_log:
-                with open(args.loss_log, "a") as f:
-                    f.write(json.dumps(record) + "\n")
+            report_step(job, args, step, loss, started)
         pace(args, step)
-    full = job.gather_state()
-    if full is not None and args.dump_state:
-        torch.save(full, args.dump_state)
-        print(f"saved the full state ({len(full)} tensors) to {args.dump_state}", file=sys.stderr, flush=True)
-    job.finish()
+    finish(job, args)
 
 
 if __name__ == "__main__":
