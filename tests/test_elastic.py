@@ -385,6 +385,7 @@ def test_checkpoint_baseline_through_etcrun(etcd_server, tmp_path):
     assert sorted(result["losses"]) == list(range(steps))
     records = sorted(result["migrations"], key=lambda m: m["generation"])
     assert [r["method"] for r in records] == ["checkpoint", "checkpoint"]
+    assert [r["checkpoint_api"] for r in records] == ["boxes", "boxes"]  # no FSDP2 module: the described shards
     assert [(r["old_world_size"], r["new_world_size"]) for r in records] == [(4, 6), (6, 4)]
     for r in records:
         assert r["state_bytes"] > 0 and r["bytes_moved"] > r["state_bytes"] and r["total_stall_s"] > r["transfer_s"] > 0

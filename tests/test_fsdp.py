@@ -221,6 +221,59 @@ def test_fsdp2_state_migrates_bitwise_into_a_module_sharded_for_the_new_mesh(nam
         assert sum(r["empty_shards"] for r in per_rank) > 0  # 6 rows over 4 shards: 2, 2, 2, 0
 
 
+def baseline_worker(rank: int, world: int, transitions, root: str) -> list[dict]:
+    """The checkpoint way on FSDP2 state: ``get_state_dict`` + DCP save from the old module, DCP load
+    into the new one's ``get_state_dict`` + ``set_state_dict`` (what ``--migration checkpoint`` runs)."""
+    from pathlib import Path
+
+    from etc_agent.worker.appstate import split_state
+    from etc_agent.worker.baseline import _load, _save, checkpoint_api
+
+    out = []
+    for name, old, new in transitions:
+        apps = []
+        for layout, fill in ((old, True), (new, False)):
+            layers, state = build(layout, fill=fill)
+            model = nn.Module()
+            model.layers = nn.ModuleDict({str(i): block for i, block in layers.items()})
+            optim = torch.optim.AdamW([p for b in layers.values() for p in b.parameters()], lr=1e-3)
+            # build() made the state by a step of its own optimizer: hand it to this one.
+            for key, tensor in state.items():
+                if key.endswith(".exp_avg"):
+                    param = model.get_parameter(key.removesuffix(".exp_avg"))
+                    optim.state[param] = {
+                        "step": torch.tensor(1.0),
+                        "exp_avg": tensor,
+                        "exp_avg_sq": state[f"{key.removesuffix('.exp_avg')}.exp_avg_sq"],
+                    }
+            apps.append(({"model": model, "optim": optim}, state))
+        (old_app, _), (new_app, new_state) = apps
+        old_tensors, new_tensors = split_state(old_app)[0], split_state(new_app)[0]
+        api = checkpoint_api(old_app, old_tensors)
+        path = Path(root) / name
+        _save(old_app, old_tensors, path, api)
+        _load(new_app, new_tensors, path, api)
+        for key, tensor in new_state.items():
+            _check(tensor, key, f"rank {rank} after load")
+        out.append({"api": api, "checked": len(new_state)})
+    return out
+
+
+BASELINE_TRANSITIONS = [
+    ("fsdp-tp-2x2-to-fsdp-4", Layout(dp_shard=2, tp=2), Layout(dp_shard=4)),
+    ("pp2-fsdp2-to-hsdp-2x2", Layout(pp=2, dp_shard=2), Layout(dp_replicate=2, dp_shard=2)),
+]
+
+
+def test_the_checkpoint_baseline_saves_fsdp2_state_through_get_state_dict_and_loads_it_resharded(tmp_path):
+    """The baseline's FSDP2 path, bitwise: ``_StridedShard`` FSDP + TP into plain FSDP, and pipeline
+    stages (each saving different parameters, param groups flattened per parameter) into HSDP."""
+    results = run_workers(4, baseline_worker, BASELINE_TRANSITIONS, str(tmp_path), timeout_s=240)
+    for per_rank in results:
+        assert [r["api"] for r in per_rank] == ["state_dict"] * len(BASELINE_TRANSITIONS)
+        assert all(r["checked"] == NUM_LAYERS * 3 * 3 for r in per_rank)
+
+
 def test_a_strided_shard_that_is_not_fsdp_over_tp_is_refused_by_name():
     """A ``_StridedShard`` whose split factor does not match the later ``Shard`` of its dim is no box."""
     pytest.importorskip("torch.distributed.tensor.placement_types")

@@ -27,13 +27,15 @@ def _worst_relative(losses: dict[int, float], reference: dict[int, float]) -> fl
 
 
 def test_reconfigure_moves_fsdp2_state_between_fsdp_tp_and_hsdp_layouts(etcd_server, tmp_path):
-    """`etc-agent reconfigure` on the same 4 workers: FSDP over 4 -> FSDP 2 x TP 2 (``_StridedShard``)
-    -> HSDP 2 x 2 -> pipeline 2 x FSDP 2; every step's loss within 1e-4 of the reference."""
+    """`etc-agent reconfigure` on the same 4 workers: FSDP over 4 -> FSDP 2 x TP 2 (``_StridedShard``,
+    sequence parallel) -> HSDP 2 x 2 -> pipeline 2 x FSDP 2 -> pipeline 2 x TP 2 (sequence-parallel
+    activations between the stages); every step's loss within 1e-4 of the reference."""
     steps = 40
     events = (
         "reconfigure:tp=2,dp_shard=auto",
         "reconfigure:dp_replicate=2,dp_shard=auto",
         "reconfigure:pp=2,dp_shard=auto",
+        "reconfigure:tp=2,pp=2",
     )
     result = run_scenario(
         "dp_shard=auto",
@@ -52,10 +54,11 @@ def test_reconfigure_moves_fsdp2_state_between_fsdp_tp_and_hsdp_layouts(etcd_ser
         ("tp=1,pp=1,dp_replicate=1,dp_shard=4", "tp=2,pp=1,dp_replicate=1,dp_shard=2"),
         ("tp=2,pp=1,dp_replicate=1,dp_shard=2", "tp=1,pp=1,dp_replicate=2,dp_shard=2"),
         ("tp=1,pp=1,dp_replicate=2,dp_shard=2", "tp=1,pp=2,dp_replicate=1,dp_shard=2"),
+        ("tp=1,pp=2,dp_replicate=1,dp_shard=2", "tp=2,pp=2,dp=1,zero=0"),
     ], result["cluster"].tail(40)
     # HSDP 2 x 2 -> pp 2 x FSDP 2: every rank's new shards are a subset of what it held (its stage's
-    # layers, the same dim-0 chunk): nothing moves. The other two reshard.
-    assert [r["bytes_moved"] > 0 for r in records] == [True, True, False], [r["bytes_moved"] for r in records]
+    # layers, the same dim-0 chunk): nothing moves. The others reshard.
+    assert [r["bytes_moved"] > 0 for r in records] == [True, True, False, True], [r["bytes_moved"] for r in records]
     reference, _ = reference_losses(steps, tmp_path, module=LLAMA)
     assert sorted(result["losses"]) == list(range(steps))
     assert _worst_relative(result["losses"], reference) <= 1e-4

@@ -3,8 +3,10 @@ API with PyTorch's own parallelism, structured as torchtitan parallelises its Ll
 
 - tensor parallel (``parallelize_module`` on ``ctx.mesh["tp"]``): ``wq``/``wk``/``wv`` and
   ``w1``/``w3`` column-parallel, ``wo`` and ``w2`` row-parallel, the token embedding row-parallel
-  over the vocabulary, the output head column-parallel with replicated logits; RMSNorm weights are
-  replicated DTensors on the TP mesh (no sequence parallel in this example);
+  over the vocabulary, the output head column-parallel with replicated logits; with sequence
+  parallel (the default when ``tp > 1``; ``--no-sequence-parallel`` turns it off) the residual
+  stream and the RMSNorms run on ``Shard(1)`` (this rank's part of the sequence), gathered before
+  attention and the feed-forward and reduce-scattered after them, as torchtitan's plan does;
 - FSDP2 (``dp_shard > 1``, ``--parallel tp=2,dp_shard=auto`` or HSDP ``dp_replicate=2,dp_shard=auto``):
   ``fully_shard`` on every block, then on the stage's root, over ``ctx.fsdp_mesh``; gradients are
   reduce-scattered (and all-reduced across replicas) by FSDP2; without FSDP (``dp=N``) gradients
@@ -44,7 +46,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        weight = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
+        weight = self.weight
+        if isinstance(weight, DTensor) and not isinstance(x, DTensor):
+            weight = weight.to_local()  # replicated on the TP mesh, applied to a plain activation
         return normed * weight
 
 
@@ -131,32 +135,57 @@ class Stage(nn.Module):
         return x
 
 
-def parallelize(model: Stage, ctx: etc_agent.ParallelContext) -> None:
+def parallelize(model: Stage, ctx: etc_agent.ParallelContext, sequence_parallel: bool = True) -> None:
     """torchtitan's order: tensor parallel inside each block, then FSDP2 per block and on the root."""
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    cfg = ctx.config
-    if cfg.tp > 1:
-        tp_mesh = ctx.mesh["tp"]
-        plan: dict = {}
-        for i in model.layers:
-            for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
-                plan[f"layers.{i}.{name}"] = ColwiseParallel()
-            for name in ("attention.wo", "feed_forward.w2"):
-                plan[f"layers.{i}.{name}"] = RowwiseParallel()
-        if model.first:
-            plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate())
-        if model.last:
-            plan["output"] = ColwiseParallel(output_layouts=Replicate())
-        # Every rank built the same full weights: keep the local slices, no scatter.
-        parallelize_module(model, tp_mesh, plan, src_data_rank=None)
-        for norm in [m for m in model.modules() if isinstance(m, RMSNorm)]:
-            norm.weight = nn.Parameter(distribute_tensor(norm.weight.data, tp_mesh, [Replicate()], src_data_rank=None))
-    if cfg.dp_shard > 1:
+    if ctx.config.tp > 1:
+        tensor_parallel(model, ctx.mesh["tp"], sequence_parallel)
+    if ctx.config.dp_shard > 1:
         for block in model.layers.values():
             fully_shard(block, mesh=ctx.fsdp_mesh)
         fully_shard(model, mesh=ctx.fsdp_mesh)
+
+
+def tensor_parallel(model: Stage, tp_mesh, sequence_parallel: bool) -> None:
+    """torchtitan's Llama TP plan; with ``sequence_parallel`` the activations between the blocks'
+    halves are ``Shard(1)`` (so are those sent between pipeline stages)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    between = Shard(1) if sequence_parallel else Replicate()
+    plan: dict = {}
+    for i in model.layers:
+        for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
+            plan[f"layers.{i}.{name}"] = ColwiseParallel()
+        for name in ("attention.wo", "feed_forward.w2"):
+            plan[f"layers.{i}.{name}"] = RowwiseParallel(output_layouts=between)
+        if sequence_parallel:
+            plan[f"layers.{i}.attention_norm"] = SequenceParallel()
+            plan[f"layers.{i}.ffn_norm"] = SequenceParallel()
+            plan[f"layers.{i}.attention"] = PrepareModuleInput(
+                input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+            )
+            plan[f"layers.{i}.feed_forward"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            )
+    if model.first:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
+    if model.last:
+        plan["output"] = ColwiseParallel(input_layouts=between, output_layouts=Replicate())
+        if sequence_parallel:
+            plan["norm"] = SequenceParallel()
+    # Every rank built the same full weights: keep the local slices, no scatter.
+    parallelize_module(model, tp_mesh, plan, src_data_rank=None)
+    for norm in [m for m in model.modules() if isinstance(m, RMSNorm)]:
+        if not isinstance(norm.weight, DTensor):  # SequenceParallel made its norms' already
+            norm.weight = nn.Parameter(distribute_tensor(norm.weight.data, tp_mesh, [Replicate()], src_data_rank=None))
 
 
 def make_build(args: argparse.Namespace):
@@ -167,6 +196,8 @@ def make_build(args: argparse.Namespace):
                 f"tp={cfg.tp} must divide heads ({args.heads}), kv heads ({args.kv_heads}), ffn ({args.ffn}) "
                 f"and vocab ({args.vocab})"
             )
+        if args.sequence_parallel and args.seq % cfg.tp:
+            raise ValueError(f"sequence parallel: tp={cfg.tp} must divide --seq ({args.seq})")
         first, last = ctx.pp_rank == 0, ctx.pp_rank == cfg.pp - 1
         layers = stage_layers(args.layers, cfg.pp, ctx.pp_rank)
         if ctx.restoring:
@@ -178,7 +209,7 @@ def make_build(args: argparse.Namespace):
         else:
             model = Stage(args, first, last, layers)
             init_weights(model, args.seed)
-        parallelize(model, ctx)
+        parallelize(model, ctx, args.sequence_parallel)
         if ctx.restoring:
             model.to_empty(device=ctx.device)
         # Parameters mix TP-split and replicated DTensors and plain tensors: no foreach kernels.
@@ -206,7 +237,9 @@ def train_step(job: etc_agent.Job, args: argparse.Namespace, step: int) -> float
         lo = ctx.dp_rank * per_replica + mb * micro
         data = torch.stack([batch(args, step, i) for i in range(lo, lo + micro)])
         inputs, targets = data[:, :-1], data[:, 1:]
-        shape = (micro, args.seq, args.hidden)
+        # With sequence parallel a stage hands on its rank's part of the sequence.
+        seq = args.seq // cfg.tp if args.sequence_parallel else args.seq
+        shape = (micro, seq, args.hidden)
         if first:
             x = inputs
         else:
@@ -260,6 +293,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kv-heads", type=int, default=2, help="Key/value heads (grouped-query attention).")
     ap.add_argument("--ffn", type=int, default=64)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument(
+        "--sequence-parallel",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="With tp > 1, run norms and the residual stream on this rank's part of the sequence.",
+    )
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--weight-decay", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=0)

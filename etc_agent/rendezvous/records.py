@@ -192,6 +192,11 @@ class MigrationRecord(Record):
         "checkpoint method, everything every new rank loaded.",
     )
     restored_from: str | None = Field(None, description="The checkpoint directory they were read from.")
+    checkpoint_api: Literal["boxes", "state_dict"] | None = Field(
+        None,
+        description="checkpoint method: how the state went through DCP. state_dict: FSDP2's own path "
+        "(torch.distributed.checkpoint.state_dict get/set_state_dict); boxes: the described shards.",
+    )
     redone_steps: int = Field(
         0, description="Steps trained again: the live state was newer than the step resumed from."
     )

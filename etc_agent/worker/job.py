@@ -373,6 +373,7 @@ class Job:
 
         tensors, plain = split_state(self.state)
         save_and_exit(
+            self.state,
             tensors,
             plain,
             self.checkpoint_dir,

@@ -162,6 +162,7 @@ def checkpoint_record(
         checkpoint_bytes=moved,
         bytes_restored=sum(e["read"] for e in everyone),
         restored_from=str(meta.get("path")) if meta.get("path") else None,
+        checkpoint_api=meta["checkpoint_api"],
         detect_s=round(max(stopped - assignment.published_at, 0.0), 4),
         agree_s=round(max(e["group_wall"] for e in everyone) - stopped - meta["save_s"], 4),
         rebuild_s=round(max(e["rebuild"] for e in everyone), 4),

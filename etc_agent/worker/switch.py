@@ -345,6 +345,7 @@ class Switch:
         from etc_agent.worker.baseline import load_checkpoint
 
         meta = load_checkpoint(
+            entry.new_state,
             entry.new_tensors,
             job.checkpoint_dir,
             assignment.generation,
