@@ -202,6 +202,56 @@ def test_resilience_gaps_name_what_one_node_loss_would_lose():
     assert resilience_gaps(cfg, [f"a:{i}" for i in range(8)]) == []  # one node: no placement helps
 
 
+@pytest.mark.parametrize(
+    "old, new, num_old_nodes, num_new_nodes",
+    [
+        ("tp=2,dp_shard=2", "dp_shard=4", 2, 2),  # tp down: ranks 1 and 2 swap devices
+        ("tp=2,dp_shard=2", "tp=2,dp_shard=3", 2, 3),  # a join: the new node takes the middle shard
+        ("tp=2,dp_shard=3", "tp=2,dp_shard=2", 3, 2),  # a leave
+        ("tp=2,dp_shard=2", "dp_replicate=2,dp_shard=2", 2, 2),
+        ("dp_shard=4", "pp=2,dp_shard=2", 2, 2),
+    ],
+)
+def test_fsdp_placement_moves_less_of_the_real_layout_than_keeping_rank_order(old, new, num_old_nodes, num_new_nodes):
+    """The leader's FSDP geometry against the planner's real llama-7b layout: the placement it picks
+    never moves more than new rank r on the r-th device, and moves less where the shards line up."""
+    from etc_agent.planner.placement import live_placement
+
+    spec = ModelSpec.from_yaml(MODELS / "llama-7b.yaml")
+    old_devs = [f"n{n}:{i}" for n in range(num_old_nodes) for i in range(2)]
+    new_devs = [f"n{n}:{i}" for n in range(num_new_nodes) for i in range(2)]
+    old_cfg = P(old).resolve(len(old_devs)) if "auto" in old else P(old)
+    new_cfg = P(new)
+    placed = live_placement(new_cfg, new_devs, {d: r for r, d in enumerate(old_devs)}, old_cfg, prefer="cost")
+    assert sorted(placed) == sorted(new_devs)
+
+    def moved(order: list[str]) -> int:
+        from etc_agent.layout import Device
+
+        old_set, new_set = DeviceSet(map(Device.parse, old_devs)), DeviceSet(map(Device.parse, order))
+        return plan_model_migration(spec, old_cfg, old_set, new_cfg, new_set, ordered=True).bytes_moved
+
+    placed_bytes, ordered_bytes = moved(placed), moved(new_devs)
+    assert placed_bytes <= ordered_bytes
+    if new in ("dp_shard=4", "tp=2,dp_shard=3"):
+        assert placed_bytes < 0.8 * ordered_bytes, (placed, placed_bytes, ordered_bytes)
+
+
+def test_hsdp_replicas_of_a_shard_are_the_copies_that_count_for_resilience():
+    from etc_agent.planner.placement import live_placement, resilience_gaps, stage_replica_sets
+
+    hsdp = P("dp_replicate=2,dp_shard=2")
+    assert stage_replica_sets(hsdp) == [((0, 2), 1), ((1, 3), 1)]  # shard 0 on ranks 0 and 2, shard 1 on 1 and 3
+    assert stage_replica_sets(P("dp_shard=4")) == []  # FSDP alone: every shard held once
+    devices = ["a:0", "a:1", "b:0", "b:1"]
+    assert resilience_gaps(hsdp, live_placement(hsdp, devices)) == []
+    assert resilience_gaps(hsdp, ["a:0", "b:0", "a:1", "b:1"]) == [
+        "stage 0, FSDP shard 0: every HSDP replica on a",
+        "stage 0, FSDP shard 1: every HSDP replica on b",
+    ]
+    assert resilience_gaps(P("dp_shard=4"), devices)[0].startswith("dp_replicate=1: every FSDP shard is held once")
+
+
 def test_fast_placement_breaks_ties_towards_more_failure_domains():
     """Onto fresh nodes every placement moves everything: the fast one then picks a resilient one."""
     plan, _, _ = run("tp=4,pp=2,dp=2", "n0:8,n1:8", "tp=4,pp=2,dp=2", "n2:8,n3:8")

@@ -2,11 +2,20 @@
 
 The leader knows the members (nodes and device counts), the generation's parallel configuration
 and the previous generation's placement, but not the tensors: the cost of putting new rank ``j`` on
-a device is what that device's previous rank shares with ``j`` in Megatron's layout. Same pipeline
-stage and TP index (same tp and pp): the same parameter shards, so nothing moves (with ZeRO-1 the
-optimizer range also needs the same dp index); anything else: the rank's state moves. The DP
-replicas of a stage are the sets whose failure domains count (:mod:`etc_agent.planner.domains`).
-Pure and deterministic: every agent computes the same placement from the same record.
+a device is the share of ``j``'s state that device's previous rank does not hold:
+
+- Megatron layouts (no FSDP on either side): same pipeline stage and TP index (same tp and pp):
+  the same parameter shards, so nothing moves (with ZeRO-1 the optimizer range also needs the same
+  dp index); anything else: the rank's state moves;
+- where either side shards with FSDP (``dp_shard > 1``), the geometry of a generic transformer:
+  layers split into stages, and each matrix split by TP either on the dim FSDP shards (dim 0:
+  column-parallel, FSDP's chunk inside the TP slice) or on the other one (row-parallel), in the
+  proportion :data:`COLUMN_PARALLEL_SHARE`; e.g. ``tp=2,dp_shard=2 -> dp_shard=4`` puts new rank 1
+  on old rank 2's device, which holds its rows of every column-parallel matrix.
+
+The copies of a shard (DP replicas of a stage; HSDP's replicas of one FSDP shard) are the sets
+whose failure domains count (:mod:`etc_agent.planner.domains`). Pure and deterministic: every agent
+computes the same placement from the same record.
 """
 
 from __future__ import annotations
@@ -21,12 +30,58 @@ from etc_agent.planner.assign import assign_ranks
 KEEP_RANK = 1e-3
 """Discount for a device keeping its exact previous rank (ties go to a stable placement)."""
 
+COLUMN_PARALLEL_SHARE = 0.6
+"""Share of a block's matrix bytes that TP splits on dim 0, the dim FSDP shards: GPT's QKV and FC1
+(7 of 12 h^2), Llama's wq/wk/wv/w1/w3 (about 2/3 with grouped-query attention); the rest (attention
+out, FC2 / w2) TP splits on dim 1."""
+
 
 def stage_replica_sets(config: ParallelConfig) -> list[tuple[tuple[int, ...], int]]:
-    """The TP groups (rank // tp) holding the same stage: one set per stage when dp > 1."""
-    if config.dp < 2:
+    """The TP groups (rank // tp) holding the same data: per stage (and FSDP shard), its replicas;
+    none where each shard is held once (dp_replicate = 1)."""
+    replicas, shards = config.dp_replicate, config.dp_shard
+    if replicas < 2:
         return []
-    return [(tuple(p * config.dp + d for d in range(config.dp)), 1) for p in range(config.pp)]
+    return [
+        (tuple(p * config.dp + r * shards + s for r in range(replicas)), 1)
+        for p in range(config.pp)
+        for s in range(shards)
+    ]
+
+
+def _overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
+    return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
+
+
+def fsdp_overlap(old: ParallelConfig, old_rank: int, new: ParallelConfig, new_rank: int) -> float:
+    """Fraction of new rank ``new_rank``'s parameters and optimizer state that old rank ``old_rank``
+    holds, in the generic transformer geometry of the module docstring (replicated norms left out;
+    a ZeRO-1 rank counted as holding its whole TP slice)."""
+    a, b = old.coord(old_rank), new.coord(new_rank)
+
+    def stage(cfg: ParallelConfig, pp: int) -> tuple[float, float]:
+        return pp / cfg.pp, (pp + 1) / cfg.pp
+
+    def tp_slice(cfg: ParallelConfig, tp: int) -> tuple[float, float]:
+        return tp / cfg.tp, (tp + 1) / cfg.tp
+
+    def shard(cfg: ParallelConfig, dp: int) -> tuple[float, float]:
+        index = dp % cfg.dp_shard
+        return index / cfg.dp_shard, (index + 1) / cfg.dp_shard
+
+    def column(cfg: ParallelConfig, tp: int, dp: int) -> tuple[float, float]:
+        lo, hi = shard(cfg, dp)
+        return (tp + lo) / cfg.tp, (tp + hi) / cfg.tp  # FSDP's chunk of this rank's TP slice
+
+    stage_share = _overlap(stage(old, a.pp), stage(new, b.pp)) * new.pp
+    column_share = _overlap(column(old, a.tp, a.dp), column(new, b.tp, b.dp)) * new.tp * new.dp_shard
+    row_share = (
+        _overlap(tp_slice(old, a.tp), tp_slice(new, b.tp))
+        * new.tp
+        * _overlap(shard(old, a.dp), shard(new, b.dp))
+        * new.dp_shard
+    )
+    return stage_share * (COLUMN_PARALLEL_SHARE * column_share + (1 - COLUMN_PARALLEL_SHARE) * row_share)
 
 
 def live_placement(
@@ -49,13 +104,16 @@ def live_placement(
     cost = np.ones((len(devices), num_ranks))
     if previous and previous_config is not None:
         same_shape = (previous_config.tp, previous_config.pp) == (config.tp, config.pp)
+        fsdp = previous_config.dp_shard > 1 or config.dp_shard > 1
         for i, device in enumerate(devices):
             old_rank = previous.get(device)
             if old_rank is None or old_rank >= previous_config.world_size:
                 continue
             old = previous_config.coord(old_rank)
             for j, new in enumerate(coords):
-                if same_shape and (old.pp, old.tp) == (new.pp, new.tp):
+                if fsdp:
+                    cost[i, j] = 1.0 - fsdp_overlap(previous_config, old_rank, config, j)
+                elif same_shape and (old.pp, old.tp) == (new.pp, new.tp):
                     zero_moves = config.zero and (old.dp != new.dp or previous_config.dp != config.dp)
                     cost[i, j] = 0.5 if zero_moves else 0.0
                 if old_rank == j:
@@ -74,13 +132,18 @@ def resilience_gaps(config: ParallelConfig, placement: Sequence[str]) -> list[st
     nodes = [d.rpartition(":")[0] for d in placement[: config.world_size]]
     if len(set(nodes)) < 2:
         return []
-    if config.dp < 2:
+    if config.dp_replicate < 2:
+        if config.dp_shard > 1:
+            return ["dp_replicate=1: every FSDP shard is held once, so each node's loss loses its ranks' state"]
         return [f"dp={config.dp}: every shard is held once, so each node's loss loses its ranks' state"]
     gaps = []
-    for stage, (groups, _) in enumerate(stage_replica_sets(config)):
-        stage_nodes = {nodes[g * config.tp + t] for g in groups for t in range(config.tp)}
-        if len(stage_nodes) == 1:
-            gaps.append(f"stage {stage}: every DP replica on {stage_nodes.pop()}")
+    for index, (groups, _) in enumerate(stage_replica_sets(config)):
+        stage, shard = divmod(index, config.dp_shard)
+        where = f"stage {stage}" + (f", FSDP shard {shard}" if config.dp_shard > 1 else "")
+        copies = "HSDP replica" if config.dp_shard > 1 else "DP replica"
+        holders = {nodes[g * config.tp + t] for g in groups for t in range(config.tp)}
+        if len(holders) == 1:
+            gaps.append(f"{where}: every {copies} on {holders.pop()}")
     if config.zero:
         gaps.append("ZeRO-1: each optimizer range is held by one rank")
     return gaps
