@@ -15,6 +15,7 @@ Everything else (numbers, strings, param-group settings) is not state to move an
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from math import prod
@@ -138,6 +139,41 @@ def describe_tensor(key: str, value: Any) -> LocalShard | None:
 
 
 def _describe_dtensor(key: str, value) -> LocalShard:
+    local = value._local_tensor
+    global_shape = tuple(value.shape)
+    lengths, offsets = _dtensor_box(key, value)
+    if tuple(local.shape) != lengths:
+        raise ValueError(f"{key}: DTensor local shape {tuple(local.shape)} differs from its computed box {lengths}")
+    if not global_shape:
+        global_shape, offsets, lengths, local = (1,), (0,), (1,), local.reshape(1)
+    # Empty local shards (uneven Shard) report offset = dim size; keep them inside bounds.
+    offsets = tuple(min(o, s) for o, s in zip(offsets, global_shape))
+    return LocalShard(Shard(key, global_shape, offsets, lengths, canonical_dtype(str(local.dtype))), local)
+
+
+_MESH_BOXES: dict[int, tuple[weakref.ref, dict]] = {}
+"""``id(mesh)`` -> (the mesh, ``(global shape, placements)`` -> ``(lengths, offsets)`` of this
+process's box). Keyed by the mesh object, not its value: a mesh equal to an old one may put this
+process at another coordinate (a rank changes between generations)."""
+
+
+def _dtensor_box(key: str, value) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(lengths, offsets)`` of this process's box of ``value``, checked once per shape, placements
+    and mesh: torch's computation costs ~0.3 ms a tensor, and a model's layers repeat a few shapes."""
+    mesh = value.device_mesh
+    entry = _MESH_BOXES.get(id(mesh))
+    if entry is None or entry[0]() is not mesh:
+        mesh_id = id(mesh)
+        entry = (weakref.ref(mesh, lambda _ref: _MESH_BOXES.pop(mesh_id, None)), {})
+        _MESH_BOXES[mesh_id] = entry
+    geometry = (tuple(value.shape), tuple(value.placements))
+    box = entry[1].get(geometry)
+    if box is None:
+        box = entry[1][geometry] = _compute_box(key, value)
+    return box
+
+
+def _compute_box(key: str, value) -> tuple[tuple[int, ...], tuple[int, ...]]:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor import Shard as ShardPlacement
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -151,17 +187,8 @@ def _describe_dtensor(key: str, value) -> LocalShard:
                 f"{key}: DTensor placement {placement} cannot be migrated (only Shard, Replicate and "
                 "FSDP2's strided sharding over tensor parallel; reduce Partial placements before migrating)"
             )
-    local = value._local_tensor
-    global_shape = tuple(value.shape)
     lengths, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
-    lengths, offsets = tuple(lengths), tuple(offsets)
-    if tuple(local.shape) != lengths:
-        raise ValueError(f"{key}: DTensor local shape {tuple(local.shape)} differs from its computed box {lengths}")
-    if not global_shape:
-        global_shape, offsets, lengths, local = (1,), (0,), (1,), local.reshape(1)
-    # Empty local shards (uneven Shard) report offset = dim size; keep them inside bounds.
-    offsets = tuple(min(o, s) for o, s in zip(offsets, global_shape))
-    return LocalShard(Shard(key, global_shape, offsets, lengths, canonical_dtype(str(local.dtype))), local)
+    return tuple(lengths), tuple(offsets)
 
 
 def _check_fsdp_over_tp(key: str, value, mesh_dim: int, placement) -> None:

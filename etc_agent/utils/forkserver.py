@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import gc
 import json
 import os
 import selectors
@@ -104,6 +105,9 @@ def serve(sock: socket.socket, preload: Callable[[], None]) -> int:
     except BaseException as err:  # noqa: BLE001 - any failure to import is reported, the agent falls back
         send(sock, {"op": "failed", "error": f"{type(err).__name__}: {err}"})
         return 1
+    # What the imports made lives as long as the process: out of every later collection (a
+    # worker's full collection at a generation switch walked ~280k objects of torch's modules).
+    gc.freeze()
     # SIGCHLD wakes the select at once (a crash reported without a polling delay).
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
