@@ -12,8 +12,8 @@ on the first rank until it resumed on the last), bytes are the record's bytes mo
     python scripts/bench_migration.py --megatron       # Megatron-core GPT + distributed optimizer, 384 MB of state
     python scripts/bench_migration.py --fsdp           # the Llama example under FSDP2 + TP / HSDP / pp, ~1 GB
 
-With ``--fsdp`` the checkpoint way is the same baseline (DCP save of every rank's FSDP2 shards, new
-interpreters, DCP load with resharding into the module built for the new mesh).
+With ``--fsdp`` the checkpoint way is FSDP2's own (``get_state_dict`` + DCP save, new interpreters,
+DCP load into the new module's state dict + ``set_state_dict``; :mod:`etc_agent.worker.baseline`).
 
 Prints a rich table and one JSON line, and writes a bar chart (``--plot``).
 """
