@@ -26,6 +26,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -323,23 +324,52 @@ def train_step(job: etc_agent.Job, args: argparse.Namespace, step: int) -> float
     # Micro-batches feed the pipeline; without one, a replica's batch is one forward and backward
     # (the same gradient up to rounding, and a third of the tensor-parallel collectives at dp=2).
     micro = args.micro_batch if cfg.pp > 1 else per_replica
-    first, last = ctx.pp_rank == 0, ctx.pp_rank == cfg.pp - 1
-    loss_sum = torch.zeros(())
     optim.zero_grad(set_to_none=True)
+    loss_sum = pipeline_step(ctx, args, step, lambda x: model(x, cfg.tp), micro, args.seq, micro / args.global_batch)
+    if cfg.dp > 1:
+        reduce_gradients(model, ctx.dp_group)
+    optim.step()
+    sched.step()
+    if ctx.pp_rank == cfg.pp - 1:
+        if cfg.dp > 1:
+            dist.all_reduce(loss_sum, group=ctx.dp_group)
+        if ctx.dp_rank == 0 and ctx.tp_rank == 0:
+            return float(loss_sum)
+    return None
+
+
+def pipeline_step(
+    ctx: etc_agent.ParallelContext,
+    args: argparse.Namespace,
+    step: int,
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    micro: int,
+    seq: int,
+    loss_scale: float,
+) -> torch.Tensor:
+    """Forward and backward of this data-parallel rank's share of the global batch, ``micro``
+    sequences at a time through the pipeline: a stage receives its input activations from the
+    previous one and sends them on, the last computes the loss (times ``loss_scale``), gradients of
+    the activations go back the same way (``seq`` positions each; fewer than ``--seq`` where a stage
+    hands on its rank's part of the sequence). Returns the summed scaled loss (zero off the last stage)."""
+    cfg = ctx.config
+    per_replica = args.global_batch // cfg.dp
+    first, last = ctx.pp_rank == 0, ctx.pp_rank == cfg.pp - 1
+    shape = (micro, seq, args.hidden)
+    loss_sum = torch.zeros(())
     for mb in range(per_replica // micro):
         lo = ctx.dp_rank * per_replica + mb * micro
         data = torch.stack([batch(args, step, i) for i in range(lo, lo + micro)])
         inputs, targets = data[:, :-1], data[:, 1:]
-        shape = (micro, args.seq, args.hidden)
         if first:
             x = inputs
         else:
             x = torch.empty(shape)
             dist.recv(x, src=ctx.pp_peer(ctx.pp_rank - 1))
             x.requires_grad_(True)
-        out = model(x, cfg.tp)
+        out = forward(x)
         if last:
-            loss = F.cross_entropy(out.reshape(-1, args.vocab), targets.reshape(-1)) * (micro / args.global_batch)
+            loss = F.cross_entropy(out.reshape(-1, args.vocab), targets.reshape(-1)) * loss_scale
             loss.backward()
             loss_sum += loss.detach()
         else:
@@ -349,16 +379,7 @@ def train_step(job: etc_agent.Job, args: argparse.Namespace, step: int) -> float
             out.backward(grad)
         if not first:
             dist.send(x.grad, dst=ctx.pp_peer(ctx.pp_rank - 1))
-    if cfg.dp > 1:
-        reduce_gradients(model, ctx.dp_group)
-    optim.step()
-    sched.step()
-    if last:
-        if cfg.dp > 1:
-            dist.all_reduce(loss_sum, group=ctx.dp_group)
-        if ctx.dp_rank == 0 and ctx.tp_rank == 0:
-            return float(loss_sum)
-    return None
+    return loss_sum
 
 
 def reduce_gradients(model: torch.nn.Module, group: dist.ProcessGroup) -> None:

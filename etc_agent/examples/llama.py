@@ -35,7 +35,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 import etc_agent
-from etc_agent.examples.gpt import batch, finish, init_weights, lr_schedule, pace, report_step, stage_layers
+from etc_agent.examples.gpt import (
+    finish,
+    init_weights,
+    lr_schedule,
+    pace,
+    pipeline_step,
+    reduce_gradients,
+    report_step,
+    stage_layers,
+)
 
 
 class RMSNorm(nn.Module):
@@ -227,44 +236,18 @@ def train_step(job: etc_agent.Job, args: argparse.Namespace, step: int) -> float
     cfg = ctx.config
     per_replica = args.global_batch // cfg.dp
     micro = args.micro_batch if cfg.pp > 1 else per_replica
-    first, last = ctx.pp_rank == 0, ctx.pp_rank == cfg.pp - 1
     fsdp = cfg.dp_shard > 1
     # FSDP2 averages gradients over the data-parallel ranks; the flat all-reduce below sums them.
     scale = micro / per_replica if fsdp else micro / args.global_batch
-    loss_sum = torch.zeros(())
+    # With sequence parallel a stage hands on its rank's part of the sequence.
+    seq = args.seq // cfg.tp if args.sequence_parallel else args.seq
     optim.zero_grad(set_to_none=True)
-    for mb in range(per_replica // micro):
-        lo = ctx.dp_rank * per_replica + mb * micro
-        data = torch.stack([batch(args, step, i) for i in range(lo, lo + micro)])
-        inputs, targets = data[:, :-1], data[:, 1:]
-        # With sequence parallel a stage hands on its rank's part of the sequence.
-        seq = args.seq // cfg.tp if args.sequence_parallel else args.seq
-        shape = (micro, seq, args.hidden)
-        if first:
-            x = inputs
-        else:
-            x = torch.empty(shape)
-            dist.recv(x, src=ctx.pp_peer(ctx.pp_rank - 1))
-            x.requires_grad_(True)
-        out = model(x)
-        if last:
-            loss = F.cross_entropy(out.reshape(-1, args.vocab), targets.reshape(-1)) * scale
-            loss.backward()
-            loss_sum += loss.detach()
-        else:
-            dist.send(out.detach(), dst=ctx.pp_peer(ctx.pp_rank + 1))
-            grad = torch.empty(shape)
-            dist.recv(grad, src=ctx.pp_peer(ctx.pp_rank + 1))
-            out.backward(grad)
-        if not first:
-            dist.send(x.grad, dst=ctx.pp_peer(ctx.pp_rank - 1))
+    loss_sum = pipeline_step(ctx, args, step, model, micro, seq, scale)
     if cfg.dp > 1 and not fsdp:
-        from etc_agent.examples.gpt import reduce_gradients
-
         reduce_gradients(model, ctx.dp_group)
     optim.step()
     sched.step()
-    if last:
+    if ctx.pp_rank == cfg.pp - 1:
         if cfg.dp > 1:
             dist.all_reduce(loss_sum, group=ctx.dp_group)
             if fsdp:
