@@ -232,7 +232,7 @@ def test_a_crash_before_the_first_step_rebuilds_the_initial_state_instead_of_fai
 def test_forged_requests_are_refused_and_a_flood_leaves_the_job_training_and_the_agent_bounded():
     """scripts/probe_control_plane.py, bounded: from a process without the job's secret, forged store
     and control requests (generation -> succeeded, a lease-less node, leader deleted, fatal,
-    finished, hello with pid 1), then 10 s of idle connections, connect/close churn and 20 MB
+    finished, hello with pid 1), then 6 s of idle connections, connect/close churn and 20 MB
     unsigned lines. Every forged request is refused, the job trains to its last step and exits 0,
     the store still answers the job's own clients, and the agent's RSS comes back within 50 MB."""
     import subprocess
@@ -243,7 +243,7 @@ def test_forged_requests_are_refused_and_a_flood_leaves_the_job_training_and_the
             sys.executable,
             str(ROOT / "scripts" / "probe_control_plane.py"),
             "--flood-s",
-            "10",
+            "6",
             "--idle",
             "300",
             "--churn-threads",
@@ -251,7 +251,7 @@ def test_forged_requests_are_refused_and_a_flood_leaves_the_job_training_and_the
             "--long-lines",
             "6",
             "--steps",
-            "150",
+            "100",
             "--step-delay",
             "0.1",
         ],
