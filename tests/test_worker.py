@@ -13,7 +13,7 @@ import torch
 from conftest import ROOT
 from torch import nn
 
-from etc_agent.layout.config import ParallelSpec
+from etc_agent.layout.config import ParallelConfig, ParallelSpec
 from etc_agent.layout.model import ModelSpec
 from etc_agent.migrate.describe import BoxedTensor
 from etc_agent.planner.policy import resolve_parallel
@@ -73,6 +73,48 @@ def test_policy_resolves_auto_degrees_to_a_config_using_every_device(text, nodes
     model.check_parallel(config)
     # Fixed tp/pp: only dp fills, and a world that cannot be filled exactly gives None.
     assert resolve_parallel(ParallelSpec.parse("tp=2,pp=1,dp=auto"), [2, 2, 1]) is None
+
+
+@pytest.mark.parametrize(
+    "text, expect",
+    [
+        ("tp=auto,dp_shard=auto", {"dp_replicate": 1}),
+        ("tp=auto,dp_replicate=2,dp_shard=auto", {"dp_replicate": 2}),
+        ("pp=auto,tp=2,dp_shard=4", {"tp": 2, "dp_shard": 4}),
+    ],
+)
+def test_policy_keeps_an_fsdp_spec_fsdp_when_it_fills_auto_degrees(text, expect):
+    """An FSDP job's script builds FSDP2 modules: auto tp/pp give FSDP / HSDP layouts with the
+    spec's fixed degrees, never Megatron's replicas."""
+    model = ModelSpec.from_yaml(ROOT / "configs" / "models" / "llama-7b.yaml")
+    config = resolve_parallel(ParallelSpec.parse(text), [8, 8], model)
+    assert config is not None and config.world_size == 16 and config.dp_shard > 1, config
+    assert {name: getattr(config, name) for name in expect} == expect, config.short()
+    model.check_parallel(config)
+
+
+def test_policy_prices_fsdp_sharding_and_chooses_fsdp_for_an_fsdp_job():
+    from etc_agent.layout import DeviceSet
+    from etc_agent.planner.policy import PolicyOptions, choose_config, estimate_memory, estimate_step_seconds
+
+    model = ModelSpec.from_yaml(ROOT / "configs" / "models" / "llama-7b.yaml")
+    opts = PolicyOptions()
+    replicated, sharded = ParallelConfig.parse("tp=1,pp=1,dp=8"), ParallelConfig.parse("dp_shard=8")
+    # Parameters, gradients and AdamW split 8 ways (two layers gathered): far under a replica's memory.
+    assert estimate_memory(model, sharded, opts) < estimate_memory(model, replicated, opts) / 4
+    # A shard group inside a node all-gathers over the fast link.
+    assert estimate_step_seconds(model, sharded, opts, devices_per_node=8) < estimate_step_seconds(
+        model, sharded, opts, devices_per_node=1
+    )
+    decision = choose_config(
+        model,
+        DeviceSet.parse("n0:8,n1:8"),
+        opts,
+        old_config=ParallelConfig.parse("dp_shard=8"),
+        old_devices=DeviceSet.parse("n0:8"),
+    )
+    assert decision.winner.config.dp_shard > 1, decision.reason
+    assert all(c.config.zero == 0 for c in decision.candidates)
 
 
 @pytest.mark.parametrize(

@@ -2,12 +2,16 @@
 
 Candidates are every ``(tp, pp, dp, zero)`` that Megatron can shard the model with, whose TP groups
 fit inside nodes, that uses at most the available devices (a subset may stay idle) and whose
-estimated memory fits the device. They are ranked by an estimated step time; among those within
+estimated memory fits the device; for an FSDP job (its layout or its ``--parallel`` has
+``dp_shard``), every ``(tp, pp, dp_replicate, dp_shard)`` instead, since its script builds FSDP2
+modules, not Megatron's replicas. They are ranked by an estimated step time; among those within
 ``near_equal`` of the fastest, the one that is cheapest to migrate to from the current layout wins.
 
 Memory per device (bytes), for the heaviest pipeline stage:
   parameters + gradients (fp32 main grads when params are bf16/fp16, as Megatron keeps them)
   + optimizer state (split over DP when zero=1)
+  (with FSDP all three split over ``dp_shard``, plus two layers unsharded: the one computing and the
+  one prefetched, parameters and gradients)
   + activations: ``34 * seq * micro_batch * hidden / tp`` per layer and micro-batch in flight
     (Korthikanti et al. 2022, sequence parallel with selective recomputation); with 1F1B the first
     stage holds ``pp`` micro-batches
@@ -18,7 +22,10 @@ Step time (seconds):
   1F1B bubble with ``m = ceil(global_batch / (dp * micro_batch))`` micro-batches,
   + TP traffic: per layer and micro-batch 4 all-gather/reduce-scatter of ``seq*mb*hidden`` values
     (2 forward, 2 backward), ``(tp-1)/tp`` of it over the intra-node link, not overlapped,
-  + DP gradient reduction: ``2*(dp-1)/dp`` of the rank's gradient bytes over the inter-node link.
+  + DP gradient reduction: ``2*(dp-1)/dp`` of the rank's gradient bytes over the inter-node link;
+    with FSDP, ``3*(dp_shard-1)/dp_shard`` of the rank's parameter bytes (all-gather forward and
+    backward, reduce-scatter) over the intra-node link when a shard group fits in a node (else
+    inter-node), plus ``2*(dp_replicate-1)/dp_replicate`` of its gradient shard across replicas.
 The model only has to rank configurations sensibly; absolute values are rough.
 """
 
@@ -74,11 +81,14 @@ class Candidate:
         return 0.0 if not self.fits else 1.0 / (self.step_seconds * self.config.world_size)
 
 
+def layer_parameters(spec: ModelSpec, tp: int) -> int:
+    """Parameters of one transformer layer on one TP rank."""
+    return sum((prod(k.shape) // tp if k.split_dim is not None else prod(k.shape)) for k in layer_tensors(spec))
+
+
 def rank_parameters(spec: ModelSpec, config: ParallelConfig) -> int:
-    """Parameters held by a rank of the heaviest pipeline stage."""
-    per_layer = sum(
-        (prod(k.shape) // config.tp if k.split_dim is not None else prod(k.shape)) for k in layer_tensors(spec)
-    )
+    """Parameters held by a rank of the heaviest pipeline stage (before any FSDP sharding)."""
+    per_layer = layer_parameters(spec, config.tp)
     vocab_rows = spec.padded_vocab_size // config.tp * spec.hidden_size
     norm = spec.hidden_size * (2 if spec.normalization == "layernorm" else 1)
     worst = 0
@@ -103,14 +113,22 @@ def estimate_memory(spec: ModelSpec, config: ParallelConfig, opts: PolicyOptions
     optim = params * 4 * len(spec.optimizer_state_names())
     if config.zero:
         optim = ceil(optim / config.dp)
+    unsharded = 0
+    if config.dp_shard > 1:
+        optim = ceil(optim / config.dp_shard)
+        unsharded = 2 * layer_parameters(spec, config.tp) * (param_bytes + grad_bytes)
+        params = ceil(params / config.dp_shard)
     layers_first = len(stage_layers(spec.num_layers, config.pp, 0))
     per_layer_act = 34 * opts.seq_length * opts.micro_batch_size * spec.hidden_size / config.tp
     activations = layers_first * config.pp * per_layer_act
     logits = 4 * opts.seq_length * opts.micro_batch_size * spec.padded_vocab_size / config.tp
-    return int(params * (param_bytes + grad_bytes) + optim + activations + logits)
+    return int(params * (param_bytes + grad_bytes) + optim + unsharded + activations + logits)
 
 
-def estimate_step_seconds(spec: ModelSpec, config: ParallelConfig, opts: PolicyOptions) -> float:
+def estimate_step_seconds(
+    spec: ModelSpec, config: ParallelConfig, opts: PolicyOptions, devices_per_node: int = 1
+) -> float:
+    """``devices_per_node``: the smallest node's devices (whether an FSDP shard group fits in one)."""
     tokens = opts.global_batch_size * opts.seq_length
     flops = 6 * spec.num_parameters() * tokens
     compute = flops / (config.world_size * opts.peak_tflops * 1e12 * opts.mfu)
@@ -120,12 +138,27 @@ def estimate_step_seconds(spec: ModelSpec, config: ParallelConfig, opts: PolicyO
     act_bytes = opts.seq_length * opts.micro_batch_size * spec.hidden_size * DTYPE_BYTES[spec.params_dtype]
     tp_comm = layers * micro_batches * 4 * act_bytes * (config.tp - 1) / config.tp / (opts.intra_node_gbps * 1e9)
     grad_bytes = rank_parameters(spec, config) * (4 if spec.uses_master_weights else DTYPE_BYTES[spec.params_dtype])
+    if config.dp_shard > 1:
+        shards, replicas = config.dp_shard, config.dp_replicate
+        link = opts.intra_node_gbps if config.tp * shards <= devices_per_node else opts.inter_node_gbps
+        param_bytes = rank_parameters(spec, config) * DTYPE_BYTES[spec.params_dtype]
+        shard_comm = 3 * (shards - 1) / shards * param_bytes / (link * 1e9)
+        replica_comm = 2 * (replicas - 1) / replicas * grad_bytes / shards / (opts.inter_node_gbps * 1e9)
+        return compute + tp_comm + shard_comm + replica_comm
     dp_comm = 2 * (config.dp - 1) / config.dp * grad_bytes / (opts.inter_node_gbps * 1e9)
     return compute + tp_comm + dp_comm
 
 
-def candidate_configs(spec: ModelSpec, devices: DeviceSet, opts: PolicyOptions) -> list[Candidate]:
-    """Every shardable configuration on at most ``len(devices)`` devices, fastest first."""
+def _data_parallel_splits(dp: int, fsdp: bool) -> list[tuple[int, int]]:
+    """``(zero, dp_shard)`` of the candidates with ``dp`` data-parallel ranks."""
+    if fsdp:
+        return [(0, shard) for shard in range(1, dp + 1) if dp % shard == 0]
+    return [(0, 1), (1, 1)] if dp > 1 else [(0, 1)]
+
+
+def candidate_configs(spec: ModelSpec, devices: DeviceSet, opts: PolicyOptions, fsdp: bool = False) -> list[Candidate]:
+    """Every shardable configuration on at most ``len(devices)`` devices, fastest first; ``fsdp``:
+    the FSDP / HSDP ones (every ``dp_shard`` dividing dp) instead of Megatron's zero=0/1."""
     node_sizes = [len(devices.node_devices(n)) for n in devices.nodes]
     out: list[Candidate] = []
     for tp in range(1, max(node_sizes) + 1):
@@ -133,8 +166,8 @@ def candidate_configs(spec: ModelSpec, devices: DeviceSet, opts: PolicyOptions) 
             for dp in range(1, len(devices) // (tp * pp) + 1):
                 if sum(size // tp for size in node_sizes) < pp * dp:
                     continue
-                for zero in (0, 1) if dp > 1 else (0,):
-                    config = ParallelConfig(tp=tp, pp=pp, dp=dp, zero=zero)
+                for zero, dp_shard in _data_parallel_splits(dp, fsdp):
+                    config = ParallelConfig(tp=tp, pp=pp, dp=dp, zero=zero, dp_shard=dp_shard)
                     try:
                         spec.check_parallel(config)
                     except ValueError:
@@ -145,12 +178,22 @@ def candidate_configs(spec: ModelSpec, devices: DeviceSet, opts: PolicyOptions) 
                         Candidate(
                             config,
                             memory,
-                            estimate_step_seconds(spec, config, opts),
+                            estimate_step_seconds(spec, config, opts, min(node_sizes)),
                             fits,
                             "" if fits else f"needs {memory / GiB:.1f} GiB of {opts.device_memory_gib:g}",
                         )
                     )
-    out.sort(key=lambda c: (not c.fits, c.step_seconds, c.config.world_size, c.config.tp, c.config.pp, c.config.zero))
+    out.sort(
+        key=lambda c: (
+            not c.fits,
+            c.step_seconds,
+            c.config.world_size,
+            c.config.tp,
+            c.config.pp,
+            c.config.zero,
+            -c.config.dp_shard,
+        )
+    )
     return out
 
 
@@ -186,7 +229,8 @@ def choose_config(
     """Pick the configuration for ``new_devices``; with an old layout, migration cost breaks near-ties."""
     from etc_agent.planner.core import StateLostError, plan_model_migration
 
-    candidates = candidate_configs(spec, new_devices, opts)
+    fsdp = old_config is not None and old_config.dp_shard > 1
+    candidates = candidate_configs(spec, new_devices, opts, fsdp=fsdp)
     near = fastest_fitting(candidates, opts)
     if old_config is None or old_devices is None:
         winner = near[0]
@@ -230,7 +274,8 @@ def resolve_parallel(
 
     Fixed ``tp``/``pp`` leave only dp to fill (``dp=auto``); an ``auto`` tp or pp needs ``model``: the
     policy's fastest estimated configuration among those using every device (fixed degrees and the
-    zero setting kept). None when nothing fits.
+    zero setting kept; an FSDP spec gets FSDP / HSDP layouts with its fixed ``dp_shard`` or
+    ``dp_replicate``). None when nothing fits.
     """
     total = sum(node_sizes)
     if spec.tp is not None and spec.pp is not None:
@@ -241,11 +286,14 @@ def resolve_parallel(
             f"--parallel {spec.short()}: tp/pp auto needs --model (the policy chooses them from the model spec)"
         )
     devices = DeviceSet.parse(",".join(f"n{i}:{size}" for i, size in enumerate(node_sizes)))
-    for candidate in candidate_configs(model, devices, opts or PolicyOptions()):
+    fsdp = spec.dp_shard != 1 or spec.dp_replicate is not None
+    fixed = [(spec.tp, "tp"), (spec.pp, "pp")]
+    fixed += [(spec.dp_shard, "dp_shard"), (spec.dp_replicate, "dp_replicate")] if fsdp else [(spec.dp, "dp")]
+    for candidate in candidate_configs(model, devices, opts or PolicyOptions(), fsdp=fsdp):
         c = candidate.config
         if not candidate.fits or c.world_size != total:
             continue
-        if any(want is not None and got != want for want, got in ((spec.tp, c.tp), (spec.pp, c.pp), (spec.dp, c.dp))):
+        if any(want is not None and getattr(c, name) != want for want, name in fixed):
             continue
         if c.zero != (spec.zero if c.dp > 1 else 0):
             continue
