@@ -59,12 +59,16 @@ def checkpoint_api(app: Mapping[str, Any], tensors: Mapping[str, Any]) -> Checkp
     from torch.distributed.fsdp import FSDPModule
 
     modules = [obj for obj in app.values() if isinstance(obj, nn.Module)]
-    if not any(isinstance(m, FSDPModule) for module in modules for m in module.modules()):
-        return "boxes"
+    fsdp = any(isinstance(m, FSDPModule) for module in modules for m in module.modules())
+    return "state_dict" if fsdp and _fits_a_state_dict(app, tensors) else "boxes"
+
+
+def _fits_a_state_dict(app: Mapping[str, Any], tensors: Mapping[str, Any]) -> bool:
+    """Every tensor a plain tensor or DTensor, every optimizer's parameters one module's."""
     if not all(isinstance(t, torch.Tensor) for t in tensors.values()):
-        return "boxes"
+        return False
     optimizers = [obj for obj in app.values() if isinstance(obj, torch.optim.Optimizer)]
-    return "state_dict" if all(_owner(o, app) is not None for o in optimizers) else "boxes"
+    return all(_owner(o, app) is not None for o in optimizers)
 
 
 def _owner(optim: torch.optim.Optimizer, app: Mapping[str, Any]) -> nn.Module | None:
@@ -116,9 +120,10 @@ def _save(app: Mapping[str, Any], tensors: Mapping[str, Any], path: Path, api: C
 
 def _load(app: Mapping[str, Any], tensors: Mapping[str, Any], path: Path, api: CheckpointApi) -> None:
     if api == "state_dict":
-        if not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+        if not _fits_a_state_dict(app, tensors):
             raise ValueError(
-                f"{path} was saved through get_state_dict; this state has tensors a state dict cannot hold"
+                f"{path} was saved through get_state_dict; the new state does not fit one (boxed tensors, "
+                "or an optimizer whose parameters are not one module's)"
             )
         loaded = _state_dict(app, tensors)
         dcp.load(loaded, storage_reader=dcp.FileSystemReader(str(path)))
