@@ -25,8 +25,9 @@ CASES = {
     "tp2-bitwise": ("tp=2,pp=1,dp=auto", 2, 60, 0.15, ("join", "leave", "kill"), True),
     # etc-agent sidecar per node, workers started (and the killed one restarted) by etc-agent workers.
     "tp2-sidecar-bitwise": ("tp=2,pp=1,dp=auto", 2, 60, 0.15, ("join", "leave", "kill"), True),
-    # A joining agent starts its 4 workers before it enters (10+ s on 2 loaded cores): long enough runs.
-    "tp2pp2-zero1-bitwise": ("tp=2,pp=2,dp=auto,zero=1", 4, 60, 0.5, ("join", "leave"), True),
+    # A joining agent starts its 4 workers before it enters (10+ s on 2 loaded cores); the run's last
+    # steps are held back (run_scenario's slow_during_events) until both events are through.
+    "tp2pp2-zero1-bitwise": ("tp=2,pp=2,dp=auto,zero=1", 4, 60, 0.2, ("join", "leave"), True),
     # hang: SIGSTOP of a worker, killed by its agent after --worker-heartbeat-timeout (AGENT_ARGS).
     "tp2pp2-loss": ("tp=2,pp=2,dp=auto", 4, 44, 0.2, ("join", "leave", "kill", "hang"), False),
 }
