@@ -123,3 +123,35 @@ def test_pure_fsdp_loses_a_shard_to_a_kill_and_restores_just_it_from_the_periodi
     assert record["redone_steps"] >= 1 and record["step"] % 5 == 0, record
     _, reference_state = reference_losses(steps, tmp_path, extra, module=LLAMA)
     assert compare_states(result["state_file"], reference_state) == []
+
+
+def test_the_checkpoint_way_saves_fsdp2_state_through_get_state_dict_and_loads_it_resharded(etcd_server, tmp_path):
+    """`--migration checkpoint` on an FSDP2 + TP job reconfigured to plain FSDP: the workers save
+    with `get_state_dict` + DCP and exit, fresh ones load into the module built for the new mesh;
+    the record says which way, and the final state is bitwise the uninterrupted run's."""
+    checkpoints, work = tmp_path / "checkpoints", tmp_path / "run"
+    work.mkdir()
+    extra, steps = ["--elementwise"], 24
+    result = run_scenario(
+        "tp=2,dp_shard=auto",
+        2,
+        steps,
+        0.1,
+        work,
+        echo=False,
+        rdzv=_rdzv(etcd_server, "llama-ckpt"),
+        events=("reconfigure:dp_shard=auto",),
+        agent_args=["--migration", "checkpoint", "--checkpoint-dir", str(checkpoints)],
+        extra_script_args=extra,
+        module=LLAMA,
+    )
+    assert result["codes"] == [0, 0], result["cluster"].tail(40)
+    [record] = result["migrations"]
+    assert (record["method"], record["checkpoint_api"]) == ("checkpoint", "state_dict"), record
+    assert (record["old_config"], record["new_config"]) == (
+        "tp=2,pp=1,dp_replicate=1,dp_shard=2",
+        "tp=1,pp=1,dp_replicate=1,dp_shard=4",
+    )
+    assert record["checkpoint_bytes"] >= 2 * record["state_bytes"] > 0, record
+    _, reference_state = reference_losses(steps, tmp_path, extra, module=LLAMA)
+    assert compare_states(result["state_file"], reference_state) == []
