@@ -29,7 +29,8 @@ def _worst_relative(losses: dict[int, float], reference: dict[int, float]) -> fl
 def test_reconfigure_moves_fsdp2_state_between_fsdp_tp_and_hsdp_layouts(etcd_server, tmp_path):
     """`etc-agent reconfigure` on the same 4 workers: FSDP over 4 -> FSDP 2 x TP 2 (``_StridedShard``,
     sequence parallel) -> HSDP 2 x 2 -> pipeline 2 x FSDP 2 -> pipeline 2 x TP 2 (sequence-parallel
-    activations between the stages); every step's loss within 1e-4 of the reference."""
+    activations between the stages; both pipelines under ``torch.distributed.pipelining``'s 1F1B);
+    every step's loss within 1e-4 of the reference."""
     steps = 40
     events = (
         "reconfigure:tp=2,dp_shard=auto",
@@ -47,6 +48,7 @@ def test_reconfigure_moves_fsdp2_state_between_fsdp_tp_and_hsdp_layouts(etcd_ser
         rdzv=_rdzv(etcd_server, "llama-reconf"),
         events=events,
         module=LLAMA,
+        extra_script_args=["--pipeline-schedule", "1f1b"],
     )
     assert result["codes"] == [0, 0], result["cluster"].tail(40)
     records = sorted(result["migrations"], key=lambda m: m["generation"])

@@ -12,7 +12,8 @@ API with PyTorch's own parallelism, structured as torchtitan parallelises its Ll
   reduce-scattered (and all-reduced across replicas) by FSDP2; without FSDP (``dp=N``) gradients
   are summed over the dp group in one flat all-reduce;
 - pipeline parallel: layers split into ``pp`` contiguous stages, activations and their gradients
-  sent between stages one micro-batch at a time (as in :mod:`etc_agent.examples.gpt`);
+  sent between stages one micro-batch at a time (as in :mod:`etc_agent.examples.gpt`), or with
+  ``--pipeline-schedule gpipe|1f1b`` under ``torch.distributed.pipelining``'s schedules;
 - the global batch is fixed whatever the layout, the data position is the global step, the LR
   schedule (warmup + cosine) is a carried ``LambdaLR``, the optimizer ``torch.optim.AdamW``.
 
@@ -36,6 +37,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 import etc_agent
 from etc_agent.examples.gpt import (
+    batch,
     finish,
     init_weights,
     lr_schedule,
@@ -242,7 +244,10 @@ def train_step(job: etc_agent.Job, args: argparse.Namespace, step: int) -> float
     # With sequence parallel a stage hands on its rank's part of the sequence.
     seq = args.seq // cfg.tp if args.sequence_parallel else args.seq
     optim.zero_grad(set_to_none=True)
-    loss_sum = pipeline_step(ctx, args, step, model, micro, seq, scale)
+    if cfg.pp > 1 and args.pipeline_schedule != "send-recv":
+        loss_sum = scheduled_step(ctx, args, step, model, micro, seq, scale)
+    else:
+        loss_sum = pipeline_step(ctx, args, step, model, micro, seq, scale)
     if cfg.dp > 1 and not fsdp:
         reduce_gradients(model, ctx.dp_group)
     optim.step()
@@ -255,6 +260,50 @@ def train_step(job: etc_agent.Job, args: argparse.Namespace, step: int) -> float
         if ctx.dp_rank == 0 and ctx.tp_rank == 0:
             return float(loss_sum)
     return None
+
+
+def scheduled_step(
+    ctx: etc_agent.ParallelContext,
+    args: argparse.Namespace,
+    step: int,
+    model: Stage,
+    micro: int,
+    seq: int,
+    loss_scale: float,
+) -> torch.Tensor:
+    """:func:`pipeline_step` through ``torch.distributed.pipelining`` (``--pipeline-schedule``):
+    this stage as a ``PipelineStage`` on the pp group, GPipe or 1F1B over the replica's micro-batches."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    cfg = ctx.config
+    per_replica = args.global_batch // cfg.dp
+    num_micro = per_replica // micro
+    first, last = ctx.pp_rank == 0, ctx.pp_rank == cfg.pp - 1
+    # Made at the stage's first step and kept on it: the schedule goes (with its hold on the pp
+    # group) when a switch drops the module, as a new layout builds a new one.
+    schedule = getattr(model, "_pipeline_schedule", None)
+    if schedule is None:
+        # Shapes are inferred at the first step (a forward of metadata along the pipeline).
+        stage = PipelineStage(model, ctx.pp_rank, cfg.pp, ctx.device, group=ctx.pp_group)
+
+        def loss_fn(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            # The schedule divides the gradients by the micro-batch count: undo it, scale as pipeline_step does.
+            return F.cross_entropy(out.reshape(-1, args.vocab), targets.reshape(-1)) * loss_scale * num_micro
+
+        kind = ScheduleGPipe if args.pipeline_schedule == "gpipe" else Schedule1F1B
+        schedule = kind(stage, num_micro, loss_fn=loss_fn)
+        model._pipeline_schedule = schedule
+    lo = ctx.dp_rank * per_replica
+    data = torch.stack([batch(args, step, i) for i in range(lo, lo + per_replica)])
+    inputs, targets = data[:, :-1], data[:, 1:]
+    losses: list[torch.Tensor] = []
+    if first:
+        schedule.step(inputs)
+    elif last:
+        schedule.step(target=targets, losses=losses)
+    else:
+        schedule.step()
+    return (sum(loss.detach() for loss in losses) / num_micro) if losses else torch.zeros(())
 
 
 def elementwise_step(job: etc_agent.Job) -> None:
@@ -281,6 +330,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="With tp > 1, run norms and the residual stream on this rank's part of the sequence.",
+    )
+    ap.add_argument(
+        "--pipeline-schedule",
+        choices=("send-recv", "gpipe", "1f1b"),
+        default="send-recv",
+        help="pp > 1: this file's micro-batch loop, or torch.distributed.pipelining's GPipe / 1F1B.",
     )
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--weight-decay", type=float, default=0.01)
