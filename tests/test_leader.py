@@ -95,3 +95,55 @@ def test_a_node_taking_itself_out_during_a_decision_is_never_published_as_a_depa
     assert reasons and all("left" not in r for r in reasons), reasons
     assert reasons[0] == "worker failure on b", reasons
     assert published[0].members == ["a"] and published[0].parallel == "tp=2,pp=1,dp=1,zero=0", published
+
+
+def test_an_agent_probes_a_leader_whose_node_record_came_late_and_takes_over_when_it_dies(server):
+    """Agent b sees leader a before a's node record exists (a busy start), so its first look cannot
+    probe a's liveness port. It looks again within a second, not a fifth of its 30 s lease: a refusal
+    counts only from a port that answered before, so a leader killed right after the start (before a
+    later look) would otherwise leave b waiting for a's lease."""
+    import socket
+
+    from etc_agent.rendezvous.records import LeaderRecord
+
+    run_id = "late-leader-record"
+    writer = EmbeddedStore(server.endpoint, run_id, secret=TEST_SECRET)
+    writer.put("leader", LeaderRecord(node_id="a").dumps())
+    listener = socket.create_server(("127.0.0.1", 0))
+    config = AgentConfig(run_id=run_id, min_nodes=1, max_nodes=2, nproc_per_node=2, lease_ttl=30)
+    events: list[tuple[str, dict]] = []
+    emit = lambda event, fields: events.append((event, fields))  # noqa: E731
+    stop = threading.Event()
+    agent_b = Leader(
+        EmbeddedStore(server.endpoint, run_id, secret=TEST_SECRET),
+        config,
+        "b",
+        emit,
+        RecordReader(emit),
+        threading.Event(),
+        stop,
+        lease=lambda: None,
+        latest=lambda: None,
+    )
+    thread = threading.Thread(target=agent_b.run_election, daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.5)  # b's first look found the leader key and no node record
+        assert not agent_b._gone.knows("a")
+        writer.put("nodes/a", _node("a", probe_port=listener.getsockname()[1]))
+        deadline = time.monotonic() + 2.0
+        while not agent_b._gone.knows("a") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert agent_b._gone.knows("a"), "b did not probe the leader's port within 2 s"
+        listener.close()  # a dies: its port refuses connections from now on
+        agent_b.notify_peer_failure()  # b's workers saw a collective fail
+        deadline = time.monotonic() + 5.0
+        while not any(e == "agent_gone" for e, _ in events) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        gone = [fields for event, fields in events if event == "agent_gone"]
+        assert gone and gone[0]["node"] == "a", events
+        assert LeaderRecord.loads(writer.get("leader").value).node_id == "b"
+    finally:
+        stop.set()
+        agent_b._dirty.set()  # wake its leader loop, which now sees the stop
+        thread.join(timeout=10)

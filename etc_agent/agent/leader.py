@@ -119,7 +119,11 @@ class Leader:
                 self.is_leader = False
                 self.emit("leader_error", {"error": f"{type(err).__name__}: {err}", "where": where(err)})
                 log.exception("leader loop failed; standing for election again")
-            self._peer_failure.wait(max(0.2, self.config.lease_ttl / 5))
+            # A leader seen but not probed yet (its node record was not there at the first look) is
+            # looked at again soon: its port refuses connections only once it is dead, and a refusal
+            # counts only from a port that answered before.
+            unprobed = self._holder_seen is not None and not self._gone.knows(self._holder_seen)
+            self._peer_failure.wait(0.2 if unprobed else max(0.2, self.config.lease_ttl / 5))
 
     def notify_peer_failure(self) -> None:
         """This node's workers saw a peer fail: if the leader died with it, take over now."""
