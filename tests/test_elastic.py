@@ -353,7 +353,7 @@ def test_a_whole_node_killed_loses_no_state_with_the_resilient_placement(
     assert record["new_config"].startswith(parallel.replace("dp=auto", f"dp={dp_before - 1}")), record
     assert len(record["lost"]) == nproc and record["bytes_restored"] == 0, record
     assert record["leave_spread_s"] <= 2.0, record  # every survivor left its collective at once
-    assert '"agent_gone"' in text and record["total_stall_s"] < 15, record  # not the 30 s lease
+    assert '"agent_gone"' in text and record["total_stall_s"] < 15, f"{record}\n{logs}"  # not the 30 s lease
     assert "state lost" not in text
     assert sorted(p.name for p in work.iterdir() if not p.name.startswith("agent-")) == [
         "loss.jsonl",
