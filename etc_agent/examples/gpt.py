@@ -328,11 +328,27 @@ def train_step(job: etc_agent.Job, args: argparse.Namespace, step: int) -> float
     loss_sum = pipeline_step(ctx, args, step, lambda x: model(x, cfg.tp), micro, args.seq, micro / args.global_batch)
     if cfg.dp > 1:
         reduce_gradients(model, ctx.dp_group)
+    return optimizer_step(ctx, optim, sched, loss_sum, replicas_average=False)
+
+
+def optimizer_step(
+    ctx: etc_agent.ParallelContext,
+    optim: torch.optim.Optimizer,
+    sched: torch.optim.lr_scheduler.LRScheduler,
+    loss_sum: torch.Tensor,
+    replicas_average: bool,
+) -> float | None:
+    """The optimizer and LR-schedule step once the gradients are reduced; the global mean loss on
+    the reporting rank (last stage, dp 0, tp 0). ``replicas_average``: each data-parallel rank's
+    ``loss_sum`` is its own mean (FSDP2's scaling), not its share of the global one."""
+    cfg = ctx.config
     optim.step()
     sched.step()
     if ctx.pp_rank == cfg.pp - 1:
         if cfg.dp > 1:
             dist.all_reduce(loss_sum, group=ctx.dp_group)
+            if replicas_average:
+                loss_sum /= cfg.dp
         if ctx.dp_rank == 0 and ctx.tp_rank == 0:
             return float(loss_sum)
     return None

@@ -30,7 +30,6 @@ import argparse
 import time
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
@@ -41,6 +40,7 @@ from etc_agent.examples.gpt import (
     finish,
     init_weights,
     lr_schedule,
+    optimizer_step,
     pace,
     pipeline_step,
     reduce_gradients,
@@ -250,16 +250,7 @@ def train_step(job: etc_agent.Job, args: argparse.Namespace, step: int) -> float
         loss_sum = pipeline_step(ctx, args, step, model, micro, seq, scale)
     if cfg.dp > 1 and not fsdp:
         reduce_gradients(model, ctx.dp_group)
-    optim.step()
-    sched.step()
-    if ctx.pp_rank == cfg.pp - 1:
-        if cfg.dp > 1:
-            dist.all_reduce(loss_sum, group=ctx.dp_group)
-            if fsdp:
-                loss_sum /= cfg.dp
-        if ctx.dp_rank == 0 and ctx.tp_rank == 0:
-            return float(loss_sum)
-    return None
+    return optimizer_step(ctx, optim, sched, loss_sum, replicas_average=fsdp)
 
 
 def scheduled_step(
