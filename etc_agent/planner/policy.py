@@ -137,11 +137,12 @@ def estimate_step_seconds(
     layers = len(stage_layers(spec.num_layers, config.pp, 0))
     act_bytes = opts.seq_length * opts.micro_batch_size * spec.hidden_size * DTYPE_BYTES[spec.params_dtype]
     tp_comm = layers * micro_batches * 4 * act_bytes * (config.tp - 1) / config.tp / (opts.intra_node_gbps * 1e9)
-    grad_bytes = rank_parameters(spec, config) * (4 if spec.uses_master_weights else DTYPE_BYTES[spec.params_dtype])
+    params = rank_parameters(spec, config)
+    grad_bytes = params * (4 if spec.uses_master_weights else DTYPE_BYTES[spec.params_dtype])
     if config.dp_shard > 1:
         shards, replicas = config.dp_shard, config.dp_replicate
         link = opts.intra_node_gbps if config.tp * shards <= devices_per_node else opts.inter_node_gbps
-        param_bytes = rank_parameters(spec, config) * DTYPE_BYTES[spec.params_dtype]
+        param_bytes = params * DTYPE_BYTES[spec.params_dtype]
         shard_comm = 3 * (shards - 1) / shards * param_bytes / (link * 1e9)
         replica_comm = 2 * (replicas - 1) / replicas * grad_bytes / shards / (opts.inter_node_gbps * 1e9)
         return compute + tp_comm + shard_comm + replica_comm
