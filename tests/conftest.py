@@ -1,3 +1,4 @@
+import os
 import re
 import shutil
 import socket
@@ -11,6 +12,9 @@ import pytest
 TEST_SECRET = b"the job secret of the store tests"
 """The secret of the embedded stores the tests start themselves (etcrun makes its own)."""
 ROOT = Path(__file__).resolve().parent.parent
+# Agents started by the tests say every event on their console (the tests read them there); a
+# user's console is quieter (docs/cli.md), which tests/test_plain.py checks without this.
+os.environ.setdefault("LOGLEVEL", "INFO")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # Before any process is forked from multiprocessing's fork server (dist_harness, the demo's reference
 # runs): it keeps the sys.path it started with, and its children import their functions from these.
@@ -72,6 +76,7 @@ TEST_LAYERS: dict[str, tuple[str, dict[str, list[str]]]] = {
     "test_migrate.py": ("multiproc", {"unit": ["test_case_matrix_covers_the_required_transitions"]}),
     "test_migrate_module.py": ("multiproc", {}),
     "test_planner.py": ("unit", {"multiproc": ["test_plan_hash_is_the_same_in_fresh_processes"]}),
+    "test_plain.py": ("e2e", {}),
     "test_protocol.py": ("unit", {}),
     "test_restore.py": ("multiproc", {}),
     "test_sim.py": (

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from etc_agent.agent.config import AgentConfig
+from etc_agent.agent.console import CONSOLE_ATTR, event_level
 from etc_agent.agent.control import (
     CONTROL_REQUEST,
     Assignment,
@@ -50,6 +51,7 @@ from etc_agent.agent.control import (
     Trained,
 )
 from etc_agent.agent.controlauth import ControlKeys, NotAllowed
+from etc_agent.agent.departure import AfterAck, DepartureOutcome, after_acknowledgement, departure_verdict
 from etc_agent.agent.endwatch import EndWatch
 from etc_agent.agent.forkserver import ForkServer
 from etc_agent.agent.leader import Leader
@@ -122,6 +124,8 @@ class Agent:
         self._reported: tuple[int, str] | None = None
         self._log_root = Path(spec.log_dir) if spec.log_dir else Path(tempfile.mkdtemp(prefix="etcrun-"))
         self._run_dir = self._log_root / f"{config.run_id}_{self.node_id}"
+        self.log_file = self._run_dir / "agent.log"
+        """Every event of this agent (etcrun writes it; the console shows those at its --log-level)."""
         self._threads: list[threading.Thread] = []
         self._worker_stores: WorkerStores | None = None
         self._latest: GenerationRecord | None = None
@@ -169,11 +173,14 @@ class Agent:
 
     # ---- logging --------------------------------------------------------------------
     def _log_event(self, event: str, fields: dict) -> None:
-        if self.config.log_format == "json":
+        """Every event goes to the log (the agent's log file has them all; the console those at its
+        level, :mod:`etc_agent.agent.console`); with ``--log-format json`` the console gets each
+        event as one JSON line on stdout instead, whatever its level."""
+        as_json = self.config.log_format == "json"
+        if as_json:
             print(json.dumps({"ts": round(time.time(), 3), "event": event, "node": self.node_id, **fields}), flush=True)
-        else:
-            detail = " ".join(f"{k}={v}" for k, v in fields.items())
-            log.info("[%s] %s %s", self.node_id, event, detail)
+        detail = " ".join(f"{k}={v}" for k, v in fields.items())
+        log.log(event_level(event), "[%s] %s %s", self.node_id, event, detail, extra={CONSOLE_ATTR: not as_json})
 
     # ---- membership ----------------------------------------------------------------
     def _node_record(self) -> NodeRecord:
@@ -200,6 +207,7 @@ class Agent:
                 "devices": self.config.nproc_per_node,
                 "lease_ttl": self._lease.ttl,
                 "control_addr": self._control.address,
+                "log_file": str(self.log_file),
             },
         )
 
@@ -477,6 +485,7 @@ class Agent:
                 },
             )
         self._liveness = LivenessPort()  # before the record that names its port
+        self._warm_fork_server_before_joining()
         self._join_warm()
         self._register()
         for target in (self._keepalive, self.leader.run_election):
@@ -739,6 +748,29 @@ class Agent:
             time.sleep(0.05)
         self._ready = True
 
+    def _warm_fork_server_before_joining(self) -> None:
+        """Joining a running job restarts the others' workers (a plain script's) or brings this
+        node's in (a worker-API script's): the fork server's imports are paid before this node
+        registers, so the others' workers never wait for them in the rendezvous. A first start
+        registers at once (the imports overlap the rendezvous)."""
+        if self._forkserver is None:
+            return
+        try:
+            current = self._read_generation()
+        except StoreError:
+            return
+        if current is None or current.status != "running" or self._forkserver.ready.is_set():
+            return
+        started = time.monotonic()
+        deadline = started + min(self.config.join_timeout, FORK_SERVER_WAIT_S)
+        while not self._forkserver.ready.wait(0.1):
+            if time.monotonic() >= deadline or self.stop_requested.is_set() or self.leaving.is_set():
+                break
+        self.emit(
+            "fork_server_warm" if self._forkserver.ready.is_set() else "fork_server_not_warm",
+            {"seconds": round(time.monotonic() - started, 2), "note": "before joining the running job"},
+        )
+
     def _job_finished(self) -> bool:
         checked_at, value = self._finished_cache
         if value or time.monotonic() - checked_at < 0.5:
@@ -938,6 +970,8 @@ class Agent:
         failed = {r: c for r, c in codes.items() if c not in (None, 0, RESTART_EXIT)}
         if failed and self._elastic:
             self._on_live_crash(gen, codes, failed)
+        elif failed and self._superseded(gen):
+            return  # a newer generation (a member's planned departure, say) restarts these workers anyway
         elif failed:
             summary = self.workers.failure_summary(self.host)
             self.emit("workers_failed", {"generation": gen.number, "exit_codes": failed})
@@ -965,6 +999,16 @@ class Agent:
             self._report(gen, NodeStatus(state="succeeded", exit_codes=codes))
             self._move(Phase.FINISHED, gen.number)
             self.emit("workers_succeeded", {"generation": gen.number})
+
+    def _superseded(self, gen: GenerationRecord) -> bool:
+        """Whether the store already holds a newer generation than ``gen`` (read again: workers that
+        failed because a departing peer's workers stopped are that generation's to restart, not a
+        failure of ``gen``)."""
+        try:
+            latest = self._read_generation()
+        except StoreError:
+            return False
+        return latest is not None and latest.number != gen.number
 
     def _on_live_crash(self, gen: GenerationRecord, codes: dict[int, int | None], failed: dict[int, int]) -> None:
         """A worker of a live job died: restart it now as a standby process and take this node out
@@ -1063,55 +1107,78 @@ class Agent:
             self.emit("store_unreachable", {"error": str(err), "pending": f"abandon generation {generation}"})
 
     def _depart(self) -> int:
+        """A planned departure: announced before any local worker stops. The node record says
+        ``leaving``; a member with running workers waits (bounded) for the leader to publish the
+        generation without it (worker-API workers send their state into it), and only then are its
+        workers stopped, so the others' restart is a membership change, never a failure."""
         self.emit("departing", {"shutdown_timeout": self.config.shutdown_timeout})
         self._move(Phase.DEPARTING, self.generation.number if self.generation else -1)
         try:
             self.store.put(f"nodes/{self.node_id}", self._node_record().dumps(), lease=self._lease)
         except StoreError as err:
             self.emit("store_unreachable", {"error": str(err)})
-        if (
-            self._elastic
-            and self.workers is not None
+        had_workers = (
+            self.workers is not None
             and self.generation is not None
             and self.node_id in self.generation.members
-        ):
-            self._send_state_before_leaving()
+            and any(code is None for code in self.workers.poll().values())
+        )
+        ack = None
+        if had_workers:
+            ack = self._await_acknowledgement()
+            if ack is not None and self._elastic:
+                self._send_state(ack)
         # As torchrun does, workers get the signal the agent got (SIGUSR1 of a Slurm preemption, say).
         self._stop_workers("planned departure", self.signal_received or signal.SIGTERM)
-        code = self._departure_exit_code()
+        verdict = departure_verdict(self._departure_outcome(had_workers, ack))
+        self.emit(
+            "departed" if verdict.exit_code == 0 else "job_unfinished",
+            {
+                "exit_code": verdict.exit_code,
+                "reason": verdict.reason,
+                **({"cause": self.signal_received.name} if self.signal_received is not None else {}),
+            },
+        )
         try:
             self.store.delete(f"nodes/{self.node_id}")
         except StoreError:
             pass
-        return code
+        return verdict.exit_code
 
-    def _departure_exit_code(self) -> int:
-        """0 when the job finished or other nodes carry it on; otherwise this departure ends a job that
-        did not finish, and the exit code says so (1, as torchrun's agent exits on a signal), so that
-        a scheduler does not record a killed job as a success."""
+    def _departure_outcome(self, had_workers: bool, ack: GenerationRecord | None) -> DepartureOutcome:
+        """What the departure led to (see :mod:`etc_agent.agent.departure`); a running acknowledging
+        generation is followed until its members run in it, bounded like the wait for it."""
+        after_ack: AfterAck = "unknown"
+        if ack is not None and ack.status == "running":
+            deadline = time.monotonic() + self._acknowledgement_wait_s()
+            while time.monotonic() < deadline and not self.hard_stop.is_set():
+                try:
+                    latest = self._read_generation()
+                    reported = {
+                        kv.key.rsplit("/", 1)[-1]: status.state
+                        for kv in self.store.get_prefix(f"generations/{ack.number}/status/")
+                        if (status := self.reader.parse(NodeStatus, kv)) is not None
+                    }
+                except StoreError:
+                    latest, reported = None, {}
+                seen = after_acknowledgement(ack, latest, reported)
+                if seen is not None:
+                    after_ack = seen
+                    break
+                self._wake.wait(0.2)
+                self._wake.clear()
         try:
             latest = self._read_generation()
             finished = self._job_finished() or (latest is not None and latest.status == "succeeded")
-            others = (
-                []
-                if finished
-                else [
-                    r.node_id
-                    for r in (self.reader.parse(NodeRecord, kv) for kv in self.store.get_prefix("nodes/"))
-                    if r is not None and r.node_id != self.node_id and not r.leaving
-                ]
-            )
-        except StoreError as err:
-            self.emit("store_unreachable", {"error": str(err), "pending": "whether other nodes go on"})
-            finished, others = False, []
-        if finished or others:
-            return 0
-        cause = self.signal_received.name if self.signal_received is not None else "a departure request"
-        self.emit(
-            "job_unfinished",
-            {"cause": cause, "exit_code": 1, "note": "no other node goes on with the job and it did not finish"},
+        except StoreError:
+            finished = False
+        return DepartureOutcome(
+            finished=finished,
+            had_workers=had_workers,
+            acknowledged=ack,
+            others_registered=self._others_go_on(),
+            after_ack=after_ack,
         )
-        return 1
 
     def _others_go_on(self) -> bool:
         """Whether another node that is not leaving is registered (True when the store cannot tell)."""
@@ -1121,69 +1188,94 @@ class Agent:
             return True
         return any(r is not None and r.node_id != self.node_id and not r.leaving for r in records)
 
-    def _send_state_before_leaving(self) -> None:
-        """Elastic workers of a departing node send their shards in the generation that drops this
-        node, then exit; bounded by ``shutdown_timeout`` (counted from when the new generation came).
+    def _acknowledgement_wait_s(self) -> float:
+        """What it takes a leader to publish a generation: the reconfiguration delay, a new leader's
+        election after a lease lapses, and a margin."""
+        return self.config.reconfig_delay + self.config.lease_ttl + DEPARTURE_MARGIN_S
 
-        The wait for that generation is bounded by what it takes a leader to publish one: the
-        reconfiguration delay, a new leader's election after a lease lapses, and a margin. Without it
-        the node leaves as a crash would: the survivors restore its state from replicas."""
-        wait_s = self.config.reconfig_delay + self.config.lease_ttl + DEPARTURE_MARGIN_S
+    def _await_acknowledgement(self) -> GenerationRecord | None:
+        """The first generation after the one this node serves, which the leader publishes once it
+        read this node's record marked leaving; None when no other node carries the job on, this
+        node's workers all ended meanwhile, a second signal came, or none came in time (said)."""
+        assert self.generation is not None and self.workers is not None
+        wait_s = self._acknowledgement_wait_s()
         deadline = time.monotonic() + wait_s
-        next_check = time.monotonic() + 1.0
+        next_check = time.monotonic()
         while not self.hard_stop.is_set():
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 self.emit(
                     "departure_unacknowledged",
                     {
                         "waited_s": round(wait_s, 1),
-                        "note": "no generation without this node was published; leaving without sending state",
+                        "note": "no generation without this node was published; its workers stop now",
                     },
                 )
-                return
-            if time.monotonic() >= next_check:
-                next_check = time.monotonic() + 1.0
+                return None
+            if now >= next_check:
+                next_check = now + 1.0
                 if not self._others_go_on():
-                    self.emit("departure_alone", {"note": "no other node carries the job on: nothing to send to"})
-                    return
+                    self.emit("departure_alone", {"note": "no other node carries the job on"})
+                    return None
             try:
                 gen = self._read_generation()
             except StoreError:
                 gen = None
             if gen is not None and gen.number != self.generation.number:
-                if gen.status != "running" or self.node_id not in gen.senders:
-                    return
                 self._latest = gen
-                try:
-                    self._continue_workers(gen, "sender")
-                except _Superseded:
-                    continue
-                self.generation = gen
-                until = time.monotonic() + self.config.shutdown_timeout
-                while time.monotonic() < until and not self.hard_stop.is_set():
-                    codes = self.workers.poll()
-                    died = {r: c for r, c in codes.items() if c not in (None, 0, RESTART_EXIT)}
-                    if died:
-                        # The receivers lost a source mid-migration: that generation must be planned again
-                        # (from replicas), without this node; its other senders are of no use now.
-                        self._abandon(
-                            gen.number,
-                            f"sender {self.node_id} local ranks {sorted(died)} exited {sorted(set(died.values()))} "
-                            "before their state was sent",
-                        )
-                        self.emit("state_not_sent", {"generation": gen.number, "exit_codes": codes})
-                        return
-                    if all(code is not None for code in codes.values()):
-                        self.emit("state_sent", {"generation": gen.number, "exit_codes": codes})
-                        return
-                    time.sleep(0.05)
-                self.emit("departure_timeout", {"generation": gen.number, "seconds": self.config.shutdown_timeout})
-                return
+                self.emit(
+                    "departure_acknowledged",
+                    {"generation": gen.number, "status": gen.status, "members": len(gen.members), "reason": gen.reason},
+                )
+                return gen
             if all(code is not None for code in self.workers.poll().values()):
+                return None
+            self._wake.wait(0.2)
+            self._wake.clear()
+        return None
+
+    def _send_state(self, gen: GenerationRecord) -> None:
+        """Elastic workers of a departing node send their shards in ``gen``, the generation that drops
+        this node, then exit; bounded by ``shutdown_timeout``. Without it the node leaves as a crash
+        would: the survivors restore its state from replicas."""
+        while True:
+            if gen.status != "running" or self.node_id not in gen.senders:
+                return
+            try:
+                self._continue_workers(gen, "sender")
+                break
+            except _Superseded:
+                try:
+                    newer = self._read_generation()
+                except StoreError:
+                    return
+                if newer is None:
+                    return
+                gen = newer
+        self.generation = gen
+        until = time.monotonic() + self.config.shutdown_timeout
+        while time.monotonic() < until and not self.hard_stop.is_set():
+            codes = self.workers.poll()
+            died = {r: c for r, c in codes.items() if c not in (None, 0, RESTART_EXIT)}
+            if died:
+                # The receivers lost a source mid-migration: that generation must be planned again
+                # (from replicas), without this node; its other senders are of no use now.
+                self._abandon(
+                    gen.number,
+                    f"sender {self.node_id} local ranks {sorted(died)} exited {sorted(set(died.values()))} "
+                    "before their state was sent",
+                )
+                self.emit("state_not_sent", {"generation": gen.number, "exit_codes": codes})
+                return
+            if all(code is not None for code in codes.values()):
+                self.emit("state_sent", {"generation": gen.number, "exit_codes": codes})
                 return
             time.sleep(0.05)
+        self.emit("departure_timeout", {"generation": gen.number, "seconds": self.config.shutdown_timeout})
 
 
+FORK_SERVER_WAIT_S = 120.0
+"""Longest a joining agent waits for its fork server's imports before it registers anyway."""
 DEPARTURE_MARGIN_S = 10.0
 """Beyond the reconfiguration delay and a lease: how long a departing node waits for the leader."""
 

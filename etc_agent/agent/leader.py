@@ -26,6 +26,9 @@ from etc_agent.rendezvous.store import KeyValue, Lease, MembershipStore, StoreEr
 JOIN_HOLD_S = 10.0
 """Longest a join waits for the switch into the current generation to finish (its migration record)."""
 
+HAND_OVER_WAIT_S = 2.0
+"""How long a departing leader waits for its own record to say ``leaving`` before its last decision."""
+
 log = logging.getLogger("etc_agent.agent")
 
 
@@ -205,9 +208,32 @@ class Leader:
             watch.cancel()
             if self.leaving.is_set():
                 try:
+                    self._hand_over()
+                except StoreError as err:
+                    self.emit(
+                        "store_unreachable", {"error": str(err), "pending": "the departing leader's last decision"}
+                    )
+                try:
                     self.store.delete("leader")
                 except StoreError:
                     pass
+
+    def _hand_over(self) -> None:
+        """A departing leader publishes the generation without its own node before it gives up the
+        key (once its record says ``leaving``), so the others go on without waiting for an election
+        first; nothing when no other node carries the job on."""
+        deadline = time.monotonic() + HAND_OVER_WAIT_S
+        while True:
+            kv = self.store.get(f"nodes/{self.node_id}")
+            record = self.reader.parse(NodeRecord, kv) if kv is not None else None
+            if record is None or record.leaving or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+        if record is None or not record.leaving:
+            return
+        if not any(n.node_id != self.node_id for n in self.members_now()):
+            return
+        self.decide()
 
     def _quiet(self) -> None:
         """Debounce: return once nothing changed for ``--reconfig-delay``, or at once when no later

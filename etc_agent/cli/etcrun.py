@@ -28,6 +28,7 @@ import typer
 
 from etc_agent.agent.agent import Agent, install_signal_handlers
 from etc_agent.agent.config import AgentConfig
+from etc_agent.agent.console import add_log_file, configure_logging, console_level
 from etc_agent.agent.workers import WorkerSpec, parse_std_spec
 from etc_agent.cli._entry import run_app
 from etc_agent.cli.options import build_model
@@ -38,6 +39,15 @@ from etc_agent.utils.jsonline import parse_address
 
 ETCD_BACKENDS = {"etcd", "etcd-v2", "etcd-v3"}
 EMBEDDED_BACKENDS = {"embedded", "c10d", "static"}
+
+log = logging.getLogger("etc_agent.etcrun")
+OMP_BANNER = (
+    "\n*****************************************\n"
+    "Setting OMP_NUM_THREADS environment variable for each process to be 1 in default, to avoid your system "
+    "being overloaded, please further tune the variable for optimal performance in your application as needed. \n"
+    "*****************************************"
+)
+"""What torchrun says when it sets OMP_NUM_THREADS for the workers."""
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
 
@@ -430,6 +440,16 @@ def etcrun(
     reconfig_delay: Annotated[float, _setting("reconfig_delay")] = 1.0,
     lease_ttl: Annotated[float, _setting("lease_ttl")] = 5.0,
     log_format: Annotated[str, _setting("log_format")] = "text",
+    log_level: Annotated[
+        str | None,
+        typer.Option(
+            "--log-level",
+            help="What the console says: notice (the default: one line per generation, warnings and "
+            "failures, as quiet as torchrun), info (every agent event), debug, warning, error. Default: "
+            "torchrun's LOGLEVEL variable, else notice. The agent's log file (agent.log in its directory "
+            "under --log-dir) has every event.",
+        ),
+    ] = None,
     worker_heartbeat_timeout: Annotated[float, _setting("worker_heartbeat_timeout")] = 30.0,
     placement: Annotated[str, _setting("placement")] = "fast",
     sidecar: Annotated[bool, _setting("sidecar")] = False,
@@ -677,9 +697,10 @@ def _run(
     config: AgentConfig, spec: WorkerSpec, rdzv: Rendezvous, f: SimpleNamespace, handled_signals: list[signal.Signals]
 ) -> int:
     """Open the stores, run the agent until the job ends for this node; its exit code."""
+    configure_logging(console_level(f.log_level, os.environ))
     if config.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = "1"
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s etcrun %(levelname)s %(message)s", stream=sys.stderr)
+        log.warning(OMP_BANNER)
     workers_store = None
     wait_s = min(config.join_timeout, 60.0)
     if rdzv.backend == "static" and "is_host" not in rdzv.conf:
@@ -697,12 +718,15 @@ def _run(
             secret_file=rdzv.secret_file,
         )
     agent = Agent(config, spec, store, workers_store=workers_store)
+    log_file = add_log_file(agent.log_file)
     install_signal_handlers(agent, handled_signals)
     try:
         code = agent.run()
         if server is not None and agent.leaving.is_set():
             _keep_serving_store(store, agent)
     finally:
+        logging.getLogger().removeHandler(log_file)
+        log_file.close()
         store.close()
         if server is not None:
             server.stop()
