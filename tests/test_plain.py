@@ -8,6 +8,7 @@ its own checkpoint) on N agents over etcd or the embedded store, with etcrun's d
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -21,8 +22,11 @@ import torch
 from conftest import ROOT, _free_port
 from test_etcrun import LOOPBACK, finish
 
+from etc_agent.agent.console import NOTICE, console_level, event_level
+from etc_agent.agent.departure import DepartureOutcome, after_acknowledgement, departure_verdict
 from etc_agent.examples.plain_ddp import train_reference
 from etc_agent.rendezvous.records import GenerationRecord, LeaderRecord, NodeRecord
+from etc_agent.worker.launch import script_path, user_traceback
 
 STEPS = 80
 STEP_DELAY = "0.1"
@@ -264,3 +268,77 @@ def test_the_console_is_quiet_by_default_and_the_log_file_has_every_event(tmp_pa
         assert f" {event} " in events, events
     loud = subprocess.run([*args, "--log-level", "info", *script], capture_output=True, text=True, env=env, timeout=60)
     assert loud.returncode == 0 and " workers_started " in loud.stderr and " registered " in loud.stderr
+
+
+# ---- the pure parts: a departure's verdict, the console's levels, the script's traceback ----------
+
+
+def _gen(number: int, status: str, members=("a", "b")) -> GenerationRecord:
+    return GenerationRecord(number=number, status=status, members=list(members), num_devices=[1] * len(members))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("outcome", "code", "why"),
+    [
+        (DepartureOutcome(True, True, None, False), 0, "finished"),
+        (DepartureOutcome(False, True, _gen(3, "succeeded"), True), 0, "finished"),
+        (DepartureOutcome(False, True, _gen(3, "running"), True, "went_on"), 0, "goes on with 2"),
+        (DepartureOutcome(False, True, _gen(3, "running"), True, "unknown"), 0, "goes on"),
+        (DepartureOutcome(False, True, _gen(3, "running"), False, "unknown"), 1, "no other node"),
+        (DepartureOutcome(False, True, _gen(3, "running"), True, "failed"), 1, "failed after"),
+        (DepartureOutcome(False, True, _gen(3, "waiting", ["a"]), True), 1, "--nnodes MIN"),
+        (DepartureOutcome(False, True, _gen(3, "failed"), True), 1, "the job failed"),
+        (DepartureOutcome(False, True, None, True), 1, "in time"),
+        (DepartureOutcome(False, True, None, False), 1, "no other node"),
+        (DepartureOutcome(False, False, None, True), 0, "other nodes"),
+        (DepartureOutcome(False, False, None, False), 1, "no other node"),
+    ],
+)
+def test_a_departure_exits_0_only_when_the_job_goes_on_or_finished(outcome, code, why):
+    verdict = departure_verdict(outcome)
+    assert verdict.exit_code == code and why in verdict.reason
+
+
+@pytest.mark.unit
+def test_what_followed_an_acknowledgement():
+    ack = _gen(3, "running")
+    assert after_acknowledgement(ack, ack, {"a": "running"}) is None  # b has not started yet
+    assert after_acknowledgement(ack, ack, {"a": "running", "b": "succeeded"}) == "went_on"
+    assert after_acknowledgement(ack, _gen(4, "failed"), {}) == "failed"
+    assert after_acknowledgement(ack, _gen(4, "running"), {}) == "went_on"
+
+
+@pytest.mark.unit
+def test_console_levels():
+    assert console_level(None, {}) == NOTICE
+    assert console_level(None, {"LOGLEVEL": "INFO"}) == logging.INFO
+    assert console_level("warning", {"LOGLEVEL": "INFO"}) == logging.WARNING  # the flag wins
+    with pytest.raises(ValueError, match="LOGLEVEL 'loud'"):
+        console_level(None, {"LOGLEVEL": "loud"})
+    assert event_level("generation_seen") == NOTICE
+    assert event_level("workers_failed") == logging.WARNING
+    assert event_level("workers_started") == logging.INFO
+
+
+@pytest.mark.unit
+def test_script_path_and_user_traceback(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert script_path("sub/train.py") == f"{tmp_path}/sub/train.py"
+    assert script_path("/abs/train.py") == "/abs/train.py"
+    import runpy
+
+    (tmp_path / "boom.py").write_text("def f():\n    raise KeyError(1)\nf()\n")
+    with pytest.raises(KeyError) as caught:
+        runpy.run_path(str(tmp_path / "boom.py"))
+
+    def files(tb) -> list[str]:
+        names = []
+        while tb is not None:
+            names.append(tb.tb_frame.f_code.co_filename)
+            tb = tb.tb_next
+        return names
+
+    everything = files(caught.value.__traceback__.tb_next)  # from runpy's first frame on
+    assert files(user_traceback(caught.value.__traceback__.tb_next)) == [str(tmp_path / "boom.py")] * 2
+    assert len(everything) > 2

@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -73,6 +74,8 @@ from etc_agent.utils.jsonline import JsonLineServer, parse_address
 from etc_agent.utils.liveness import LivenessPort
 
 log = logging.getLogger("etc_agent.agent")
+_STDOUT_LOCK = threading.Lock()
+"""JSON events come from the main, leader and keepalive threads: each is written whole."""
 
 
 @dataclass
@@ -178,7 +181,10 @@ class Agent:
         event as one JSON line on stdout instead, whatever its level."""
         as_json = self.config.log_format == "json"
         if as_json:
-            print(json.dumps({"ts": round(time.time(), 3), "event": event, "node": self.node_id, **fields}), flush=True)
+            line = json.dumps({"ts": round(time.time(), 3), "event": event, "node": self.node_id, **fields}) + "\n"
+            with _STDOUT_LOCK:  # one write per record: print() writes the newline separately
+                sys.stdout.write(line)
+                sys.stdout.flush()
         detail = " ".join(f"{k}={v}" for k, v in fields.items())
         log.log(event_level(event), "[%s] %s %s", self.node_id, event, detail, extra={CONSOLE_ATTR: not as_json})
 

@@ -116,7 +116,13 @@ def main() -> None:
         if rank == 0 and (step + 1) % args.checkpoint_every == 0:
             save_checkpoint(checkpoint, model, optimizer, step + 1)
         if rank == 0 and args.progress is not None:
-            record = {"step": step + 1, "world_size": world_size, "restart_count": int(restarts), "pid": os.getpid()}
+            record = {
+                "step": step + 1,
+                "world_size": world_size,
+                "restart_count": int(restarts),
+                "pid": os.getpid(),
+                "time": time.time(),
+            }
             args.progress.with_suffix(".tmp").write_text(json.dumps(record))
             os.replace(args.progress.with_suffix(".tmp"), args.progress)
         time.sleep(args.step_delay)
