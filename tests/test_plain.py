@@ -147,7 +147,6 @@ def _final_weights_match_an_uninterrupted_run(checkpoint: Path) -> None:
     ("backend", "num_agents", "whom"),
     [
         ("etcd", 2, "non-leader"),
-        ("etcd", 2, "leader"),
         ("etcd", 3, "leader"),
         ("embedded", 2, "non-leader"),
         ("embedded", 3, "store host"),
