@@ -145,7 +145,7 @@ def parse_filters(text: str) -> list[str]:
 
 
 def parse_signals(text: str) -> list[signal.Signals]:
-    out = []
+    out: list[signal.Signals] = []
     for name in (n.strip().upper() for n in text.split(",")):
         if not name:
             continue

@@ -7,7 +7,7 @@ import functools
 import inspect
 import types
 from collections.abc import Callable, Mapping
-from typing import Annotated, Any, Union, get_args, get_origin
+from typing import Annotated, Any, TypeVar, Union, get_args, get_origin
 
 import typer
 from pydantic import BaseModel, ValidationError
@@ -67,9 +67,12 @@ def _value_type(annotation: Any) -> Any:
     return annotation
 
 
+Model = TypeVar("Model", bound=BaseModel)
+
+
 def build_model(
-    model_cls: type[BaseModel], values: dict[str, Any], source: str = "", names: Mapping[str, str] | None = None
-) -> BaseModel:
+    model_cls: type[Model], values: dict[str, Any], source: str = "", names: Mapping[str, str] | None = None
+) -> Model:
     """``model_cls(**values)``; a rejected value raises :class:`OptionsError` naming its flag
     (``names``: field -> how the user set it, e.g. ``--rdzv-conf lease_ttl``; default ``--field-name``)."""
     try:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 import etc_agent
 from etc_agent.layout.boxes import balanced_range
@@ -197,6 +197,7 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     def _gather(self, items: list[tuple[nn.Parameter, torch.Tensor]]) -> list[torch.Tensor]:
         """All-gather every parameter's updated range over dp (one padded flat buffer per rank)."""
+        assert self.ctx is not None  # only with zero=1 (a context) are the ranges split
         dp_group = self.ctx.dp_group
         dp = dist.get_world_size(dp_group)
         sizes = [(p.to_local() if isinstance(p, DTensor) else p).numel() for p, _ in items]
@@ -259,7 +260,7 @@ def make_build(args: argparse.Namespace):
             model = Stage(args, first, last, layers)
             init_weights(model, args.seed)
         if cfg.tp > 1:
-            plan = {}
+            plan: dict[str, ParallelStyle] = {}
             for i in model.layers:
                 for name in ("q", "k", "v", "fc1"):
                     plan[f"layers.{i}.{name}"] = ColwiseParallel()
@@ -273,6 +274,7 @@ def make_build(args: argparse.Namespace):
             parallelize_module(model, ctx.mesh["tp"], plan, src_data_rank=None)
         if ctx.restoring:
             model.to_empty(device=ctx.device)
+        optim: torch.optim.Optimizer
         if args.optimizer == "torch":
             if cfg.zero:
                 raise ValueError("--optimizer torch has no ZeRO-1 split; use the default optimizer with zero=1")
@@ -394,6 +396,7 @@ def pipeline_step(
             dist.recv(grad, src=ctx.pp_peer(ctx.pp_rank + 1))
             out.backward(grad)
         if not first:
+            assert x.grad is not None  # a later stage's input requires its gradient
             dist.send(x.grad, dst=ctx.pp_peer(ctx.pp_rank - 1))
     return loss_sum
 
@@ -405,7 +408,7 @@ def reduce_gradients(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
     for p in model.parameters():
         if p.grad is None:
             continue
-        if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+        if isinstance(p, DTensor) and isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
             p.grad = p.grad.redistribute(p.device_mesh, p.placements)
         grads.append(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
     if not grads:

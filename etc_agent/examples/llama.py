@@ -57,7 +57,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        weight = self.weight
+        weight: torch.Tensor = self.weight
         if isinstance(weight, DTensor) and not isinstance(x, DTensor):
             weight = weight.to_local()  # replicated on the TP mesh, applied to a plain activation
         return normed * weight
@@ -283,7 +283,7 @@ def scheduled_step(
 
         kind = ScheduleGPipe if args.pipeline_schedule == "gpipe" else Schedule1F1B
         schedule = kind(stage, num_micro, loss_fn=loss_fn)
-        model._pipeline_schedule = schedule
+        setattr(model, "_pipeline_schedule", schedule)  # noqa: B010 - kept on the module: a switch drops it
     lo = ctx.dp_rank * per_replica
     data = torch.stack([batch(args, step, i) for i in range(lo, lo + per_replica)])
     inputs, targets = data[:, :-1], data[:, 1:]

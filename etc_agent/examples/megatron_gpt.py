@@ -20,7 +20,6 @@ import argparse
 import hashlib
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -175,6 +174,7 @@ def init_weights(chunks: list, seed: int) -> None:
             else:
                 gen = torch.Generator().manual_seed(seed * 7919 + zlib.crc32(key.encode()))
                 full = torch.randn(box.global_shape, generator=gen) * 0.02
+            assert box.lengths is not None  # BoxedTensor fills it in
             region = full[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths))]
             box.tensor.copy_(region.to(box.tensor.dtype))
 
@@ -307,4 +307,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -80,7 +80,7 @@ class ParamBox:
 def tensor_id(tensor: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
     """Identity of a tensor's elements (storage, offset, shape): a parameter, its ``.data`` and a detached
     view of it agree, so optimizers and state dicts that hold either find the same box."""
-    return tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape)
+    return tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()), tuple(tensor.shape)
 
 
 def model_tensors(model: Any) -> tuple[dict[str, BoxedTensor], dict[tuple, ParamBox]]:
@@ -275,7 +275,7 @@ def materialize_optimizer_state(optimizer: Any, zero: bool) -> None:
     from etc_agent.utils.plainstate import materialize_optimizer_state as materialize
 
     for opt in _inner_optimizers(optimizer):
-        inner = getattr(opt, "optimizer", None)
+        inner: Any = getattr(opt, "optimizer", None)  # Megatron's wrapper around a torch optimizer
         if inner is not None and any(g["params"] for g in inner.param_groups):
             materialize(inner, zero=zero)
 
@@ -301,7 +301,7 @@ def optimizer_plain(optimizer: Any, path: str) -> dict:
 
     groups, steps = [], set()
     for i, opt in enumerate(_inner_optimizers(optimizer)):
-        inner = getattr(opt, "optimizer", None)
+        inner: Any = getattr(opt, "optimizer", None)  # Megatron's wrapper around a torch optimizer
         settings = []
         for gi, group in enumerate(inner.param_groups if inner is not None else []):
             settings.append(
@@ -345,7 +345,7 @@ def load_optimizer_plain(optimizer: Any, plain: Mapping[str, Any]) -> None:
         )
     step = plain["step"]
     for opt, saved in zip(optimizers, plain["optimizers"]):
-        inner = getattr(opt, "optimizer", None)
+        inner: Any = getattr(opt, "optimizer", None)  # Megatron's wrapper around a torch optimizer
         for group, settings in zip(inner.param_groups if inner is not None else [], saved["param_groups"]):
             load_param_group(group, settings)
             for p in group["params"]:

@@ -57,10 +57,11 @@ def enable() -> None:
         raise RuntimeError("megatron_cpu.enable() is for machines without CUDA; this one has a GPU")
     from megatron.core.tensor_parallel import random as megatron_random
 
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
-    torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
-    torch.cuda.get_rng_state = lambda *args, **kwargs: torch.get_rng_state()  # type: ignore[assignment]
-    torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)  # type: ignore[assignment]
+    cuda: Any = torch.cuda  # patched in place: its functions are replaced with CPU stand-ins
+    cuda.current_device = lambda: "cpu"
+    cuda.synchronize = lambda *args, **kwargs: None
+    cuda.get_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    cuda.manual_seed = lambda seed: torch.manual_seed(seed)
     megatron_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     megatron_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
     _CudaToCpu().__enter__()

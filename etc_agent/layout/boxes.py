@@ -129,4 +129,5 @@ def overlap_volumes(a_off: np.ndarray, a_len: np.ndarray, b_off: np.ndarray, b_l
     """Pairwise intersection volumes of boxes: ``(P, ndim) x (Q, ndim) -> (P, Q)`` int64."""
     lo = np.maximum(a_off[:, None, :], b_off[None, :, :])
     hi = np.minimum((a_off + a_len)[:, None, :], (b_off + b_len)[None, :, :])
-    return np.clip(hi - lo, 0, None).prod(axis=-1, dtype=np.int64)
+    volumes: np.ndarray = np.clip(hi - lo, 0, None).prod(axis=-1, dtype=np.int64)
+    return volumes

@@ -119,9 +119,9 @@ def model_layout(spec: ModelSpec, config: ParallelConfig) -> StateLayout:
     """Every rank's shards of parameters and Adam state for ``spec`` under ``config``."""
     spec.check_parallel(config)
     tp, dp = config.tp, config.dp
-    geometries: dict[tuple, Geometry] = {}
+    geometries: dict[tuple[object, ...], Geometry] = {}
     placements: list[Placement] = []
-    placement_index: dict[tuple, int] = {}
+    placement_index: dict[tuple[object, ...], int] = {}
     key_placement: dict[str, int] = {}
     key_dtype: dict[str, str] = {}
 

@@ -210,9 +210,9 @@ class StateLayout:
         geometries: dict[str, Geometry] = {}
         # Most keys of a model share their shape and boxes with others (every layer's weights, their
         # optimizer states): each distinct geometry and placement is built and checked once.
-        by_boxes: dict[tuple, Geometry] = {}
-        by_entries: dict[tuple, int] = {}
-        valid: set[tuple] = set()
+        by_boxes: dict[tuple[object, ...], Geometry] = {}
+        by_entries: dict[tuple[object, ...], int] = {}
+        valid: set[tuple[object, ...]] = set()
         placements: list[Placement] = []
         placement_index: dict[str, int] = {}
         key_placement: dict[str, int] = {}
@@ -320,7 +320,7 @@ class StateLayout:
                 )
 
 
-def _box_sort_key(box: ShardBox) -> tuple:
+def _box_sort_key(box: ShardBox) -> tuple[object, ...]:
     offsets, lengths, flat = box
     return (offsets, lengths, flat or (-1, -1))
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from etc_agent.layout.boxes import flat_range_pieces
+from etc_agent.layout.boxes import Piece, flat_range_pieces
 from etc_agent.layout.model import canonical_dtype
 from etc_agent.layout.shards import Shard
 
@@ -88,10 +88,12 @@ class LocalShard:
         )
 
 
-_PIECES: dict[tuple, list] = {}
+_PIECES: dict[tuple[tuple[int, ...], tuple[int, int]], list[Piece]] = {}
 
 
-def _pieces(shard: Shard):
+def _pieces(shard: Shard) -> list[Piece]:
+    """The boxes of a ZeRO-split shard's flat range (its ``flat_range`` is set)."""
+    assert shard.flat_range is not None
     key = (shard.lengths, shard.flat_range)
     if key not in _PIECES:
         _PIECES[key] = flat_range_pieces(shard.lengths, *shard.flat_range)
@@ -119,6 +121,7 @@ def describe_tensor(key: str, value: Any) -> LocalShard | None:
     from torch.distributed.tensor import DTensor
 
     if isinstance(value, BoxedTensor):
+        assert value.lengths is not None  # BoxedTensor.__post_init__ fills it in
         shard = Shard(
             key,
             tuple(value.global_shape),

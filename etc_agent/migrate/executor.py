@@ -503,12 +503,12 @@ class _Runner:
             for buf, sources in packs:
                 for c, src in sources:
                     buf[c.offset : c.offset + c.nbytes].view(c.dtype).view(src.shape).copy_(src)
-            for _, stage, _, src in later:
-                if src is not None:
-                    stage.view(src.shape).copy_(src)
+            for _, stage, _, unstaged in later:
+                if unstaged is not None:
+                    stage.view(unstaged.shape).copy_(unstaged)
             sends_later = [(peer, buf, tag) for peer, buf, tag, _ in later]
             packed = time.perf_counter()
-            if by_tag:
+            if first is not None:  # by tag
                 second = transport.post(round_index, sends_later, [], timeout_s, names)
                 first.wait()
                 second.wait()

@@ -26,7 +26,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.storage import WriteResult
@@ -57,6 +62,7 @@ class _Pieces:
         )
 
     def lookup(self, index: MetadataIndex) -> torch.Tensor:
+        assert index.offset is not None  # every item this module plans names its chunk's offset
         return self.views[(index.fqn, tuple(index.offset))]
 
     def describe(self) -> list[list]:
@@ -103,10 +109,11 @@ class _BoxLoadPlanner(DefaultLoadPlanner):
 
     def create_local_plan(self) -> LoadPlan:
         items = []
+        assert self.metadata is not None  # set_up_planner() came first
         for key, views in self.pieces.by_key.items():
-            if key not in self.metadata.state_dict_metadata:
+            md = self.metadata.state_dict_metadata.get(key)
+            if not isinstance(md, TensorStorageMetadata):
                 raise ValueError(f"checkpoint has no tensor {key!r}")
-            md = self.metadata.state_dict_metadata[key]
             chunks = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=v.shape) for o, v in views]
             items += create_read_items_for_chunk_list(key, md, chunks)
         return LoadPlan(items)
@@ -157,7 +164,7 @@ def save_shards_on(shards: Sequence[LocalShard], path: str | Path, transport: Gr
     written = [
         [
             r.index.fqn,
-            list(r.index.offset),
+            list(r.index.offset or ()),
             r.index.index,
             r.size_in_bytes,
             r.storage_data.relative_path,

@@ -130,7 +130,7 @@ class _NodeSolver:
         self.prefer = prefer
         self.num_groups = cost.shape[1] // tp
         self._cache: dict[tuple[int, tuple[int, ...]], tuple[float, np.ndarray]] = {}
-        self._lsa_cache: dict[tuple, tuple[np.ndarray, float]] = {}
+        self._lsa_cache: dict[tuple[object, ...], tuple[np.ndarray, float]] = {}
 
     def ranks(self, groups: tuple[int, ...]) -> np.ndarray:
         return np.concatenate([np.arange(g * self.tp, (g + 1) * self.tp) for g in groups])
@@ -156,7 +156,7 @@ class _NodeSolver:
     def total(self, distribution: list[list[int]]) -> float:
         return sum(self.node_cost(n, tuple(gs))[0] for n, gs in enumerate(distribution))
 
-    def key(self, distribution: list[list[int]], total: float | None = None) -> tuple:
+    def key(self, distribution: list[list[int]], total: float | None = None) -> tuple[float, ...]:
         """What is minimised, compared as a tuple (see the module docstring)."""
         total = self.total(distribution) if total is None else total
         if not self.sets:
@@ -217,14 +217,14 @@ class _NodeSolver:
     def enumerate(self, num_groups: int, capacity: list[int]) -> list[list[int]]:
         num_nodes = len(capacity)
         best: list[list[int]] | None = None
-        best_cost = np.inf
+        best_cost: tuple[float, ...] = (np.inf,)
         distribution: list[list[int]] = [[] for _ in range(num_nodes)]
 
         def place(group: int) -> None:
             nonlocal best, best_cost
             if group == num_groups:
                 key = self.key(distribution)
-                if best is None or key < best_cost:
+                if key < best_cost:
                     best, best_cost = [list(gs) for gs in distribution], key
                 return
             for node in range(num_nodes):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from math import prod
 from typing import Any, Literal
 
@@ -304,7 +304,15 @@ class _Planner:
         return need, not_on_device, not_on_node
 
     # ---- step 4: routing -------------------------------------------------------------
-    def _route(self, groups: list[KeyGroup], assignment: np.ndarray):
+    def _route(
+        self, groups: list[KeyGroup], assignment: np.ndarray
+    ) -> tuple[
+        dict[tuple[int, int], list[tuple[Region, int]]],
+        dict[int, list[Region]],
+        np.ndarray,
+        dict[str, int],
+        dict[int, list[Region]],
+    ]:
         dev_of_old_rank = self.old_rank_dev
         rank_at_dev = {int(d): r for r, d in enumerate(dev_of_old_rank.tolist())}
         load = np.zeros(len(self.universe), dtype=np.int64)
@@ -313,7 +321,7 @@ class _Planner:
         local_bytes = np.zeros(self.num_dev, dtype=np.int64)
         lost: dict[str, int] = {}
         restores: dict[int, list[Region]] = defaultdict(list)
-        partitions: dict[tuple, tuple[list[Box], list[tuple[int, Box]], list[Box]]] = {}
+        partitions: dict[tuple[object, ...], tuple[list[Box], list[tuple[int, Box]], list[Box]]] = {}
         for gi, g in enumerate(groups):
             pn = self.new.placements[g.new_placement]
             if g.old_placement < 0:
@@ -392,12 +400,18 @@ class _Planner:
                 break
             if a in resident_set or not overlap[a, b]:
                 continue
+
+            def take(box: Box, a: int = a) -> None:
+                remote.append((a, box))
+
             for held in geo_old.pieces_of(a):
-                remaining = _carve(remaining, held, lambda box, a=a: remote.append((a, box)))
+                remaining = _carve(remaining, held, take)
         return local, remote, remaining
 
     # ---- step 5: coalescing and rounds --------------------------------------------
-    def _schedule(self, groups: list[KeyGroup], pair_regions) -> list[tuple[int, int, int, list[Region], int]]:
+    def _schedule(
+        self, groups: list[KeyGroup], pair_regions: dict[tuple[int, int], list[tuple[Region, int]]]
+    ) -> list[tuple[int, int, int, list[Region], int]]:
         cap = self.options.mem_cap_bytes
         messages: list[tuple[int, int, list[Region], int]] = []
         for src, dst in sorted(pair_regions):
@@ -476,7 +490,7 @@ class _Planner:
             prefer = "resilience" if self.options.placement == "resilient" else "cost"
             assignment = assign_ranks(cost, self.node_of[: self.num_dev], self.tp, sets, prefer)
 
-            def key(candidate: np.ndarray) -> tuple:
+            def key(candidate: np.ndarray) -> tuple[float, ...]:
                 total = float(cost[candidate, ranks].sum())
                 single = single_domain_weight(self.node_of[candidate[:: self.tp]], sets)
                 return (single, total) if prefer == "resilience" else (int(total + 1e-9), single, total)
@@ -565,7 +579,7 @@ class _Planner:
         return plan
 
 
-def _carve(boxes: list[Box], cutter: Box, take) -> list[Box]:
+def _carve(boxes: list[Box], cutter: Box, take: Callable[[Box], None]) -> list[Box]:
     """Remove ``cutter`` from ``boxes``; every removed intersection is passed to ``take``."""
     out: list[Box] = []
     for box in boxes:
@@ -614,7 +628,7 @@ def _reduce_sorted(values: np.ndarray, owner: np.ndarray, num: int, axis: int) -
     shape = list(values.shape)
     shape[axis] = num
     out = np.zeros(shape, dtype=np.int64)
-    index = [slice(None)] * values.ndim
+    index: list[slice | np.ndarray] = [slice(None)] * values.ndim
     index[axis] = owner[starts]
     out[tuple(index)] = summed
     return out

@@ -32,16 +32,16 @@ def _holders(layout: StateLayout) -> list[tuple[tuple[int, ...], int, int]]:
     for key, p in layout.key_placement.items():
         keys_of[p].append(key)
     out = []
-    for p_index, p in enumerate(layout.placements):
+    for p_index, placement in enumerate(layout.placements):
         keys = keys_of.get(p_index)
         if not keys:
             continue
         width = sum(DTYPE_BYTES[layout.key_dtype[k]] for k in keys)
         ranks_of: dict[int, list[int]] = defaultdict(list)
-        for r, s in zip(p.entry_rank.tolist(), p.entry_shard.tolist()):
+        for r, s in zip(placement.entry_rank.tolist(), placement.entry_shard.tolist()):
             ranks_of[s].append(r)
         for s, ranks in ranks_of.items():
-            numel = int(p.geometry.shard_numel[s])
+            numel = int(placement.geometry.shard_numel[s])
             if numel:
                 out.append((tuple(sorted(set(ranks))), numel * width, len(keys)))
     return out
@@ -87,7 +87,7 @@ class FailureDomainReport:
     def worst(self) -> NodeLoss | None:
         return max(self.per_node, key=lambda n: (n.bytes_lost, n.bytes_from_peers, n.node), default=None)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, object]:
         worst = self.worst
         return {
             "single_domain_shards": self.single_domain_shards,

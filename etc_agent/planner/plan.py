@@ -145,8 +145,9 @@ class MigrationPlan:
             h.update(repr([(r.group, r.offsets, r.lengths) for r in t.regions]).encode())
         for c in self.local_copies:
             h.update(repr((str(c.device), [(r.group, r.offsets, r.lengths) for r in c.regions])).encode())
-        for c in self.restores:
-            h.update(repr(("restore", str(c.device), [(r.group, r.offsets, r.lengths) for r in c.regions])).encode())
+        for restore in self.restores:
+            regions = [(r.group, r.offsets, r.lengths) for r in restore.regions]
+            h.update(repr(("restore", str(restore.device), regions)).encode())
         return h.hexdigest()[:16]
 
     def to_json(self) -> dict[str, Any]:

@@ -31,16 +31,20 @@ The model only has to rank configurations sensibly; absolute values are rough.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from math import ceil, prod
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from etc_agent.layout.config import ParallelConfig, ParallelSpec
-from etc_agent.layout.devices import DeviceSet
+from etc_agent.layout.devices import Device, DeviceSet
 from etc_agent.layout.megatron import layer_tensors, stage_layers
 from etc_agent.layout.model import DTYPE_BYTES, ModelSpec
+
+if TYPE_CHECKING:  # planner.core imports this module
+    from etc_agent.planner.core import PlannerOptions
 
 GiB = 1 << 30
 
@@ -224,8 +228,8 @@ def choose_config(
     *,
     old_config: ParallelConfig | None = None,
     old_devices: DeviceSet | None = None,
-    failed=(),
-    planner_options=None,
+    failed: Iterable[Device] = (),
+    planner_options: PlannerOptions | None = None,
 ) -> PolicyDecision:
     """Pick the configuration for ``new_devices``; with an old layout, migration cost breaks near-ties."""
     from etc_agent.planner.core import StateLostError, plan_model_migration

@@ -17,6 +17,7 @@ Violations raise ``PlanValidationError`` naming the key and region.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from math import prod
 
 import numpy as np
@@ -127,7 +128,7 @@ def validate_plan(plan: MigrationPlan, old: StateLayout, new: StateLayout) -> No
         )
 
 
-def _check_cover(need: list[Box], got: list[Box], where) -> None:
+def _check_cover(need: list[Box], got: list[Box], where: Callable[[object], str]) -> None:
     need_volume = sum(prod(n[1]) for n in need)
     if len(need) == len(got) and sorted(need) == sorted(got):
         return

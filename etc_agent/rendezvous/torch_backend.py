@@ -81,6 +81,8 @@ class EtcdV3C10dStore(dist.Store):
     def get(self, key) -> bytes:
         self.wait([key])
         kv = self.store.get(self._key(key))
+        if kv is None:  # deleted between the wait and the read
+            raise dist.DistStoreError(f"key {key!r} was deleted from etcd while it was read")
         return b64decode(kv.value)
 
     def add(self, key, num: int) -> int:

@@ -128,11 +128,11 @@ def paper_suite(models: dict[str, tuple[int, ...]] | None = None) -> list[Scenar
             config = smallest_layout(spec, n, zero=True)
             smaller = cluster(n - GPUS_PER_NODE) if n > GPUS_PER_NODE else None
             shrunk = _shrunk(config, n - GPUS_PER_NODE) if smaller else None
-            if shrunk is not None:
+            if shrunk is not None and smaller is not None:
                 out.append(Scenario("preempt 1 node", spec, config, devices, shrunk, smaller))
             plain = smallest_layout(spec, n, zero=False)
             shrunk_plain = _shrunk(plain, n - GPUS_PER_NODE) if smaller else None
-            if plain.dp > 1 and shrunk_plain is not None:
+            if plain.dp > 1 and shrunk_plain is not None and smaller is not None:
                 out.append(
                     Scenario("fail 1 node", spec, plain, devices, shrunk_plain, smaller, failed=tuple(last_node))
                 )
