@@ -532,6 +532,7 @@ def test_agent_config_checks_its_settings_without_etcrun():
         dict(parallel="auto"),
         dict(parallel="tp=2,dp=auto"),
         dict(parallel="tp=2,pp=1,dp=2", nproc_per_node=2),
+        dict(parallel="tp=1,pp=1,dp_replicate=4,dp_shard=4", nproc_per_node=4, max_nodes=2),  # 16 > 8 workers
         dict(model="/nope.yaml"),
         dict(model=str(ROOT / "tests" / "bad_model.yaml")),
     ):

@@ -224,6 +224,8 @@ def test_fsdp_and_hsdp_short_forms_map_onto_dp_and_dp_shard():
     assert ParallelSpec.parse("dp_shard=4").resolve(3) is None
     assert not ParallelSpec.parse("dp_shard=auto").fully_fixed
     assert ParallelSpec.parse("dp_replicate=2,dp_shard=2").fully_fixed
+    assert ParallelSpec.parse("tp=2,pp=2,dp_replicate=2,dp_shard=3").num_devices == 24
+    assert ParallelSpec.parse("tp=2,dp=auto").num_devices is None
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from etc_agent.agent.config import AgentConfig
 from etc_agent.agent.console import CONSOLE_ATTR, event_level
@@ -68,7 +69,7 @@ from etc_agent.rendezvous.records import (
     NodeStatus,
     PeerFailureRecord,
 )
-from etc_agent.rendezvous.store import LeaseExpired, MembershipStore, StoreError
+from etc_agent.rendezvous.store import Lease, LeaseExpired, MembershipStore, StoreError, WatchHandle
 from etc_agent.utils import auth
 from etc_agent.utils.jsonline import JsonLineServer, parse_address
 from etc_agent.utils.liveness import LivenessPort
@@ -123,7 +124,10 @@ class Agent:
         self.signal_received: signal.Signals | None = None
         """The first signal that asked this node to leave (reported when that ends an unfinished job)."""
         self._wake = threading.Event()
-        self._lease = None
+        self._lease: Lease | None = None
+        """Granted by ``_register()`` in ``run()``, before the threads that use it start."""
+        self._control: JsonLineServer
+        """The workers' control channel (``ETC_AGENT_ADDR``), opened in ``run()``."""
         self._reported: tuple[int, str] | None = None
         self._log_root = Path(spec.log_dir) if spec.log_dir else Path(tempfile.mkdtemp(prefix="etcrun-"))
         self._run_dir = self._log_root / f"{config.run_id}_{self.node_id}"
@@ -137,7 +141,7 @@ class Agent:
         self._liveness: LivenessPort | None = None
         self._end_read_at = 0.0
         self.contacts = WorkerContacts()
-        self._watches = []
+        self._watches: list[WatchHandle] = []
         self._elastic = config.sidecar
         """Set when a worker says hello through the worker API: workers then live across generations
         (always for a sidecar: only worker-API processes can attach)."""
@@ -222,6 +226,7 @@ class Agent:
 
     def _keepalive(self) -> None:
         interval = max(0.2, self.config.lease_ttl / 3)
+        assert self._lease is not None  # run() registers before it starts this thread
         while not self.stop_requested.wait(interval):
             try:
                 self._lease.refresh()
@@ -381,6 +386,7 @@ class Agent:
 
         With ``--migration checkpoint`` the workers save and exit (code ``RESTART_EXIT``) at the agreed
         step instead; once they are gone, fresh ones start and load (the checkpoint baseline)."""
+        assert self.workers is not None  # called for a node whose workers live on (_on_generation, _send_state)
         master = self._master(gen)
         self._prepare_assignments(gen, master)
         restarted = []
@@ -494,6 +500,7 @@ class Agent:
         self._warm_fork_server_before_joining()
         self._join_warm()
         self._register()
+        assert self._lease is not None  # granted by _register() (which raises otherwise)
         for target in (self._keepalive, self.leader.run_election):
             t = threading.Thread(target=target, name=f"etc-{target.__name__}", daemon=True)
             t.start()
@@ -526,16 +533,18 @@ class Agent:
         """The control channel of this node's workers (``ETC_AGENT_ADDR``): requests signed with one
         worker's key, validated against :mod:`etc_agent.agent.control` (one model per ``op``) and
         checked against what this agent knows (:mod:`etc_agent.agent.controlauth`); JSON replies."""
-        if getattr(req, "local_rank", 0) >= self.config.nproc_per_node:
+        local_rank = getattr(req, "local_rank", 0)
+        if local_rank >= self.config.nproc_per_node:
             raise ValueError(
-                f"local_rank {req.local_rank} is not a worker of this node (--nproc-per-node {self.config.nproc_per_node})"
+                f"local_rank {local_rank} is not a worker of this node (--nproc-per-node {self.config.nproc_per_node})"
             )
         try:
             self._control_keys.check(req, key_id, self._started_pid)
         except NotAllowed as err:
             self.emit("control_refused", {"key": key_id, "op": req.op, "reason": str(err)})
             raise
-        handler = {
+        # Each handler takes the request type it is keyed by.
+        handlers: dict[type, Callable[[Any], dict]] = {
             Hello: self._on_hello,
             Heartbeat: self._on_hello,
             Attach: self._on_attach,
@@ -548,8 +557,8 @@ class Agent:
             Trained: self._on_trained,
             Migration: self._on_migration,
             GenerationQuery: self._on_generation_query,
-        }[type(req)]
-        return handler(req)
+        }
+        return handlers[type(req)](req)
 
     def _started_pid(self, local_rank: int) -> int | None:
         """The pid of the process this agent started for ``local_rank`` (None: none, or a sidecar)."""
@@ -944,6 +953,7 @@ class Agent:
     def _kill_hung_workers(self, gen: GenerationRecord) -> None:
         """A worker-API process that stopped talking (frozen, deadlocked with the GIL held) is killed so
         that the job handles it like a crash instead of every peer waiting on it."""
+        assert self.workers is not None  # only from _check_workers()
         now = time.monotonic()
         codes = self.workers.poll()
         for local_rank, pid in self.workers.pids().items():
@@ -970,6 +980,7 @@ class Agent:
                 self.contacts.seen.pop(local_rank, None)
 
     def _check_workers(self, gen: GenerationRecord) -> None:
+        assert self.workers is not None  # the main loop checks workers only while there are some
         if self._elastic and self.config.worker_heartbeat_timeout > 0:
             self._kill_hung_workers(gen)
         codes = self.workers.poll()
@@ -1020,6 +1031,7 @@ class Agent:
         """A worker of a live job died: restart it now as a standby process and take this node out
         of the membership until it runs, so the others go on at once (this node's surviving workers
         send what they hold and wait); past ``--max-restarts`` the node leaves the job instead."""
+        assert self.workers is not None  # only from _check_workers()
         pids = self.workers.pids()
         crash = (gen.number, tuple(sorted((r, pids.get(r)) for r in failed)))
         if crash == self._last_crash:
@@ -1244,6 +1256,7 @@ class Agent:
         """Elastic workers of a departing node send their shards in ``gen``, the generation that drops
         this node, then exit; bounded by ``shutdown_timeout``. Without it the node leaves as a crash
         would: the survivors restore its state from replicas."""
+        assert self.workers is not None  # _depart() sends state only from a node that had workers
         while True:
             if gen.status != "running" or self.node_id not in gen.senders:
                 return

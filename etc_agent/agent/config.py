@@ -164,11 +164,13 @@ class AgentConfig(BaseModel):
             raise ValueError(
                 f"{value}: a TP group stays inside one node, and nodes run {nproc} workers (--nproc-per-node)"
             )
-        if spec.fully_fixed and nproc is not None and nodes is not None and spec.tp * spec.pp * spec.dp > nodes * nproc:
-            raise ValueError(
-                f"{value} needs {spec.tp * spec.pp * spec.dp} workers; --nnodes MAX {nodes} x --nproc-per-node "
-                f"{nproc} allows at most {nodes * nproc}"
-            )
+        needed = spec.num_devices
+        if needed is not None and nproc is not None and nodes is not None:
+            if needed > nodes * nproc:
+                raise ValueError(
+                    f"{value} needs {needed} workers; --nnodes MAX {nodes} x --nproc-per-node "
+                    f"{nproc} allows at most {nodes * nproc}"
+                )
         return spec.short()
 
     @field_validator("control_addr")

@@ -94,7 +94,12 @@ class ControlKeys:
                     # Rank 0 may commit its first step just as the node prepares the next generation.
                     serving = self._serving
                     generation = next(
-                        (g for g in (serving, (serving or 0) - 1) if self._rank0.get(g) == local_rank), serving
+                        (
+                            g
+                            for g in (serving, (serving or 0) - 1)
+                            if g is not None and self._rank0.get(g) == local_rank
+                        ),
+                        serving,
                     )
                 elif isinstance(req, Finished):
                     generation = req.generation

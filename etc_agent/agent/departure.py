@@ -10,6 +10,7 @@ a success, nor a job that goes on as a failure.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -78,7 +79,7 @@ def departure_verdict(outcome: DepartureOutcome) -> DepartureVerdict:
 
 
 def after_acknowledgement(
-    ack: GenerationRecord, latest: GenerationRecord | None, reported: dict[str, str]
+    ack: GenerationRecord, latest: GenerationRecord | None, reported: Mapping[str, str]
 ) -> AfterAck | None:
     """What followed a running acknowledging generation ``ack``, from the newest generation record
     and the states its members reported in ``ack`` (node id -> state); None: not known yet."""

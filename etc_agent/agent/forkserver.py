@@ -75,6 +75,7 @@ class ForkedProcess:
 
     def wait(self, timeout: float | None = None) -> int:
         if not self._ended.wait(timeout):
+            assert timeout is not None  # wait(None) blocks until the event is set: only a number times out
             raise subprocess.TimeoutExpired(self.args, timeout)
         assert self.returncode is not None
         return self.returncode

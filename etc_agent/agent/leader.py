@@ -74,7 +74,7 @@ class Leader:
         reader: RecordReader,
         leaving: threading.Event,
         stop_requested: threading.Event,
-        lease: Callable[[], Lease],
+        lease: Callable[[], Lease | None],
         latest: Callable[[], GenerationRecord | None],
     ):
         """``lease``: the agent's current lease (it changes when the agent registers again);
@@ -135,7 +135,9 @@ class Leader:
     def _leader_node(self) -> tuple[KeyValue, NodeRecord] | None:
         """The leader key and its holder's node record, when another agent holds it."""
         kv = self.store.get("leader")
-        holder = self.reader.parse(LeaderRecord, kv) if kv is not None else None
+        if kv is None:
+            return None
+        holder = self.reader.parse(LeaderRecord, kv)
         if holder is None or holder.node_id == self.node_id:
             return None
         node_kv = self.store.get(f"nodes/{holder.node_id}")
@@ -386,6 +388,8 @@ class Leader:
                 return  # nothing to do
             reason = f"reconfigured to {parallel}"
         if reason is None:
+            # Only a running current generation leaves no reason (_after_running, _keep_restarting).
+            assert current is not None
             joined = [n for n in ordered if n not in current.members]
             left = [n for n in current.members if n not in ordered]
             reason = (
@@ -455,6 +459,7 @@ class Leader:
         """What the statuses of a running generation call for: (a final record to publish, or None;
         the reason for a next running one, or None for a membership/layout change; the restart count)."""
         current, number, restart_count = basis.current, basis.number, basis.restart_count
+        assert current is not None  # decide() calls this only for a running current generation
         abandoned = [
             r
             for r in (
@@ -633,7 +638,7 @@ class Leader:
         senders = [n for n in previous if sending.get(n)]
         placement = self._place(parallel, ordered, devices, current)
         gaps = []
-        if placement is not None:
+        if placement is not None and parallel is not None:  # _place() places only with a layout: no new check
             from etc_agent.layout.config import ParallelConfig
             from etc_agent.planner.placement import resilience_gaps
 

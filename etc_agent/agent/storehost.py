@@ -43,7 +43,7 @@ class _InProcess:
     def __init__(self, host: str):
         from torch.distributed import TCPStore
 
-        self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        self._store: TCPStore | None = TCPStore(host, 0, is_master=True, wait_for_workers=False)
         self.host, self.port = host, self._store.port
 
     def close(self) -> None:

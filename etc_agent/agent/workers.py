@@ -74,10 +74,10 @@ def parse_std_spec(text: str, nproc: int) -> dict[int, int]:
         return {r: value for r in range(nproc)}
     out = {}
     for item in text.split(","):
-        rank, sep, value = item.partition(":")
-        if not sep or not rank.strip().isdigit() or value.strip() not in {"0", "1", "2", "3"}:
+        rank, sep, code = item.partition(":")
+        if not sep or not rank.strip().isdigit() or code.strip() not in {"0", "1", "2", "3"}:
             raise ValueError(f"bad redirect/tee value {text!r}: use 0-3 or rank:value pairs like 0:1,1:2")
-        out[int(rank)] = int(value)
+        out[int(rank)] = int(code)
     return out
 
 
@@ -138,7 +138,8 @@ class WorkerGroup:
         tee = self.spec.tee.get(local_rank, 0)
         shown = self.spec.local_ranks_filter is None or local_rank in self.spec.local_ranks_filter
         files: list[IO] = []
-        streams = {}
+        # name -> (pipe or None, to file, to console, console, log path of a piped stream)
+        streams: dict[str, tuple[int | None, bool, bool, IO[str], Path | None]] = {}
         for bit, name, console in ((1, "stdout", sys.stdout), (2, "stderr", sys.stderr)):
             to_file = bool((redirect | tee) & bit) and self.spec.log_dir is not None
             to_console = shown and (not (redirect & bit) or bool(tee & bit))
@@ -151,6 +152,7 @@ class WorkerGroup:
         for name, (pipe, to_file, to_console, console, path) in streams.items():
             if pipe is None:
                 continue
+            assert path is not None  # set with every pipe above
             sink = open(path, "w") if to_file else None
             if sink:
                 files.append(sink)

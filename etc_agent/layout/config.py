@@ -212,9 +212,18 @@ class ParallelSpec(BaseModel):
 
     @property
     def fully_fixed(self) -> bool:
+        return self.num_devices is not None
+
+    @property
+    def num_devices(self) -> int | None:
+        """The devices a spec with no ``auto`` uses (dp, or dp_replicate x dp_shard); None otherwise."""
+        if self.tp is None or self.pp is None:
+            return None
         if self.dp_shard != 1 or self.dp_replicate is not None:
-            return None not in (self.tp, self.pp, self.dp_shard, self.dp_replicate)
-        return None not in (self.tp, self.pp, self.dp)
+            if self.dp_shard is None or self.dp_replicate is None:
+                return None
+            return self.tp * self.pp * self.dp_replicate * self.dp_shard
+        return None if self.dp is None else self.tp * self.pp * self.dp
 
     def short(self) -> str:
         def text(name: str) -> str:
