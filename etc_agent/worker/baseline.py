@@ -108,7 +108,9 @@ def _set_state_dict(app: Mapping[str, Any], loaded: Mapping[str, Any]) -> None:
             set_model_state_dict(obj, loaded[name])
     for name, obj in app.items():
         if isinstance(obj, torch.optim.Optimizer):
-            set_optimizer_state_dict(_owner(obj, app), obj, loaded[name], options=_options())
+            owner = _owner(obj, app)
+            assert owner is not None, "_load() checked _fits_a_state_dict()"
+            set_optimizer_state_dict(owner, obj, loaded[name], options=_options())
 
 
 def _save(app: Mapping[str, Any], tensors: Mapping[str, Any], path: Path, api: CheckpointApi) -> None:
@@ -187,11 +189,11 @@ def load_checkpoint(
     what a restarted ``torchrun`` job loads; its write ran in the background, off the stall).
     Returns the plain state and timings, or None when there is nothing to load."""
     root = Path(checkpoint_dir)
-    saves = sorted(root.glob("gen*/etc_state.json"), key=lambda p: int(p.parent.name[3:]))
+    found = sorted(root.glob("gen*/etc_state.json"), key=lambda p: int(p.parent.name[3:]))
     # (step, the baseline's save over a periodic one, newest generation): the state to resume from.
-    saves = [
+    saves: list[tuple[dict[str, Any], Path, tuple[int, int]]] = [
         ((json.loads(p.read_text())), p.parent, (1, int(p.parent.name[3:])))
-        for p in saves
+        for p in found
         if int(p.parent.name[3:]) <= generation
     ]
     if periodic:

@@ -148,9 +148,9 @@ class _Write:
     thread: threading.Thread
     step: int
     started: float
+    snapshot: Snapshot
     error: str | None = None
     done: bool = False
-    snapshot: Snapshot | None = None
     abandoned: bool = False
     """Set when the job stopped waiting for it: it must not mark the checkpoint complete any more
     (its snapshot buffers may be reused)."""
@@ -244,7 +244,8 @@ class PeriodicCheckpointer:
         path = self.directory / f"step{step:08d}-g{generation}"
         write = _Write(thread=None, step=step, started=time.time(), snapshot=snapshot)  # type: ignore[arg-type]
         write.stats["staged_s"] = staged_s
-        transport = GroupTransport(self._group[1], "gloo")
+        # GroupTransport's hint says ProcessGroup; it uses only rank/size/allgather/send/recv, which gloo has.
+        transport = GroupTransport(self._group[1], "gloo")  # type: ignore[arg-type]
         write.thread = threading.Thread(
             target=self._run, args=(write, snapshot, path, transport), name="etc-agent-checkpoint", daemon=True
         )
@@ -365,14 +366,13 @@ def _stage(state_tensors: dict[str, Any], previous: dict[str, BoxedTensor]) -> d
     for local in describe_state(state_tensors):
         s = local.shard
         old = previous.get(s.key)
-        same = old is not None and (old.tensor.shape, old.tensor.dtype, old.offsets, old.lengths, old.flat_range) == (
+        if old is not None and (old.tensor.shape, old.tensor.dtype, old.offsets, old.lengths, old.flat_range) == (
             local.tensor.shape,
             local.tensor.dtype,
             s.offsets,
             s.lengths,
             s.flat_range,
-        )
-        if same:
+        ):
             copy = old.tensor
         else:
             copy = torch.empty(

@@ -96,6 +96,7 @@ def _bounded_groups(timeout: timedelta) -> dict | None:
     import torch._C._distributed_c10d as c10d
 
     backend = str(dist.get_backend())
+    options: c10d.Backend.Options
     if backend == "nccl" and hasattr(c10d, "ProcessGroupNCCL"):
         options = c10d.ProcessGroupNCCL.Options()
     elif backend in ("gloo", "nccl"):

@@ -83,14 +83,14 @@ class GenerationStore(dist.Store):
         return self.inner.num_keys()
 
     def append(self, key: str, value) -> None:
-        self.inner.append(key, value)
+        self.inner.append(key, value)  # type: ignore[attr-defined]  # on torch's Store, missing from its stubs
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         self.wait(keys)
         return self.inner.multi_get(keys)
 
     def multi_set(self, keys: list[str], values) -> None:
-        self.inner.multi_set(keys, values)
+        self.inner.multi_set(keys, values)  # type: ignore[attr-defined]  # on torch's Store, missing from its stubs
 
     def has_extended_api(self) -> bool:
         return True

@@ -94,7 +94,7 @@ class Job:
         )
         address = os.environ.get("ETC_AGENT_ADDR")
         self.elastic = address is not None and os.environ.get("ETC_AGENT_ELASTIC", "1") != "0"
-        self.link = AgentLink(address, self.local_rank) if self.elastic else None
+        self.link = AgentLink(address, self.local_rank) if self.elastic and address is not None else None
         for key, value in (self.link.hello.env if self.link else {}).items():
             os.environ.setdefault(key, value)  # a sidecar's workers get from it what etcrun puts in their environment
         self.backend = os.environ.get("ETC_AGENT_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -116,7 +116,7 @@ class Job:
         self.migrations: list[dict] = []
         """One record per migration this process took part in (as sent to the agent)."""
         self._build: Build | None = None
-        self.store = None
+        self.store: dist.Store | None = None
         self._stepped = False
         self._in_step = False
         self._finished = False
@@ -205,12 +205,14 @@ class Job:
 
         Runs on the executor: rank 0's new layout holds every key as one full box.
         """
+        assert self.state is not None  # set by start(), which a script calls first
         tensors, _ = split_state(self.state)
         transport = TorchTransport()
         infos = transport.all_gather_object(
             [[s.shard.key, list(s.shard.global_shape), s.shard.dtype] for s in describe_state(tensors)]
         )
         full = None
+        assert self.ctx is not None  # set with the state
         if self.ctx.rank == 0:
             from etc_agent.migrate.executor import TORCH_DTYPES
 
@@ -249,6 +251,7 @@ class Job:
         self.state = self.build_state(self.ctx)
 
     def config_for(self, parallel: str | None, world: int) -> ParallelConfig:
+        config: ParallelConfig | None
         if parallel:
             config = ParallelConfig.parse(parallel)
         else:
@@ -259,6 +262,7 @@ class Job:
         return config
 
     def build_state(self, ctx: ParallelContext) -> dict:
+        assert self._build is not None  # start() sets it before any generation is built
         state = self._build(ctx)
         if not isinstance(state, dict):
             raise TypeError(f"build() must return a dict (the app state), got {type(state).__name__}")
@@ -276,6 +280,9 @@ class Job:
 
     def _checkpoint(self) -> None:
         """Snapshot this rank's state and write it in the background (every rank at this boundary)."""
+        # A checkpoint is due only in a job with periodic checkpoints (every agent gives its workers the
+        # same settings); steps() runs in a started job, which holds its state and context.
+        assert self.checkpointer is not None and self.state is not None and self.ctx is not None
         tensors, plain = split_state(self.state)
         self.checkpointer.save(
             tensors,
@@ -320,6 +327,7 @@ class Job:
         that forms the checkpoint group alone waits for the others until its timeout while they
         train on and wait for it). Where a rank's previous write still runs, see
         :meth:`_agree_on_checkpoint`."""
+        assert self.link is not None  # only an elastic job switches, and it has its agent link
         while True:
             due = self.checkpointer is not None and self.checkpointer.due(self.next_step)
             busy = self.checkpointer is not None and self.checkpointer.writing()
@@ -352,6 +360,8 @@ class Job:
         and the checkpoint group is formed anew (the abandoned write's collectives may still be
         pending on the old one). A rank that skipped alone would leave the others' new write
         waiting for it until its timeout."""
+        # Some rank's checkpoint is due: this job has periodic checkpoints (see _checkpoint).
+        assert self.checkpointer is not None and self.ctx is not None
         settled = self.checkpointer.settle(failure=False, limit_s=self.timeout_s / 2)
         vote = torch.tensor([int(settled)], dtype=torch.int64)
         dist.all_reduce(vote, op=dist.ReduceOp.MIN)
@@ -371,6 +381,9 @@ class Job:
         """The checkpoint baseline: save with DCP and exit (:func:`etc_agent.worker.baseline.save_and_exit`)."""
         from etc_agent.worker.baseline import save_and_exit
 
+        # A started job holds its state and context; the agent's config requires --checkpoint-dir with
+        # --migration checkpoint.
+        assert self.state is not None and self.ctx is not None and self.checkpoint_dir is not None
         tensors, plain = split_state(self.state)
         save_and_exit(
             self.state,

@@ -61,6 +61,7 @@ def live_record(
     everyone = transport.all_gather_object(mine)
     if result is None or assignment.rank != 0:
         return None
+    assert source_config is not None  # a migration result comes with the layout it started from (Switch._migrate_from)
     stops = [e["stop_wall"] for e in everyone if e["stop_wall"] is not None]
     published = assignment.published_at
     # After a failure the survivors stopped before the leader published (detection is publish minus

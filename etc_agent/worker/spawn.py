@@ -119,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         env = {**os.environ, "LOCAL_RANK": str(local_rank), "ETC_AGENT_ADDR": f"{address[0]}:{address[1]}"}
         if forkserver is not None and forkserver.available:
             name = os.path.basename(args.script) or "worker"
-            return forkserver.spawn(spec.python_argv(), env, os.getcwd(), False, False, name)
+            argv = spec.python_argv()
+            assert argv is not None  # None only with no_python, which this spec never sets
+            return forkserver.spawn(argv, env, os.getcwd(), False, False, name)
         return subprocess.Popen(command, env=env)
 
     procs = {r: start(r) for r in range(args.nproc_per_node)}

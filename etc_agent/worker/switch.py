@@ -57,6 +57,7 @@ from etc_agent.worker.report import Clocks, Stopped, checkpoint_record, live_rec
 
 if TYPE_CHECKING:
     from etc_agent.worker.job import Job
+    from etc_agent.worker.link import AgentLink
 
 FAULT_SENDER_PAUSE_S = float(os.environ.get("ETC_AGENT_FAULT_SENDER_PAUSE_S", 0) or 0)
 """Tests only: a departing sender sleeps this long between the status exchange and sending."""
@@ -127,6 +128,8 @@ class Switch:
 
     def __init__(self, job: Job, stopped: Stopped | None, failure: bool):
         self.job, self.stopped, self.failure = job, stopped, failure
+        assert job.link is not None  # only an elastic job switches, and it has its agent link
+        self.link: AgentLink = job.link
 
     def run(self, at_least: int, why: str) -> None:
         """Move from the current generation (if any) into the first one >= ``at_least`` the agent serves."""
@@ -135,7 +138,7 @@ class Switch:
         job.teardown_group()  # peers blocked on this process fail now instead of at their timeout
         if job.checkpointer is not None:
             job.checkpointer.settle(self.failure)  # its own group: after the teardown, which must not wait
-        assignment = job.link.assignment(at_least, job.timeout_s, why)
+        assignment = self.link.assignment(at_least, job.timeout_s, why)
         while True:
             job.phase.to(Phase.MIGRATING, assignment.generation)
             try:
@@ -149,7 +152,7 @@ class Switch:
                 self.stopped, self.failure = None, False
                 job.state, job.ctx = None, None
                 job.teardown_group()
-                assignment = job.link.assignment(assignment.generation + 1, job.timeout_s, "standby after sending")
+                assignment = self.link.assignment(assignment.generation + 1, job.timeout_s, "standby after sending")
                 continue
             except Exception as err:
                 if not is_peer_failure(err):
@@ -166,6 +169,7 @@ class Switch:
         job = self.job
         if job.state is None:
             return Held()
+        assert job.ctx is not None  # set with the state (teardown_group clears it only once the state is gone)
         tensors, plain = split_state(job.state)
         boxed = {
             s.shard.key: BoxedTensor(
@@ -199,7 +203,7 @@ class Switch:
         job.state, job.ctx = None, None
         job.teardown_group()
         # The leader may not know (a departing sender has no status to fail): ask for a new generation.
-        job.link.send(
+        self.link.send(
             {
                 "op": "switch_failed",
                 "local_rank": job.local_rank,
@@ -208,13 +212,13 @@ class Switch:
             }
         )
         self.failure = True
-        return job.link.assignment(assignment.generation + 1, job.timeout_s, "retry after a failed switch")
+        return self.link.assignment(assignment.generation + 1, job.timeout_s, "retry after a failed switch")
 
     def _enter(self, assignment: Assignment, held: Held) -> Assignment | None:
         """Enter ``assignment``'s generation; a newer assignment if one superseded it while arriving."""
         started = time.perf_counter()
         if not self._arrive(assignment):
-            return self.job.link.newer_than(assignment.generation)
+            return self.link.newer_than(assignment.generation)
         entry = self._form(assignment, started)
         exchanged = self._exchange(entry, held)
         if self._restore_baseline(entry, exchanged):
@@ -243,9 +247,9 @@ class Switch:
             count = job.store.add(key, 0)
             if count >= assignment.pg_world_size:
                 return True
-            if job.link.newer_than(generation):
+            if self.link.newer_than(generation):
                 return False
-            if job.link.finished:
+            if self.link.finished:
                 raise JobFinished()
             if time.monotonic() > deadline:
                 missing = [d for r, d in enumerate(assignment.devices) if not job.store.check([f"{key}/{r}"])]
@@ -261,6 +265,7 @@ class Switch:
         timeout = timedelta(seconds=job.timeout_s)
         ctx = new_state = new_tensors = None
         grouped = built = time.perf_counter()
+        assert job.store is not None  # _arrive connected it
         store = GenerationStore(job.store, generation, lambda: self._newer(generation), job.timeout_s)
         if assignment.rank is not None:
             init_default_group(
@@ -289,7 +294,8 @@ class Switch:
             assignment=assignment,
             device=Device.parse(assignment.device),
             clocks=Clocks(started, grouped, built),
-            transport=GroupTransport(group, "gloo"),
+            # GroupTransport's hint says ProcessGroup; it uses only rank/size/allgather/send/recv, which gloo has.
+            transport=GroupTransport(group, "gloo"),  # type: ignore[arg-type]
             group=group,
             ctx=ctx,
             new_state=new_state,
@@ -298,7 +304,7 @@ class Switch:
 
     def _newer(self, generation: int) -> int | None:
         """The number of a generation the agent published after ``generation`` (None: none yet)."""
-        newer = self.job.link.newer_than(generation)
+        newer = self.link.newer_than(generation)
         return newer.generation if newer is not None else None
 
     def _exchange(self, entry: Entry, held: Held) -> Exchanged:
@@ -315,8 +321,8 @@ class Switch:
                     "plain": held.plain,
                 }
             )
-        periodic = job.checkpointer is not None and assignment.started
-        snapshots = {s.step: s for s in job.checkpointer.snapshots} if periodic else {}
+        checkpointer = job.checkpointer if assignment.started else None
+        snapshots = {s.step: s for s in checkpointer.snapshots} if checkpointer is not None else {}
         for snapshot in sorted(snapshots.values(), key=lambda s: -s.step):
             versions.append(
                 {
@@ -327,10 +333,11 @@ class Switch:
                     "plain": snapshot.plain,
                 }
             )
-        storage = job.checkpointer.storage_steps() if periodic else {}
+        storage = checkpointer.storage_steps() if checkpointer is not None else {}
         if job.resumes_from_storage(assignment):
             from etc_agent.worker.checkpoint import resumable_checkpoints
 
+            assert job.checkpoint_dir is not None  # resumes_from_storage() asks for it
             storage = resumable_checkpoints(job.checkpoint_dir)
         statuses = entry.transport.all_gather_object(
             {"device": str(entry.device), "new_rank": entry.new_rank, "versions": versions, "storage": storage}
@@ -344,6 +351,10 @@ class Switch:
             return False
         from etc_agent.worker.baseline import load_checkpoint
 
+        # A member (new_rank set) has its context and new state from _form; the agent's config
+        # requires --checkpoint-dir with --migration checkpoint.
+        assert entry.ctx is not None and entry.new_state is not None and entry.new_tensors is not None
+        assert job.checkpoint_dir is not None
         meta = load_checkpoint(
             entry.new_state,
             entry.new_tensors,
@@ -419,14 +430,15 @@ class Switch:
     ) -> Source:
         """Migrate the state of ``step`` (layout ``config``; None: only the checkpoint has it) into the new layout."""
         job = self.job
-        state_file = None
+        state_file: dict[str, Any] | None = None
         if config is None:
             from etc_agent.worker.checkpoint import STATE_FILE
 
+            assert restore_path is not None  # candidate_states() gives no layout only to steps a checkpoint has
             state_file = json.loads((Path(restore_path) / STATE_FILE).read_text())
             config = state_file["config"]
         held_ranks = {v["old_rank"] for v in sources.values()}
-        lost_ranks = {
+        lost_ranks: dict[int, tuple[Device, list]] = {
             r: (Device(f"lost{r}", 0), [])
             for r in range(ParallelConfig.parse(config).world_size)
             if r not in held_ranks
@@ -441,8 +453,13 @@ class Switch:
         result = self._execute(
             entry, old_state, mine["old_rank"] if mine else None, lost_ranks, restore_path, plan_hook
         )
-        carried = sources[min(sources)]["plain"] if sources else {"app": state_file["app"], "rng": state_file["rng"]}
+        if sources:
+            carried = sources[min(sources)]["plain"]
+        else:
+            assert state_file is not None  # no process holds this step: it was read above
+            carried = {"app": state_file["app"], "rng": state_file["rng"]}
         if mine is not None and mine["kind"] == "snapshot":
+            assert job.checkpointer is not None  # this process has snapshots only with periodic checkpoints
             job.checkpointer.drop(lambda s: s.step == mine["step"])  # the new state may hold its buffers now
         return Source(
             resume_step=step,
@@ -465,6 +482,12 @@ class Switch:
         """Run the executor; its errors become the job's error families (a gap in the state stays
         :class:`StateLostError`, so that the caller tries an older step)."""
         job, generation = self.job, entry.assignment.generation
+        read_checkpoint = None
+        if restore_path:
+            # Holds with --checkpoint-interval. Not with --checkpoint-dir alone: a full restart on a directory
+            # with complete checkpoints restores without a checkpointer (which failed on None here before too).
+            assert job.checkpointer is not None
+            read_checkpoint = job.checkpointer.reader(restore_path)
         try:
             return migrate_state(
                 old_state,
@@ -477,7 +500,7 @@ class Switch:
                 failed=[d for d, _ in lost_ranks.values()],
                 lost_old_ranks=lost_ranks,
                 timeout_s=job.timeout_s,
-                read_checkpoint=job.checkpointer.reader(restore_path) if restore_path else None,
+                read_checkpoint=read_checkpoint,
                 on_plan=plan_hook,
                 same_keys=pipeline_stages(job.config_for(entry.assignment.parallel, entry.assignment.world_size)),
             )
@@ -526,8 +549,10 @@ class Switch:
                 file=sys.stderr,
                 flush=True,
             )
-            job.link.close()
+            self.link.close()
             raise SystemExit(0)
+        # A member: _form made its context and built its state.
+        assert entry.ctx is not None and entry.new_state is not None and entry.new_tensors is not None
         if source.carried is not None:
             load_state(entry.new_state, source.carried["app"], entry.new_tensors)
             torch.set_rng_state(from_json(source.carried["rng"]))
