@@ -525,7 +525,8 @@ def test_a_checkpoint_still_committing_on_one_rank_is_skipped_by_every_rank(etcd
 
 def test_a_full_restart_resumes_from_the_newest_usable_checkpoint_in_the_new_layout(etcd_server, tmp_path):
     """Every agent SIGKILLed mid-run (2 agents x 2, tp=2,dp=2), then the job started again on one agent
-    (tp=2,dp=1) with the same --checkpoint-dir: it resumes from the newest complete checkpoint (the
+    (tp=2,dp=1) with the same --checkpoint-dir and no --checkpoint-interval (the restore reads storage
+    without a checkpointer): it resumes from the newest complete checkpoint (the
     newest one made unusable here, so from the one before, with a log line), each rank reading only its
     regions, at the saved step with the carried state; every step from there trained once and the final
     state bitwise the uninterrupted run's."""
@@ -567,7 +568,7 @@ def test_a_full_restart_resumes_from_the_newest_usable_checkpoint_in_the_new_lay
         echo=False,
         rdzv=etcd_rdzv(etcd_server, "resume"),
         events=(),
-        agent_args=agent_args,
+        agent_args=["--checkpoint-dir", str(checkpoints)],
         extra_script_args=extra,
         initial_agents=1,
     )

@@ -147,3 +147,59 @@ def test_an_agent_probes_a_leader_whose_node_record_came_late_and_takes_over_whe
         stop.set()
         agent_b._dirty.set()  # wake its leader loop, which now sees the stop
         thread.join(timeout=10)
+
+
+class _LosesTheRace(EmbeddedStore):
+    """A store on which agent a creates the leader key right after b's first read found none."""
+
+    def __init__(self, endpoint: str, run_id: str, winner: EmbeddedStore):
+        super().__init__(endpoint, run_id, secret=TEST_SECRET)
+        self.winner, self.raced = winner, False
+
+    def get(self, key: str):
+        found = super().get(key)
+        if key == "leader" and not self.raced:
+            self.raced = True
+            from etc_agent.rendezvous.records import LeaderRecord
+
+            self.winner.create("leader", LeaderRecord(node_id="a").dumps())
+        return found
+
+
+def test_an_agent_that_loses_the_leader_key_race_probes_the_winner_at_once(server):
+    """Agents a and b start together and a wins the key between b's read and b's create: b learns the
+    winner (and probes its port) at once, not a fifth of its 30 s lease later, so a leader killed in
+    the job's first seconds is found gone (the 2x4-leader test's flake)."""
+    import socket
+
+    run_id = "lost-race"
+    writer = EmbeddedStore(server.endpoint, run_id, secret=TEST_SECRET)
+    listener = socket.create_server(("127.0.0.1", 0))
+    writer.put("nodes/a", _node("a", probe_port=listener.getsockname()[1]))
+    config = AgentConfig(run_id=run_id, min_nodes=1, max_nodes=2, nproc_per_node=2, lease_ttl=30)
+    emit = lambda event, fields: None  # noqa: E731
+    stop = threading.Event()
+    agent_b = Leader(
+        _LosesTheRace(server.endpoint, run_id, writer),
+        config,
+        "b",
+        emit,
+        RecordReader(emit),
+        threading.Event(),
+        stop,
+        lease=lambda: None,
+        latest=lambda: None,
+    )
+    thread = threading.Thread(target=agent_b.run_election, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 2.0
+        while not agent_b._gone.knows("a") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert agent_b._gone.knows("a"), "b did not probe the winner's port within 2 s"
+        assert not agent_b.is_leader
+    finally:
+        stop.set()
+        agent_b.notify_peer_failure()  # wakes its election loop, which now sees the stop
+        listener.close()
+        thread.join(timeout=10)

@@ -182,7 +182,14 @@ class Leader:
         holder = self.reader.parse(LeaderRecord, current) if current is not None else None
         self._holder_seen = holder.node_id if holder is not None and holder.node_id != self.node_id else None
         if current is None:
-            return self.store.create("leader", record, lease=self._lease())
+            if self.store.create("leader", record, lease=self._lease()):
+                return True
+            # Another agent won the key just now: learn who at once (its port is probed next), not a
+            # fifth of a lease later, or a leader killed in the first seconds is never found gone.
+            won = self.store.get("leader")
+            winner = self.reader.parse(LeaderRecord, won) if won is not None else None
+            self._holder_seen = winner.node_id if winner is not None and winner.node_id != self.node_id else None
+            return False
         if holder is None:
             # Not a leader's record (it would have been written with a lease): take the key over.
             return self.store.compare_and_set("leader", record, current.version, lease=self._lease())

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from etc_agent.migrate.describe import BoxedTensor, describe_state
-from etc_agent.migrate.storage import read_regions, save_shards_on
+from etc_agent.migrate.storage import save_shards_on
 from etc_agent.migrate.transport import GroupTransport
 from etc_agent.worker.connect import gloo_group
 
@@ -355,9 +355,6 @@ class PeriodicCheckpointer:
             if c.step > step:
                 (c.path / STATE_FILE).unlink(missing_ok=True)
                 shutil.rmtree(c.path, ignore_errors=True)
-
-    def reader(self, path: str):
-        return lambda boxes: read_regions(path, boxes)
 
 
 def _stage(state_tensors: dict[str, Any], previous: dict[str, BoxedTensor]) -> dict[str, BoxedTensor]:

@@ -32,6 +32,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +45,7 @@ from etc_agent.layout.config import ParallelConfig
 from etc_agent.layout.devices import Device
 from etc_agent.migrate.describe import BoxedTensor, describe_state
 from etc_agent.migrate.executor import MigrationResult, migrate_state
+from etc_agent.migrate.storage import read_regions
 from etc_agent.migrate.transport import GroupTransport
 from etc_agent.planner.core import StateLostError
 from etc_agent.planner.validate import PlanValidationError
@@ -484,10 +486,8 @@ class Switch:
         job, generation = self.job, entry.assignment.generation
         read_checkpoint = None
         if restore_path:
-            # Holds with --checkpoint-interval. Not with --checkpoint-dir alone: a full restart on a directory
-            # with complete checkpoints restores without a checkpointer (which failed on None here before too).
-            assert job.checkpointer is not None
-            read_checkpoint = job.checkpointer.reader(restore_path)
+            # Read straight from storage: a full restart with --checkpoint-dir alone has no checkpointer.
+            read_checkpoint = partial(read_regions, restore_path)
         try:
             return migrate_state(
                 old_state,
