@@ -27,6 +27,7 @@ LAYERS: dict[str, int] = {
     "etc_agent.migrate": 3,  # executes a plan inside live workers (torch.distributed)
     "etc_agent.integrations": 4,  # Megatron adapter the worker calls: migrate and below only
     "etc_agent.rendezvous": 5,  # membership store (etcd, embedded), torchrun handler
+    "etc_agent.protocol": 5,  # the generation protocol's messages and phases, below agent and worker
     "etc_agent.agent": 6,  # the agent: leader, generations, worker processes
     "etc_agent.worker": 7,  # the worker API (job.start, job.steps) inside training processes
     "etc_agent.cli": 8,  # etcrun, etc-agent
@@ -263,6 +264,18 @@ def test_no_module_imports_a_higher_layer():
     imports, modules = _package_imports()
     problems = layer_violations(imports, modules)
     assert problems == [], "imports against the layer order (tests/test_layers.py LAYERS):\n" + "\n".join(problems)
+
+
+def test_the_worker_imports_nothing_of_the_agent():
+    """The two sides of the generation protocol share only what lies below both (``etc_agent.protocol``
+    and lower): a worker process never loads the agent's code, function-local imports included."""
+    imports, _ = _package_imports()
+    found = [
+        f"{imp.module}:{imp.line} -> {imp.target}"
+        for imp in imports
+        if imp.module.startswith("etc_agent.worker") and imp.target.startswith("etc_agent.agent")
+    ]
+    assert found == [], "the worker imports the agent:\n" + "\n".join(found)
 
 
 def test_no_import_cycle_at_import_time():

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from etc_agent.agent.control import Assignment, AssignmentReply
-from etc_agent.agent.protocol import TRANSITIONS, Phase, PhaseTracker
 from etc_agent.migrate.transport import MigrationError
+from etc_agent.protocol.control import Assignment, AssignmentReply
+from etc_agent.protocol.phases import TRANSITIONS, Phase, PhaseTracker
 from etc_agent.rendezvous.records import GenerationRecord
 from etc_agent.worker.errors import ArrivalTimeout, BuildMismatch, JobError, is_peer_failure, names_peer_failure
 

@@ -33,7 +33,15 @@ from typing import Any
 
 from etc_agent.agent.config import AgentConfig
 from etc_agent.agent.console import CONSOLE_ATTR, event_level
-from etc_agent.agent.control import (
+from etc_agent.agent.controlauth import ControlKeys, NotAllowed
+from etc_agent.agent.departure import AfterAck, DepartureOutcome, after_acknowledgement, departure_verdict
+from etc_agent.agent.endwatch import EndWatch
+from etc_agent.agent.forkserver import ForkServer
+from etc_agent.agent.leader import Leader
+from etc_agent.agent.records import RecordReader
+from etc_agent.agent.storehost import WorkerStores
+from etc_agent.agent.workers import AttachedWorkers, Attachments, WorkerGroup, WorkerSpec
+from etc_agent.protocol.control import (
     CONTROL_REQUEST,
     Assignment,
     AssignmentQuery,
@@ -52,15 +60,7 @@ from etc_agent.agent.control import (
     SwitchFailed,
     Trained,
 )
-from etc_agent.agent.controlauth import ControlKeys, NotAllowed
-from etc_agent.agent.departure import AfterAck, DepartureOutcome, after_acknowledgement, departure_verdict
-from etc_agent.agent.endwatch import EndWatch
-from etc_agent.agent.forkserver import ForkServer
-from etc_agent.agent.leader import Leader
-from etc_agent.agent.protocol import RESTART_EXIT, Phase, PhaseTracker
-from etc_agent.agent.records import RecordReader
-from etc_agent.agent.storehost import WorkerStores
-from etc_agent.agent.workers import AttachedWorkers, Attachments, WorkerGroup, WorkerSpec
+from etc_agent.protocol.phases import RESTART_EXIT, Phase, PhaseTracker
 from etc_agent.rendezvous.records import (
     AbandonRecord,
     GenerationRecord,
@@ -531,7 +531,7 @@ class Agent:
 
     def _on_control(self, req: ControlRequest, key_id: str) -> dict:
         """The control channel of this node's workers (``ETC_AGENT_ADDR``): requests signed with one
-        worker's key, validated against :mod:`etc_agent.agent.control` (one model per ``op``) and
+        worker's key, validated against :mod:`etc_agent.protocol.control` (one model per ``op``) and
         checked against what this agent knows (:mod:`etc_agent.agent.controlauth`); JSON replies."""
         local_rank = getattr(req, "local_rank", 0)
         if local_rank >= self.config.nproc_per_node:

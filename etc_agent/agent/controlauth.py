@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
-from etc_agent.agent.control import Finished, Hello, Migration, Trained
+from etc_agent.protocol.control import Finished, Hello, Migration, Trained
 from etc_agent.utils import auth
 from etc_agent.utils.auth import Key
 

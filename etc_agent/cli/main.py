@@ -231,7 +231,7 @@ def sidecar(ctx: typer.Context) -> None:
 def workers(ctx: typer.Context) -> None:
     """Start one node's worker processes beside an `etc-agent sidecar` and start again any that dies
     (`etc-agent workers --nproc-per-node N [--agent HOST:PORT] script.py args...`)."""
-    from etc_agent.worker.spawn import main as spawn_main
+    from etc_agent.agent.spawn import main as spawn_main
 
     raise typer.Exit(spawn_main(list(ctx.args)))
 

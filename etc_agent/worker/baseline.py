@@ -33,9 +33,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from etc_agent.agent.protocol import RESTART_EXIT
 from etc_agent.migrate.describe import describe_state
 from etc_agent.migrate.storage import load_shards, save_shards
+from etc_agent.protocol.phases import RESTART_EXIT
 from etc_agent.utils.plainstate import to_json
 
 __all__ = ["checkpoint_api", "load_checkpoint", "load_shards", "save_and_exit", "save_shards"]

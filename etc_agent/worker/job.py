@@ -42,14 +42,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from etc_agent.agent.control import Assignment
-from etc_agent.agent.protocol import Phase, PhaseTracker
 from etc_agent.integrations import megatron
 from etc_agent.layout.config import ParallelConfig, ParallelSpec
 from etc_agent.layout.devices import Device
 from etc_agent.migrate.describe import BoxedTensor, describe_state
 from etc_agent.migrate.executor import migrate_state
 from etc_agent.migrate.transport import TorchTransport
+from etc_agent.protocol.control import Assignment
+from etc_agent.protocol.phases import Phase, PhaseTracker
 from etc_agent.rendezvous.records import MigrationRecord
 from etc_agent.utils.plainstate import materialize_optimizer_state, to_json
 from etc_agent.worker.appstate import split_state

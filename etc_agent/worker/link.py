@@ -1,7 +1,7 @@
 """The worker's side of its agent's control channel (``ETC_AGENT_ADDR``), polled in a thread.
 
-Requests are the models of :mod:`etc_agent.agent.control`; replies are parsed into its reply
-models (:class:`~etc_agent.agent.control.Assignment` above all), so the switch reads typed fields.
+Requests are the models of :mod:`etc_agent.protocol.control`; replies are parsed into its reply
+models (:class:`~etc_agent.protocol.control.Assignment` above all), so the switch reads typed fields.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any
 
-from etc_agent.agent.control import Assignment, AssignmentReply, HelloReply
+from etc_agent.protocol.control import Assignment, AssignmentReply, HelloReply
 from etc_agent.utils import auth
 from etc_agent.utils.jsonline import JsonLineError, hold, parse_address, request
 from etc_agent.worker.errors import JobError, JobFinished

@@ -12,11 +12,11 @@ import time
 from dataclasses import dataclass
 from math import prod
 
-from etc_agent.agent.control import Assignment
 from etc_agent.layout.config import ParallelConfig
 from etc_agent.migrate.describe import describe_state
 from etc_agent.migrate.executor import MigrationResult
 from etc_agent.migrate.transport import Transport
+from etc_agent.protocol.control import Assignment
 from etc_agent.rendezvous.records import MigrationRecord
 
 

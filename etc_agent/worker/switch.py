@@ -5,7 +5,7 @@ Call sequence (every process of the old and the new generation: members, joiners
 1. :meth:`Switch.run` describes the state this process holds (boxes only: :class:`Held`), drops the
    app objects and tears the old groups down (peers blocked on this process fail now instead of at
    their timeout), settles the periodic checkpointer, and asks the agent for its
-   :class:`~etc_agent.agent.control.Assignment`;
+   :class:`~etc_agent.protocol.control.Assignment`;
 2. ``_arrive``: every process of the generation reaches its store (or a newer generation comes);
 3. ``_form``: members form the training group and mesh and call ``build(ctx)``; everyone forms the
    migration group (members then senders, by transport rank);
@@ -39,8 +39,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from etc_agent.agent.control import Assignment
-from etc_agent.agent.protocol import Phase
 from etc_agent.layout.config import ParallelConfig
 from etc_agent.layout.devices import Device
 from etc_agent.migrate.describe import BoxedTensor, describe_state
@@ -49,6 +47,8 @@ from etc_agent.migrate.storage import read_regions
 from etc_agent.migrate.transport import GroupTransport
 from etc_agent.planner.core import StateLostError
 from etc_agent.planner.validate import PlanValidationError
+from etc_agent.protocol.control import Assignment
+from etc_agent.protocol.phases import Phase
 from etc_agent.utils.plainstate import from_json, to_json
 from etc_agent.worker.appstate import load_state, split_state
 from etc_agent.worker.connect import gloo_group, init_default_group
