@@ -28,6 +28,7 @@ import time
 from etc_agent.agent._exec_with_parent import dying_with_this_process
 from etc_agent.agent.forkserver import ForkedProcess, ForkServer
 from etc_agent.agent.workers import WorkerSpec
+from etc_agent.protocol.control import GenerationQuery
 from etc_agent.utils import auth
 from etc_agent.utils.jsonline import JsonLineError, parse_address, request
 
@@ -36,7 +37,7 @@ def _job_over(address: tuple[str, int]) -> str | None:
     """'succeeded'/'failed' once the agent says the job ended; None while it runs or cannot be asked."""
     try:
         key = auth.worker_key(f"{address[0]}:{address[1]}", 0)
-        reply = request(address, {"op": "generation"}, timeout=5, key=key)
+        reply = request(address, GenerationQuery().model_dump(), timeout=5, key=key)
     except (OSError, JsonLineError, auth.AuthError):
         return None
     latest = reply.get("latest") or {}
@@ -81,7 +82,7 @@ def _agent_answers(address: tuple[str, int]) -> str | None:
         return f"cannot reach it: {err}"
     try:
         key = auth.worker_key(f"{address[0]}:{address[1]}", 0)
-        request(address, {"op": "generation"}, timeout=5, key=key)
+        request(address, GenerationQuery().model_dump(), timeout=5, key=key)
     except (OSError, JsonLineError, auth.AuthError) as err:
         return str(err)
     return None

@@ -22,7 +22,7 @@ class _Request(BaseModel):
 class Hello(_Request):
     """A worker started: it registers (``elastic``: it uses the worker API and lives across generations)."""
 
-    op: Literal["hello"]
+    op: Literal["hello"] = "hello"
     local_rank: int = Field(ge=0)
     pid: int | None = Field(None, gt=0)
     elastic: bool = False
@@ -32,7 +32,7 @@ class Attach(_Request):
     """Sidecar mode: a worker started by another launcher holds this connection open for as long as it
     lives; its closing is how the agent learns that the worker exited."""
 
-    op: Literal["attach"]
+    op: Literal["attach"] = "attach"
     local_rank: int = Field(ge=0)
     pid: int = Field(gt=0)
 
@@ -40,7 +40,7 @@ class Attach(_Request):
 class Exiting(_Request):
     """Sidecar mode: the exit code a worker is about to exit with (sent just before it detaches)."""
 
-    op: Literal["exiting"]
+    op: Literal["exiting"] = "exiting"
     local_rank: int = Field(ge=0)
     pid: int = Field(gt=0)
     code: int
@@ -49,21 +49,21 @@ class Exiting(_Request):
 class Heartbeat(_Request):
     """A worker is alive (workers of plain scripts; the worker API's polls count as heartbeats too)."""
 
-    op: Literal["heartbeat"]
+    op: Literal["heartbeat"] = "heartbeat"
     local_rank: int = Field(ge=0)
 
 
 class AssignmentQuery(_Request):
     """The newest generation number and what this worker is in the generation its node serves."""
 
-    op: Literal["assignment"]
+    op: Literal["assignment"] = "assignment"
     local_rank: int = Field(ge=0)
 
 
 class GenerationQuery(_Request):
     """The generation this node's workers run and the newest one in the store."""
 
-    op: Literal["generation"]
+    op: Literal["generation"] = "generation"
 
 
 class _WithReason(_Request):
@@ -78,7 +78,7 @@ class _WithReason(_Request):
 class SwitchFailed(_WithReason):
     """A worker's switch into ``generation`` failed (a peer died mid-migration): abandon it."""
 
-    op: Literal["switch_failed"]
+    op: Literal["switch_failed"] = "switch_failed"
     local_rank: int = Field(ge=0)
     generation: int = Field(ge=0)
 
@@ -87,7 +87,7 @@ class PeerFailed(_WithReason):
     """A worker's collective failed mid-step in ``generation`` (a peer died): the leader then checks
     which member agents are gone instead of waiting for their leases."""
 
-    op: Literal["peer_failed"]
+    op: Literal["peer_failed"] = "peer_failed"
     local_rank: int = Field(ge=0)
     generation: int = Field(ge=0)
 
@@ -95,13 +95,13 @@ class PeerFailed(_WithReason):
 class Fatal(_WithReason):
     """The job cannot go on (training state lost, a build that does not fit): fail it, no restart."""
 
-    op: Literal["fatal"]
+    op: Literal["fatal"] = "fatal"
 
 
 class Finished(_Request):
     """Training rank 0 completed the last step."""
 
-    op: Literal["finished"]
+    op: Literal["finished"] = "finished"
     step: int = Field(ge=0)
     generation: int = Field(ge=0)
 
@@ -109,14 +109,14 @@ class Finished(_Request):
 class Trained(_Request):
     """Training rank 0 committed its first optimizer step: from now on the job has state to lose."""
 
-    op: Literal["trained"]
+    op: Literal["trained"] = "trained"
     step: int = Field(ge=0)
 
 
 class Migration(_Request):
     """New rank 0's record of the migration it completed."""
 
-    op: Literal["migration"]
+    op: Literal["migration"] = "migration"
     record: MigrationRecord
 
 

@@ -48,7 +48,7 @@ from etc_agent.layout.devices import Device
 from etc_agent.migrate.describe import BoxedTensor, describe_state
 from etc_agent.migrate.executor import migrate_state
 from etc_agent.migrate.transport import TorchTransport
-from etc_agent.protocol.control import Assignment
+from etc_agent.protocol.control import Assignment, Fatal, Finished, Migration, PeerFailed, Trained
 from etc_agent.protocol.phases import Phase, PhaseTracker
 from etc_agent.rendezvous.records import MigrationRecord
 from etc_agent.utils.plainstate import materialize_optimizer_state, to_json
@@ -191,7 +191,7 @@ class Job:
         if self.checkpointer is not None:
             self.checkpointer.settle(failure=False)
         if self.link is not None and self.ctx is not None and self.ctx.rank == 0:
-            self.link.send({"op": "finished", "step": self.next_step, "generation": self.generation})
+            self.link.send(Finished(step=self.next_step, generation=self.generation))
         if dist.is_initialized():
             try:
                 dist.barrier()
@@ -306,7 +306,7 @@ class Job:
         """Training rank 0 tells its agent (once) that the job holds state a crash would lose."""
         if not self._trained_sent and self.link is not None and self.ctx is not None and self.ctx.rank == 0:
             self._trained_sent = True
-            self.link.send({"op": "trained", "step": self.next_step})
+            self.link.send(Trained(step=self.next_step))
 
     def resumes_from_storage(self, assignment: Assignment) -> bool:
         """The job's first generation with ``--checkpoint-dir``: a full restart resumes from its newest
@@ -424,10 +424,8 @@ class Job:
             # The leader then checks which member agents are gone instead of waiting for their leases.
             # In the background: peers blocked on this process's groups are released only by the
             # teardown in the switch below, which must not wait for the agent's reply and store writes.
-            report = {"op": "peer_failed", "local_rank": self.local_rank, "generation": self.generation}
-            threading.Thread(
-                target=self.link.send, args=({**report, "reason": first_line},), name="etc-peer-failed", daemon=True
-            ).start()
+            report = PeerFailed(local_rank=self.local_rank, generation=self.generation, reason=first_line)
+            threading.Thread(target=self.link.send, args=(report,), name="etc-peer-failed", daemon=True).start()
         self._switch(self.generation + 1, "recovery after a failure", stopped=stopped, failure=True)
         return True
 
@@ -467,12 +465,12 @@ class Job:
         self.migrations.append(fields)
         print(json.dumps({"event": "etc_migration", **fields}), file=sys.stderr, flush=True)
         if self.link is not None:
-            self.link.send({"op": "migration", "record": fields})
+            self.link.send(Migration(record=record))
 
     def fatal(self, err: JobError) -> None:
         """Tell the agent the job cannot go on (it fails the job instead of restarting), then raise."""
         if self.link is not None:
-            self.link.send({"op": "fatal", "reason": str(err)})
+            self.link.send(Fatal(reason=str(err)))
         raise err
 
 

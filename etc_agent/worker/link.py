@@ -13,9 +13,17 @@ import socket
 import sys
 import threading
 import time
-from typing import Any
 
-from etc_agent.protocol.control import Assignment, AssignmentReply, HelloReply
+from etc_agent.protocol.control import (
+    Assignment,
+    AssignmentQuery,
+    AssignmentReply,
+    Attach,
+    ControlRequest,
+    Exiting,
+    Hello,
+    HelloReply,
+)
 from etc_agent.utils import auth
 from etc_agent.utils.jsonline import JsonLineError, hold, parse_address, request
 from etc_agent.worker.errors import JobError, JobFinished
@@ -44,7 +52,7 @@ class AgentLink:
         self._stopping = False
         hello = request(
             self.address,
-            {"op": "hello", "local_rank": local_rank, "pid": os.getpid(), "elastic": True},
+            Hello(local_rank=local_rank, pid=os.getpid(), elastic=True).model_dump(),
             timeout=10,
             key=self.key,
         )
@@ -65,9 +73,7 @@ class AgentLink:
         """Sidecar mode: hold a connection to the agent for as long as this process lives; the agent is
         not our parent, and that connection closing is how it learns we are gone."""
         try:
-            sock, _ = hold(
-                self.address, {"op": "attach", "local_rank": self.local_rank, "pid": os.getpid()}, 10, self.key
-            )
+            sock, _ = hold(self.address, Attach(local_rank=self.local_rank, pid=os.getpid()).model_dump(), 10, self.key)
         except (OSError, JsonLineError) as err:
             raise JobError(f"the agent at {self.address[0]}:{self.address[1]} refused the attachment: {err}") from None
         self._attachment = sock
@@ -77,7 +83,9 @@ class AgentLink:
         while not self._stop.is_set():
             try:
                 reply = AssignmentReply.model_validate(
-                    request(self.address, {"op": "assignment", "local_rank": self.local_rank}, timeout=10, key=self.key)
+                    request(
+                        self.address, AssignmentQuery(local_rank=self.local_rank).model_dump(), timeout=10, key=self.key
+                    )
                 )
                 failures = 0
                 if reply.stop and not self._stopping:
@@ -134,17 +142,18 @@ class AgentLink:
             current = reply.assignment if reply is not None else None
             return current if current is not None and current.generation > generation else None
 
-    def send(self, req: dict[str, Any]) -> None:
+    def send(self, req: ControlRequest) -> None:
+        """One request to the agent (a model of :mod:`etc_agent.protocol.control`); a failure is logged."""
         try:
-            request(self.address, req, timeout=10, key=self.key)
+            request(self.address, req.model_dump(mode="json"), timeout=10, key=self.key)
         except (OSError, JsonLineError) as err:
-            log.warning("could not send %s to the agent: %s", req.get("op"), err)
+            log.warning("could not send %s to the agent: %s", req.op, err)
 
     def close(self, exit_code: int = 0) -> None:
         """Stop polling; a sidecar's worker reports ``exit_code`` and detaches."""
         self._stop.set()
         self._thread.join(timeout=2)
         if self._attachment is not None:
-            self.send({"op": "exiting", "local_rank": self.local_rank, "pid": os.getpid(), "code": exit_code})
+            self.send(Exiting(local_rank=self.local_rank, pid=os.getpid(), code=exit_code))
             self._attachment.close()
             self._attachment = None

@@ -47,7 +47,7 @@ from etc_agent.migrate.storage import read_regions
 from etc_agent.migrate.transport import GroupTransport
 from etc_agent.planner.core import StateLostError
 from etc_agent.planner.validate import PlanValidationError
-from etc_agent.protocol.control import Assignment
+from etc_agent.protocol.control import Assignment, SwitchFailed
 from etc_agent.protocol.phases import Phase
 from etc_agent.utils.plainstate import from_json, to_json
 from etc_agent.worker.appstate import load_state, split_state
@@ -205,14 +205,7 @@ class Switch:
         job.state, job.ctx = None, None
         job.teardown_group()
         # The leader may not know (a departing sender has no status to fail): ask for a new generation.
-        self.link.send(
-            {
-                "op": "switch_failed",
-                "local_rank": job.local_rank,
-                "generation": assignment.generation,
-                "reason": first_line,
-            }
-        )
+        self.link.send(SwitchFailed(local_rank=job.local_rank, generation=assignment.generation, reason=first_line))
         self.failure = True
         return self.link.assignment(assignment.generation + 1, job.timeout_s, "retry after a failed switch")
 
