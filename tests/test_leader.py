@@ -97,6 +97,21 @@ def test_a_node_taking_itself_out_during_a_decision_is_never_published_as_a_depa
     assert published[0].members == ["a"] and published[0].parallel == "tp=2,pp=1,dp=1,zero=0", published
 
 
+def _electing_agent_b(
+    store: EmbeddedStore, run_id: str, events: list
+) -> tuple[Leader, threading.Event, threading.Thread]:
+    """Agent ``b``'s election loop on ``store`` (a 30 s lease), running in a thread; its events go to ``events``."""
+    config = AgentConfig(run_id=run_id, min_nodes=1, max_nodes=2, nproc_per_node=2, lease_ttl=30)
+    emit = lambda event, fields: events.append((event, fields))  # noqa: E731
+    stop = threading.Event()
+    agent_b = Leader(
+        store, config, "b", emit, RecordReader(emit), threading.Event(), stop, lease=lambda: None, latest=lambda: None
+    )
+    thread = threading.Thread(target=agent_b.run_election, daemon=True)
+    thread.start()
+    return agent_b, stop, thread
+
+
 def test_an_agent_probes_a_leader_whose_node_record_came_late_and_takes_over_when_it_dies(server):
     """Agent b sees leader a before a's node record exists (a busy start), so its first look cannot
     probe a's liveness port. It looks again within a second, not a fifth of its 30 s lease: a refusal
@@ -110,23 +125,10 @@ def test_an_agent_probes_a_leader_whose_node_record_came_late_and_takes_over_whe
     writer = EmbeddedStore(server.endpoint, run_id, secret=TEST_SECRET)
     writer.put("leader", LeaderRecord(node_id="a").dumps())
     listener = socket.create_server(("127.0.0.1", 0))
-    config = AgentConfig(run_id=run_id, min_nodes=1, max_nodes=2, nproc_per_node=2, lease_ttl=30)
     events: list[tuple[str, dict]] = []
-    emit = lambda event, fields: events.append((event, fields))  # noqa: E731
-    stop = threading.Event()
-    agent_b = Leader(
-        EmbeddedStore(server.endpoint, run_id, secret=TEST_SECRET),
-        config,
-        "b",
-        emit,
-        RecordReader(emit),
-        threading.Event(),
-        stop,
-        lease=lambda: None,
-        latest=lambda: None,
+    agent_b, stop, thread = _electing_agent_b(
+        EmbeddedStore(server.endpoint, run_id, secret=TEST_SECRET), run_id, events
     )
-    thread = threading.Thread(target=agent_b.run_election, daemon=True)
-    thread.start()
     try:
         time.sleep(0.5)  # b's first look found the leader key and no node record
         assert not agent_b._gone.knows("a")
@@ -176,22 +178,7 @@ def test_an_agent_that_loses_the_leader_key_race_probes_the_winner_at_once(serve
     writer = EmbeddedStore(server.endpoint, run_id, secret=TEST_SECRET)
     listener = socket.create_server(("127.0.0.1", 0))
     writer.put("nodes/a", _node("a", probe_port=listener.getsockname()[1]))
-    config = AgentConfig(run_id=run_id, min_nodes=1, max_nodes=2, nproc_per_node=2, lease_ttl=30)
-    emit = lambda event, fields: None  # noqa: E731
-    stop = threading.Event()
-    agent_b = Leader(
-        _LosesTheRace(server.endpoint, run_id, writer),
-        config,
-        "b",
-        emit,
-        RecordReader(emit),
-        threading.Event(),
-        stop,
-        lease=lambda: None,
-        latest=lambda: None,
-    )
-    thread = threading.Thread(target=agent_b.run_election, daemon=True)
-    thread.start()
+    agent_b, stop, thread = _electing_agent_b(_LosesTheRace(server.endpoint, run_id, writer), run_id, [])
     try:
         deadline = time.monotonic() + 2.0
         while not agent_b._gone.knows("a") and time.monotonic() < deadline:
