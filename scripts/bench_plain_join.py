@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,16 +29,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from elastic_demo import free_port, json_line_event
 from rich.console import Console
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _progress(path: Path) -> dict:
@@ -50,20 +44,13 @@ def _progress(path: Path) -> dict:
 
 
 def _events(text: str) -> list[dict]:
-    events = []
-    for line in text.splitlines():
-        if line.startswith("{"):
-            try:
-                events.append(json.loads(line))
-            except ValueError:
-                pass
-    return events
+    return [event for line in text.splitlines() if (event := json_line_event(line)) is not None]
 
 
 def run_once(start_method: str, work: Path) -> dict[str, float]:
     """One join; the survivors' figures (the slower of the two) in seconds."""
     run_id = f"join-{start_method}-{os.getpid()}-{time.monotonic_ns() % 100000}"
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     out = work / run_id
     out.mkdir(parents=True)
     progress = out / "progress.json"

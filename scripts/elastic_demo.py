@@ -209,7 +209,7 @@ class Cluster:
         return [p.poll() for p in self.launchers if p is not None]
 
 
-def _json_line(line: str) -> dict | None:
+def json_line_event(line: str) -> dict | None:
     """The agent's JSON event on this output line, also where a worker's output (workers print to
     the same console, a print's text and its newline in two writes) shares the line; else None."""
     start = line.find('{"ts": ')
@@ -250,7 +250,7 @@ def migrations(cluster: Cluster) -> list[dict]:
     out = []
     for lines in cluster.outputs:
         for line in list(lines):
-            if '"event": "migration"' in line and (record := _json_line(line)) is not None:
+            if '"event": "migration"' in line and (record := json_line_event(line)) is not None:
                 if record.get("event") == "migration" and "node" in record:
                     out.append(record)
     return sorted(out, key=lambda m: m["generation"])  # each agent's log holds the ones its rank 0 reported
@@ -359,7 +359,7 @@ def run_scenario(
             seen = [
                 event
                 for line in list(cluster.outputs[0])
-                if '"generation_seen"' in line and (event := _json_line(line)) is not None
+                if '"generation_seen"' in line and (event := json_line_event(line)) is not None
             ]
             return bool(seen) and seen[-1]["status"] == "running" and seen[-1]["members"] == initial_agents
 

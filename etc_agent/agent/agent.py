@@ -1172,11 +1172,7 @@ class Agent:
             while time.monotonic() < deadline and not self.hard_stop.is_set():
                 try:
                     latest = self._read_generation()
-                    reported = {
-                        kv.key.rsplit("/", 1)[-1]: status.state
-                        for kv in self.store.get_prefix(f"generations/{ack.number}/status/")
-                        if (status := self.reader.parse(NodeStatus, kv)) is not None
-                    }
+                    reported = {node: status.state for node, status in self.leader.statuses(ack.number).items()}
                 except StoreError:
                     latest, reported = None, {}
                 seen = after_acknowledgement(ack, latest, reported)
