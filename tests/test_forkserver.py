@@ -128,7 +128,7 @@ def test_a_worker_stopped_while_the_server_imports_is_cancelled_without_waiting_
 
 def test_a_forked_worker_counts_as_a_worker_and_its_fork_server_does_not(server):
     """What an agent checks before it kills a hung attached worker by pid (sidecar mode)."""
-    from etc_agent.agent.workers import _is_worker
+    from etc_agent.agent.attached import _is_worker
 
     process = server.spawn([PROBE], {**os.environ, "PROBE_END": "sleep"}, str(ROOT), True, True, "probe")
     try:

@@ -108,64 +108,78 @@ def main(argv: list[str] | None = None) -> int:
     if why is not None:
         _say(f"no sidecar answered at {args.agent} within {args.agent_wait:g} s ({why}); nothing started")
         return 2
-    spec = WorkerSpec(entrypoint=[args.script, *args.script_args], module=args.module)
-    # The workers die with this process (a container's main process going away takes them along).
-    command = dying_with_this_process(spec.command())
-
     # Forked from one process that imported torch once (a restart runs within milliseconds), as
     # etcrun's --start-method forkserver; new interpreters with --start-method spawn.
     forkserver = ForkServer() if args.start_method == "forkserver" else None
+    try:
+        return _Workers(args, address, forkserver).supervise()
+    finally:
+        if forkserver is not None:
+            forkserver.close()
 
-    def start(local_rank: int) -> subprocess.Popen | ForkedProcess:
-        env = {**os.environ, "LOCAL_RANK": str(local_rank), "ETC_AGENT_ADDR": f"{address[0]}:{address[1]}"}
-        if forkserver is not None and forkserver.available:
-            name = os.path.basename(args.script) or "worker"
-            argv = spec.python_argv()
+
+class _Workers:
+    """The node's worker processes, restarted (up to ``--max-restarts`` each) while the job goes on."""
+
+    def __init__(self, args: argparse.Namespace, address: tuple[str, int], forkserver: ForkServer | None):
+        self.args, self.address, self.forkserver = args, address, forkserver
+        self.spec = WorkerSpec(entrypoint=[args.script, *args.script_args], module=args.module)
+        # The workers die with this process (a container's main process going away takes them along).
+        self.command = dying_with_this_process(self.spec.command())
+        self.procs = {r: self.start(r) for r in range(args.nproc_per_node)}
+        self.restarts = {r: 0 for r in self.procs}
+        self.stopping = False
+
+    def start(self, local_rank: int) -> subprocess.Popen | ForkedProcess:
+        env = {**os.environ, "LOCAL_RANK": str(local_rank), "ETC_AGENT_ADDR": f"{self.address[0]}:{self.address[1]}"}
+        if self.forkserver is not None and self.forkserver.available:
+            name = os.path.basename(self.args.script) or "worker"
+            argv = self.spec.python_argv()
             assert argv is not None  # None only with no_python, which this spec never sets
-            return forkserver.spawn(argv, env, os.getcwd(), False, False, name)
-        return subprocess.Popen(command, env=env)
+            return self.forkserver.spawn(argv, env, os.getcwd(), False, False, name)
+        return subprocess.Popen(self.command, env=env)
 
-    procs = {r: start(r) for r in range(args.nproc_per_node)}
-    restarts = {r: 0 for r in procs}
-    done: dict[int, int] = {}
-    stopping = False
-
-    def on_term(signum, frame):
-        nonlocal stopping
-        stopping = True
-        for p in procs.values():
+    def _on_term(self, signum: int, frame: object) -> None:
+        self.stopping = True
+        for p in self.procs.values():
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
 
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGINT, on_term)
-    while len(done) < len(procs):
-        time.sleep(0.2)
-        for r, p in list(procs.items()):
-            if r in done or (code := p.poll()) is None:
-                continue
-            over = _job_over(address) if code != 0 else None
-            gone = _agent_answers(address) if code != 0 and over is None and not stopping else None
-            if code == 0 or stopping or over is not None or gone is not None or restarts[r] >= args.max_restarts:
-                done[r] = code
-                if code != 0:
-                    why = (
-                        "stopping"
-                        if stopping
-                        else f"the job {over}"
-                        if over
-                        else f"the sidecar does not answer: {gone}"
-                        if gone
-                        else f"{restarts[r]} restarts used"
-                    )
-                    _say(f"local_rank {r} exited {code}; not restarted ({why})")
-                continue
-            restarts[r] += 1
-            _say(f"local_rank {r} exited {code}; starting it again ({restarts[r]}/{args.max_restarts})")
-            procs[r] = start(r)
-    if forkserver is not None:
-        forkserver.close()
-    return 0 if all(code == 0 for code in done.values()) else 1
+    def supervise(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_term)
+        signal.signal(signal.SIGINT, self._on_term)
+        done: dict[int, int] = {}
+        while len(done) < len(self.procs):
+            time.sleep(0.2)
+            for r, p in list(self.procs.items()):
+                if r in done or (code := p.poll()) is None:
+                    continue
+                why = self._why_not_restarted(r, code)
+                if why is not None:
+                    done[r] = code
+                    if code != 0:
+                        _say(f"local_rank {r} exited {code}; not restarted ({why})")
+                    continue
+                self.restarts[r] += 1
+                _say(f"local_rank {r} exited {code}; starting it again ({self.restarts[r]}/{self.args.max_restarts})")
+                self.procs[r] = self.start(r)
+        return 0 if all(code == 0 for code in done.values()) else 1
+
+    def _why_not_restarted(self, local_rank: int, code: int) -> str | None:
+        """None where the process is started again; else why not (code 0: it finished)."""
+        if code == 0:
+            return "finished"
+        if self.stopping:
+            return "stopping"
+        over = _job_over(self.address)
+        if over is not None:
+            return f"the job {over}"
+        gone = _agent_answers(self.address)
+        if gone is not None:
+            return f"the sidecar does not answer: {gone}"
+        if self.restarts[local_rank] >= self.args.max_restarts:
+            return f"{self.restarts[local_rank]} restarts used"
+        return None
 
 
 def _say(line: str) -> None:

@@ -1,0 +1,102 @@
+"""What each local worker is told: its environment (torchrun's variables and ours) and, for
+worker-API processes, its :class:`~etc_agent.protocol.control.Assignment` in a generation. The
+transport and training ranks come from the generation record's helpers, the same for both."""
+
+from __future__ import annotations
+
+import os
+
+from etc_agent.agent.node import Node
+from etc_agent.protocol.control import Assignment
+from etc_agent.rendezvous.records import GenerationRecord, MasterRecord
+from etc_agent.utils import auth
+
+
+def node_env(node: Node, local_rank: int, generation: int) -> dict[str, str]:
+    """What a worker gets from this node whatever its place in a generation."""
+    config, spec = node.config, node.spec
+    env = {
+        "LOCAL_RANK": "0" if spec.virtual_local_rank else str(local_rank),
+        "ETC_AGENT_LOCAL_RANK": str(local_rank),
+        "ROLE_NAME": spec.role,
+        "LOCAL_WORLD_SIZE": str(config.nproc_per_node),
+        "TORCHELASTIC_MAX_RESTARTS": str(config.job_restarts),
+        "TORCHELASTIC_RUN_ID": config.run_id,
+        "ETC_AGENT_GENERATION": str(generation),
+        "ETC_AGENT_NODE_ID": node.node_id,
+        "ETC_AGENT_ADDR": node.control_address,
+        auth.TOKEN_ENV: node.control_keys.token(local_rank),
+        "ETC_AGENT_MIGRATION": config.migration,
+    }
+    if config.checkpoint_dir:
+        env["ETC_AGENT_CHECKPOINT_DIR"] = config.checkpoint_dir
+    if config.fresh_start:
+        env["ETC_AGENT_FRESH_START"] = "1"
+    if config.checkpoint_interval:
+        env["ETC_AGENT_CHECKPOINT_INTERVAL"] = str(config.checkpoint_interval)
+        env["ETC_AGENT_CHECKPOINT_KEEP"] = str(config.checkpoint_keep)
+    if "OMP_NUM_THREADS" in os.environ:
+        env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
+    if spec.virtual_local_rank:
+        # As torchrun does: each worker sees only its own device, as device 0.
+        visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        env["CUDA_VISIBLE_DEVICES"] = visible[local_rank] if local_rank < len(visible) else str(local_rank)
+    return env
+
+
+def standby_env(node: Node, local_rank: int, generation: int) -> dict[str, str]:
+    """A worker started before it has a rank (a warm joiner, a crash restart): it learns the rank
+    from its assignment once the node is a member of ``generation`` or a later one."""
+    return {**node_env(node, local_rank, generation), "RANK": "-1"}
+
+
+def worker_env(node: Node, gen: GenerationRecord, master: MasterRecord, local_rank: int) -> dict[str, str]:
+    rank = gen.training_rank(node.node_id, local_rank)
+    env = {
+        **node_env(node, local_rank, gen.number),
+        "RANK": str(rank),
+        "GROUP_RANK": str(gen.members.index(node.node_id)),
+        "ROLE_RANK": str(rank),
+        "WORLD_SIZE": str(gen.world_size),
+        "GROUP_WORLD_SIZE": str(len(gen.members)),
+        "ROLE_WORLD_SIZE": str(gen.world_size),
+        "MASTER_ADDR": master.addr,
+        "MASTER_PORT": str(master.port),
+        "TORCHELASTIC_RESTART_COUNT": str(gen.restart_count),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+    }
+    if gen.parallel:
+        env["ETC_AGENT_PARALLEL"] = gen.parallel
+    return env
+
+
+def assignments(node: Node, gen: GenerationRecord, master: MasterRecord, trained: bool) -> dict[int, Assignment]:
+    """What each local worker is in ``gen`` (a worker that sends nothing into it gets none)."""
+    # Checkpoint mode: departing workers saved and exited already, they send nothing.
+    live = node.config.migration == "live"
+    devices = gen.transport_devices(with_senders=live)
+    leaving = node.node_id not in gen.members
+    state = node.state.state
+    return {
+        local: Assignment(
+            generation=gen.number,
+            pg_rank=gen.transport_rank(node.node_id, local),
+            pg_world_size=len(devices),
+            rank=None if leaving else gen.training_rank(node.node_id, local),
+            world_size=gen.world_size,
+            parallel=gen.parallel,
+            store_addr=master.addr,
+            store_port=master.port,
+            devices=devices,
+            leaving=leaving,
+            standby_after=leaving and not state.ready and not state.leaving,
+            started=gen.started,
+            trained=trained,
+            reason=gen.reason,
+            published_at=gen.published_at,
+            node_id=node.node_id,
+        )
+        for local in range(node.config.nproc_per_node)
+        if not leaving or gen.sends(node.node_id, local)
+    }
