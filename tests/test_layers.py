@@ -303,6 +303,64 @@ def test_no_import_cycle_between_packages_through_function_local_imports():
     assert found == [], "packages that import each other (function-local imports included):\n" + "\n".join(found)
 
 
+def test_no_import_cycle_even_through_function_local_imports():
+    """Between any two modules, function-local imports included: one of them would be a room too many."""
+    imports, modules = _package_imports()
+    graph = import_graph(imports, modules, include_local=True)
+    found = [describe_cycle(c, graph) for c in cycles(graph)]
+    assert found == [], "import cycles (function-local imports included):\n" + "\n".join(found)
+
+
+# Room sizes: a module or function past these has more than one job.
+
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 60
+SIZED_PACKAGES = ("agent", "worker", "rendezvous", "planner", "migrate")
+"""Packages whose functions are held to ``MAX_FUNCTION_LINES``."""
+
+
+def long_functions(module: str, source: str, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """``module:line name (n lines)`` for every function of ``source`` longer than ``limit`` lines,
+    counted from ``def`` (decorators excluded) to its last line, docstring included."""
+    found = []
+    for node in ast.walk(ast.parse(source, module)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            assert node.end_lineno is not None
+            length = node.end_lineno - node.lineno + 1
+            if length > limit:
+                found.append(f"{module}:{node.lineno} {node.name} ({length} lines)")
+    return found
+
+
+def _outside_examples(name: str) -> bool:
+    return not name.startswith(f"{ROOT}.examples")
+
+
+def test_no_module_is_over_500_lines():
+    found = [
+        f"{name} ({len(text.splitlines())} lines)"
+        for name, (text, _) in package_sources().items()
+        if _outside_examples(name) and len(text.splitlines()) > MAX_MODULE_LINES
+    ]
+    assert found == [], f"modules over {MAX_MODULE_LINES} lines; split them by job:\n" + "\n".join(found)
+
+
+def test_no_function_of_the_core_is_over_60_lines():
+    found = [
+        problem
+        for name, (text, _) in package_sources().items()
+        if name.split(".")[1:2] and name.split(".")[1] in SIZED_PACKAGES
+        for problem in long_functions(name, text)
+    ]
+    assert found == [], f"functions over {MAX_FUNCTION_LINES} lines; give their parts names:\n" + "\n".join(found)
+
+
+def test_the_size_checker_counts_from_def_to_the_last_line():
+    body = "".join(f"    x{i} = {i}\n" for i in range(59))
+    source = f"@decorator\ndef fits():\n{body}\n\ndef too_long():\n{body}    x = 1\n"
+    assert long_functions("m", source) == ["m:64 too_long (61 lines)"]
+
+
 # The checker itself.
 
 
