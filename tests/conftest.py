@@ -49,6 +49,7 @@ TEST_LAYERS: dict[str, tuple[str, dict[str, list[str]]]] = {
     "test_gone.py": ("unit", {}),
     "test_leader.py": ("unit", {}),
     "test_node_state.py": ("unit", {}),
+    "test_settings.py": ("unit", {}),
     "test_groups.py": (
         "multiproc",
         {

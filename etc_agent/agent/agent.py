@@ -48,6 +48,7 @@ from etc_agent.agent.records import RecordReader
 from etc_agent.agent.storehost import WorkerStores
 from etc_agent.agent.supervision import Supervision
 from etc_agent.agent.workers import WorkerSpec
+from etc_agent.protocol import keys
 from etc_agent.protocol.control import CONTROL_REQUEST
 from etc_agent.rendezvous.store import LeaseExpired, MembershipStore, StoreError, WatchHandle
 from etc_agent.utils import auth
@@ -156,7 +157,7 @@ class Agent:
         while not node.state.stop_event.wait(interval):
             try:
                 node.lease.refresh()
-                if not node.state.state.leaving and node.store.get(f"nodes/{self.node_id}") is None:
+                if not node.state.state.leaving and node.store.get(keys.node(self.node_id)) is None:
                     # The lease lives but the record is gone (keys deleted by hand, a wiped prefix).
                     self.emit("node_record_vanished", {"action": "registering again"})
                     node.put_record()
@@ -194,7 +195,7 @@ class Agent:
                 t = threading.Thread(target=target, name=f"etc-{target.__name__}", daemon=True)
                 t.start()
                 self._threads.append(t)
-            self._watches.append(node.store.watch_prefix("generation", lambda e: node.wake.set()))
+            self._watches.append(node.store.watch_prefix(keys.GENERATION, lambda e: node.wake.set()))
             leaving = Leaving(node, self.leader.statuses, generations.continue_workers)
             return self._loop(generations, leaving)
         finally:

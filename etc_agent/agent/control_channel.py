@@ -18,6 +18,7 @@ from etc_agent.agent.controlauth import NotAllowed
 from etc_agent.agent.node import Node
 from etc_agent.agent.worker_env import node_env
 from etc_agent.agent.workers import WorkerGroup
+from etc_agent.protocol import keys
 from etc_agent.protocol.control import (
     AssignmentQuery,
     AssignmentReply,
@@ -115,7 +116,7 @@ class ControlChannel:
         if self._elastic_announced:
             return
         try:
-            self.node.store.put("elastic", json.dumps({"node": self.node.node_id}))
+            self.node.store.put(keys.ELASTIC, json.dumps({"node": self.node.node_id}))
             self._elastic_announced = True
         except StoreError:
             pass
@@ -151,7 +152,7 @@ class ControlChannel:
 
     def _on_peer_failed(self, req: PeerFailed) -> dict:
         node = self.node
-        key = f"generations/{req.generation}/peer_failed/{node.node_id}"
+        key = keys.peer_failure(req.generation, node.node_id)
         try:
             if node.store.get(key) is None:
                 record = PeerFailureRecord(generation=req.generation, reason=req.reason)
@@ -180,13 +181,13 @@ class ControlChannel:
         return {"ok": True}
 
     def _on_trained(self, req: Trained) -> dict:
-        self.node.put_or_say("trained", json.dumps({"step": req.step, "node": self.node.node_id}), "trained marker")
+        self.node.put_or_say(keys.TRAINED, json.dumps({"step": req.step, "node": self.node.node_id}), "trained marker")
         return {"ok": True}
 
     def _on_migration(self, req: Migration) -> dict:
         record = req.record
-        if self.node.put_or_say(f"generations/{record.generation}/migration", record.dumps(), "migration record"):
-            self.node.put_or_say("last_migration", record.dumps(), "migration record")
+        if self.node.put_or_say(keys.migration(record.generation), record.dumps(), "migration record"):
+            self.node.put_or_say(keys.LAST_MIGRATION, record.dumps(), "migration record")
         self.node.emit("migration", record.model_dump(exclude={"schema_version"}))
         return {"ok": True}
 

@@ -20,6 +20,7 @@ from typing import Protocol
 from etc_agent.agent.node import Node, Superseded
 from etc_agent.agent.storehost import WorkerStores
 from etc_agent.agent.worker_env import assignments, worker_env
+from etc_agent.protocol import keys
 from etc_agent.protocol.phases import RESTART_EXIT, Phase
 from etc_agent.rendezvous.records import GenerationRecord, MasterRecord, NodeStatus
 from etc_agent.rendezvous.store import StoreError
@@ -110,7 +111,7 @@ class Generations:
     def master(self, gen: GenerationRecord) -> MasterRecord:
         """The workers' store of ``gen``: hosted by its first member, read by the others."""
         node = self.node
-        key = f"generations/{gen.number}/master"
+        key = keys.master(gen.number)
         if gen.members[0] == node.node_id:
             node.store.create(key, self._host_master(gen).dumps())
         deadline = time.monotonic() + node.config.join_timeout
@@ -142,7 +143,7 @@ class Generations:
         trained = False
         if gen.started:
             try:
-                trained = node.store.get("trained") is not None
+                trained = node.store.get(keys.TRAINED) is not None
             except StoreError:
                 trained = True  # unknown: never start fresh over state that may exist
         node.assignments = assignments(node, gen, master, trained)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from etc_agent.agent.departure import AfterAck, DepartureOutcome, after_acknowledgement, departure_verdict
 from etc_agent.agent.node import Node, Superseded
+from etc_agent.protocol import keys
 from etc_agent.protocol.phases import RESTART_EXIT, Phase
 from etc_agent.rendezvous.records import GenerationRecord, NodeStatus
 from etc_agent.rendezvous.store import StoreError
@@ -63,7 +64,7 @@ class Leaving:
             {"exit_code": verdict.exit_code, "reason": verdict.reason, **({"cause": cause.name} if cause else {})},
         )
         try:
-            node.store.delete(f"nodes/{node.node_id}")
+            node.store.delete(keys.node(node.node_id))
         except StoreError:
             pass
         return verdict.exit_code

@@ -25,6 +25,7 @@ from etc_agent.agent.forkserver import ForkServer
 from etc_agent.agent.node_state import NodeState, NodeStateMachine
 from etc_agent.agent.records import RecordReader
 from etc_agent.agent.workers import WorkerGroup, WorkerSpec
+from etc_agent.protocol import keys
 from etc_agent.protocol.control import Assignment
 from etc_agent.rendezvous.records import AbandonRecord, GenerationRecord, NodeRecord, NodeStatus
 from etc_agent.rendezvous.store import Lease, MembershipStore, StoreError
@@ -112,22 +113,22 @@ class Node:
 
     def register(self) -> None:
         self.lease = self.store.grant_lease(self.config.lease_ttl)
-        self.store.put(f"nodes/{self.node_id}", self.record().dumps(), lease=self.lease)
+        self.store.put(keys.node(self.node_id), self.record().dumps(), lease=self.lease)
 
     def put_record(self, state: NodeState | None = None) -> None:
-        self.store.put(f"nodes/{self.node_id}", self.record(state).dumps(), lease=self.lease)
+        self.store.put(keys.node(self.node_id), self.record(state).dumps(), lease=self.lease)
 
     def others_go_on(self) -> bool:
         """Whether another node that is not leaving is registered (True when the store cannot tell)."""
         try:
-            records = [self.reader.parse(NodeRecord, kv) for kv in self.store.get_prefix("nodes/")]
+            records = [self.reader.parse(NodeRecord, kv) for kv in self.store.get_prefix(keys.NODES)]
         except StoreError:
             return True
         return any(r is not None and r.node_id != self.node_id and not r.leaving for r in records)
 
     # ---- generations ----------------------------------------------------------------
     def read_generation(self) -> GenerationRecord | None:
-        kv = self.store.get("generation")
+        kv = self.store.get(keys.GENERATION)
         return self.reader.parse(GenerationRecord, kv) if kv is not None else None
 
     def superseded(self, gen: GenerationRecord) -> bool:
@@ -146,7 +147,7 @@ class Node:
         if self._reported == (gen.number, status.state):
             return
         try:
-            self.store.put(f"generations/{gen.number}/status/{self.node_id}", status.dumps(), lease=self.lease)
+            self.store.put(keys.status(gen.number, self.node_id), status.dumps(), lease=self.lease)
         except StoreError as err:
             self.emit("store_unreachable", {"error": str(err), "pending": f"status {status.state}"})
             self._unreported = (gen, status)
@@ -165,7 +166,7 @@ class Node:
             self.report(*pending)
 
     def abandon(self, generation: int, reason: str) -> None:
-        key = f"generations/{generation}/abandoned/{self.node_id}"
+        key = keys.abandon(generation, self.node_id)
         try:
             if self.store.get(key) is None:
                 self.store.put(key, AbandonRecord(generation=generation, reason=reason).dumps())
@@ -184,7 +185,7 @@ class Node:
             return False
 
     def mark_finished(self, step: int, generation: int) -> None:
-        self.put_or_say("finished", json.dumps({"step": step, "generation": generation}), "finished marker")
+        self.put_or_say(keys.FINISHED, json.dumps({"step": step, "generation": generation}), "finished marker")
         self._finished_cache = (time.monotonic(), True)
 
     def job_finished(self) -> bool:
@@ -192,7 +193,7 @@ class Node:
         if value or time.monotonic() - checked_at < 0.5:
             return value
         try:
-            value = self.store.get("finished") is not None
+            value = self.store.get(keys.FINISHED) is not None
         except StoreError:
             value = False
         self._finished_cache = (time.monotonic(), value)

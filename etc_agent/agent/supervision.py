@@ -16,6 +16,7 @@ import time
 from etc_agent.agent.endwatch import EndWatch
 from etc_agent.agent.node import Node
 from etc_agent.agent.worker_env import standby_env
+from etc_agent.protocol import keys
 from etc_agent.protocol.phases import RESTART_EXIT, Phase
 from etc_agent.rendezvous.records import GenerationRecord, NodeStatus
 from etc_agent.rendezvous.store import StoreError
@@ -185,7 +186,7 @@ class Supervision:
         while this node's processes start. They wait for their assignment in ``job.start()``."""
         node = self.node
         try:
-            elastic = node.store.get("elastic") is not None
+            elastic = node.store.get(keys.ELASTIC) is not None
             current = node.read_generation()
         except StoreError:
             return
@@ -258,11 +259,11 @@ class Supervision:
             return
         self._end_read_at = now
         try:
-            kvs = node.store.get_prefix(f"generations/{gen.number}/status/")
+            kvs = node.store.get_prefix(keys.statuses(gen.number))
         except StoreError:
             return
         succeeded = {
-            kv.key.rsplit("/", 1)[-1]
+            keys.node_of(kv.key)
             for kv in kvs
             if (status := node.reader.parse(NodeStatus, kv)) is not None and status.state == "succeeded"
         }

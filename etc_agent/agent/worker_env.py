@@ -5,9 +5,11 @@ transport and training ranks come from the generation record's helpers, the same
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from etc_agent.agent.node import Node
 from etc_agent.protocol.control import Assignment
+from etc_agent.protocol.settings import WorkerSettings
 from etc_agent.rendezvous.records import GenerationRecord, MasterRecord
 from etc_agent.utils import auth
 
@@ -15,26 +17,29 @@ from etc_agent.utils import auth
 def node_env(node: Node, local_rank: int, generation: int) -> dict[str, str]:
     """What a worker gets from this node whatever its place in a generation."""
     config, spec = node.config, node.spec
+    optional: dict[str, Any] = {}
+    if config.fresh_start:
+        optional["fresh_start"] = True
+    if config.checkpoint_interval:
+        optional.update(checkpoint_interval=config.checkpoint_interval, checkpoint_keep=config.checkpoint_keep)
+    settings = WorkerSettings(
+        agent_addr=node.control_address,
+        local_rank=local_rank,
+        device_index=0 if spec.virtual_local_rank else local_rank,
+        node_id=node.node_id,
+        generation=generation,
+        migration=config.migration,
+        checkpoint_dir=config.checkpoint_dir,
+        **optional,
+    )
     env = {
-        "LOCAL_RANK": "0" if spec.virtual_local_rank else str(local_rank),
-        "ETC_AGENT_LOCAL_RANK": str(local_rank),
+        **settings.to_env(),
         "ROLE_NAME": spec.role,
         "LOCAL_WORLD_SIZE": str(config.nproc_per_node),
         "TORCHELASTIC_MAX_RESTARTS": str(config.job_restarts),
         "TORCHELASTIC_RUN_ID": config.run_id,
-        "ETC_AGENT_GENERATION": str(generation),
-        "ETC_AGENT_NODE_ID": node.node_id,
-        "ETC_AGENT_ADDR": node.control_address,
         auth.TOKEN_ENV: node.control_keys.token(local_rank),
-        "ETC_AGENT_MIGRATION": config.migration,
     }
-    if config.checkpoint_dir:
-        env["ETC_AGENT_CHECKPOINT_DIR"] = config.checkpoint_dir
-    if config.fresh_start:
-        env["ETC_AGENT_FRESH_START"] = "1"
-    if config.checkpoint_interval:
-        env["ETC_AGENT_CHECKPOINT_INTERVAL"] = str(config.checkpoint_interval)
-        env["ETC_AGENT_CHECKPOINT_KEEP"] = str(config.checkpoint_keep)
     if "OMP_NUM_THREADS" in os.environ:
         env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
     if spec.virtual_local_rank:
@@ -67,7 +72,7 @@ def worker_env(node: Node, gen: GenerationRecord, master: MasterRecord, local_ra
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
     }
     if gen.parallel:
-        env["ETC_AGENT_PARALLEL"] = gen.parallel
+        env.update(WorkerSettings(parallel=gen.parallel).to_env())
     return env
 
 

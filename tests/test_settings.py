@@ -1,0 +1,81 @@
+"""The worker's environment as one typed class (etc_agent.protocol.settings), both ways."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from etc_agent.protocol.settings import WorkerSettings
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "cli.md"
+
+
+def test_what_the_agent_writes_the_worker_reads_back():
+    written = WorkerSettings(
+        agent_addr="10.0.0.1:4001",
+        local_rank=3,
+        device_index=0,
+        node_id="node-a",
+        generation=7,
+        migration="checkpoint",
+        checkpoint_dir="/ckpt",
+        checkpoint_interval=50,
+        checkpoint_keep=3,
+        fresh_start=True,
+        parallel="tp=2,pp=1,dp=2",
+    )
+    env = written.to_env()
+    assert env["ETC_AGENT_LOCAL_RANK"] == "3" and env["LOCAL_RANK"] == "0" and env["ETC_AGENT_FRESH_START"] == "1"
+    assert WorkerSettings.from_env(env) == written
+    assert WorkerSettings.from_env(env).cuda_index == 0
+
+
+def test_only_what_was_given_is_written():
+    assert WorkerSettings(generation=0, node_id="n").to_env() == {"ETC_AGENT_GENERATION": "0", "ETC_AGENT_NODE_ID": "n"}
+
+
+def test_the_local_rank_falls_back_to_torchruns_then_slurms():
+    assert WorkerSettings.from_env({"SLURM_LOCALID": "5"}).local_rank == 5
+    settings = WorkerSettings.from_env({"LOCAL_RANK": "2", "SLURM_LOCALID": "5"})
+    assert (settings.local_rank, settings.cuda_index) == (2, 2)
+    assert WorkerSettings.from_env({}).local_rank == 0
+
+
+def test_values_written_by_hand_are_read_as_a_user_means_them():
+    settings = WorkerSettings.from_env(
+        {
+            "ETC_AGENT_CHECKPOINT_INTERVAL": "1e2",
+            "ETC_AGENT_PRELOAD": "numpy, torch ,",
+            "ETC_AGENT_ELASTIC": "0",
+            "ETC_AGENT_TIMEOUT": "8",
+            "ETC_AGENT_BACKEND": "",
+        }
+    )
+    assert settings.checkpoint_interval == 100 and settings.preload == ("numpy", "torch")
+    assert settings.elastic is False and settings.timeout_s == 8.0 and settings.backend is None
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "says"),
+    [
+        (
+            "ETC_AGENT_TIMEOUT",
+            "soon",
+            "ETC_AGENT_TIMEOUT='soon': Input should be a valid number, unable to parse string as a number",
+        ),
+        ("ETC_AGENT_CONNECT_TIMEOUT", "0", "ETC_AGENT_CONNECT_TIMEOUT='0': Input should be greater than 0"),
+        ("ETC_AGENT_MIGRATION", "rsync", "ETC_AGENT_MIGRATION='rsync': Input should be 'live' or 'checkpoint'"),
+    ],
+)
+def test_a_bad_value_fails_at_start_up_naming_its_variable(name, value, says):
+    with pytest.raises(ValueError) as caught:
+        WorkerSettings.from_env({name: value})
+    assert str(caught.value) == says
+
+
+def test_every_variable_is_described_and_documented():
+    docs = DOCS.read_text()
+    for name, field in WorkerSettings.model_fields.items():
+        assert field.description, f"WorkerSettings.{name} has no description"
+        assert field.alias is not None and f"`{field.alias}`" in docs, f"{field.alias} is not in docs/cli.md"
