@@ -79,3 +79,33 @@ def test_every_variable_is_described_and_documented():
     for name, field in WorkerSettings.model_fields.items():
         assert field.description, f"WorkerSettings.{name} has no description"
         assert field.alias is not None and f"`{field.alias}`" in docs, f"{field.alias} is not in docs/cli.md"
+
+
+def test_with_log_format_json_the_workers_records_are_json_lines_like_the_agents_events(capsys):
+    import json
+    import logging
+
+    from etc_agent.worker.logs import configure_worker_logging
+
+    package = logging.getLogger("etc_agent")
+    saved = (list(package.handlers), package.level, package.propagate)
+    try:
+        configure_worker_logging(WorkerSettings.from_env({"ETC_AGENT_LOG_FORMAT": "json"}))
+        configure_worker_logging(WorkerSettings.from_env({"ETC_AGENT_LOG_FORMAT": "json"}))  # once only
+        settings = WorkerSettings.from_env({"ETC_AGENT_LOG_FORMAT": "json", "ETC_AGENT_NODE_ID": "n1"})
+        assert settings.log_format == "json"
+        logging.getLogger("etc_agent.worker.switch").info("moved %d bytes", 42)
+        lines = capsys.readouterr().err.splitlines()
+        assert len(lines) == 1
+        record = json.loads(lines[0])
+        assert {k: record[k] for k in ("event", "level", "logger", "message", "local_rank")} == {
+            "event": "worker_log",
+            "level": "INFO",
+            "logger": "etc_agent.worker.switch",
+            "message": "moved 42 bytes",
+            "local_rank": 0,
+        }
+    finally:
+        package.handlers[:] = saved[0]
+        package.setLevel(saved[1])
+        package.propagate = saved[2]

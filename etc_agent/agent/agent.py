@@ -21,7 +21,6 @@ sharing one :class:`~etc_agent.agent.node.Node`: the node's state (:mod:`node_st
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -54,6 +53,7 @@ from etc_agent.rendezvous.store import LeaseExpired, MembershipStore, StoreError
 from etc_agent.utils import auth
 from etc_agent.utils.jsonline import JsonLineServer, parse_address
 from etc_agent.utils.liveness import LivenessPort
+from etc_agent.utils.structlog import json_line
 
 log = logging.getLogger("etc_agent.agent")
 _STDOUT_LOCK = threading.Lock()
@@ -128,7 +128,7 @@ class Agent:
         event as one JSON line on stdout instead, whatever its level."""
         as_json = self.config.log_format == "json"
         if as_json:
-            line = json.dumps({"ts": round(time.time(), 3), "event": event, "node": self.node_id, **fields}) + "\n"
+            line = json_line(event, self.node_id, fields)
             with _STDOUT_LOCK:  # one write per record: print() writes the newline separately
                 sys.stdout.write(line)
                 sys.stdout.flush()

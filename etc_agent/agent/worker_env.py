@@ -20,6 +20,8 @@ def node_env(node: Node, local_rank: int, generation: int) -> dict[str, str]:
     optional: dict[str, Any] = {}
     if config.fresh_start:
         optional["fresh_start"] = True
+    if config.log_format == "json":
+        optional["log_format"] = "json"
     if config.checkpoint_interval:
         optional.update(checkpoint_interval=config.checkpoint_interval, checkpoint_keep=config.checkpoint_keep)
     settings = WorkerSettings(

@@ -83,6 +83,11 @@ class WorkerSettings(BaseModel):
     fresh_start: bool = Field(
         False, alias="ETC_AGENT_FRESH_START", description="etcrun --fresh-start: never resume from checkpoint_dir."
     )
+    log_format: Literal["text", "json"] = Field(
+        "text",
+        alias="ETC_AGENT_LOG_FORMAT",
+        description="etcrun --log-format: json makes the worker's own log records JSON lines on stderr.",
+    )
     preload: tuple[str, ...] = Field(
         (), alias="ETC_AGENT_PRELOAD", description="Comma-separated modules the fork server imports before forking."
     )
