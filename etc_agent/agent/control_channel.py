@@ -20,14 +20,17 @@ from etc_agent.agent.worker_env import node_env
 from etc_agent.agent.workers import WorkerGroup
 from etc_agent.protocol import keys
 from etc_agent.protocol.control import (
+    Ack,
     AssignmentQuery,
     AssignmentReply,
     Attach,
+    ControlReply,
     ControlRequest,
     Exiting,
     Fatal,
     Finished,
     GenerationQuery,
+    GenerationReply,
     Heartbeat,
     Hello,
     HelloReply,
@@ -51,7 +54,7 @@ class ControlChannel:
         self.node = node
         self._notify_peer_failure = notify_peer_failure
         self._elastic_announced = False
-        self._handlers: dict[type, Callable[[Any], dict]] = {
+        self._handlers: dict[type, Callable[[Any], ControlReply]] = {
             Hello: self._on_hello,
             Heartbeat: self._on_hello,
             Attach: self._on_attach,
@@ -79,7 +82,7 @@ class ControlChannel:
         except NotAllowed as err:
             node.emit("control_refused", {"key": key_id, "op": req.op, "reason": str(err)})
             raise
-        return self._handlers[type(req)](req)
+        return self._handlers[type(req)](req).model_dump()
 
     def _started_pid(self, local_rank: int) -> int | None:
         """The pid of the process this agent started for ``local_rank`` (None: none, or a sidecar)."""
@@ -88,7 +91,7 @@ class ControlChannel:
             return None
         return workers.pids().get(local_rank)
 
-    def _on_hello(self, req: Hello | Heartbeat) -> dict:
+    def _on_hello(self, req: Hello | Heartbeat) -> HelloReply:
         node = self.node
         # A new process under a local rank another process already served replaces it (sidecar: the
         # other launcher restarted it); it joins the generation after the one its predecessor ran.
@@ -109,7 +112,7 @@ class ControlChannel:
                 number = node.contacts.served.pop(req.local_rank) + 1
             env = {k: v for k, v in node_env(node, req.local_rank, number).items() if k not in _SIDECAR_ENV_OMITS}
             reply = reply.model_copy(update={"sidecar": True, "env": env})
-        return reply.model_dump()
+        return reply
 
     def _announce_elastic(self) -> None:
         """The leader reads it: a live job's crash is handled without ending the job."""
@@ -121,16 +124,16 @@ class ControlChannel:
         except StoreError:
             pass
 
-    def _on_attach(self, req: Attach) -> dict:
+    def _on_attach(self, req: Attach) -> Ack:
         if not self.node.config.sidecar:
             raise ValueError("attach is for workers of an etc-agent sidecar; this agent starts its own workers")
-        return {"ok": True, "hold": True}
+        return Ack(hold=True)
 
-    def _on_exiting(self, req: Exiting) -> dict:
+    def _on_exiting(self, req: Exiting) -> Ack:
         self.node.attachments.report_exit(req.local_rank, req.pid, req.code)
-        return {"ok": True}
+        return Ack()
 
-    def _on_assignment_query(self, req: AssignmentQuery) -> dict:
+    def _on_assignment_query(self, req: AssignmentQuery) -> AssignmentReply:
         node = self.node
         node.contacts.seen[req.local_rank] = time.monotonic()
         latest = node.latest
@@ -144,13 +147,13 @@ class ControlChannel:
             finished=node.job_finished(),
             standby=not node.assignments or not node.state.state.ready,
             stop=node.attachments.stop_requested(req.local_rank),
-        ).model_dump()
+        )
 
-    def _on_switch_failed(self, req: SwitchFailed) -> dict:
+    def _on_switch_failed(self, req: SwitchFailed) -> Ack:
         self.node.abandon(req.generation, f"{self.node.node_id} local_rank {req.local_rank}: {req.reason[:300]}")
-        return {"ok": True}
+        return Ack()
 
-    def _on_peer_failed(self, req: PeerFailed) -> dict:
+    def _on_peer_failed(self, req: PeerFailed) -> Ack:
         node = self.node
         key = keys.peer_failure(req.generation, node.node_id)
         try:
@@ -164,42 +167,38 @@ class ControlChannel:
             pending = f"peer failure in generation {req.generation}"
             node.emit("store_unreachable", {"error": str(err), "pending": pending})
         self._notify_peer_failure()
-        return {"ok": True}
+        return Ack()
 
-    def _on_fatal(self, req: Fatal) -> dict:
+    def _on_fatal(self, req: Fatal) -> Ack:
         gen = self.node.generation
         if gen is not None:
             self.node.report(gen, NodeStatus(state="failed", message=req.reason, fatal=True))
         self.node.emit("fatal", {"reason": req.reason[:500]})
-        return {"ok": True}
+        return Ack()
 
-    def _on_finished(self, req: Finished) -> dict:
+    def _on_finished(self, req: Finished) -> Ack:
         # The training ranks completed the last step: processes still on their way into a
         # generation (a late joiner) exit instead of waiting for peers that are gone.
         self.node.mark_finished(req.step, req.generation)
         self.node.emit("training_finished", {"step": req.step, "generation": req.generation})
-        return {"ok": True}
+        return Ack()
 
-    def _on_trained(self, req: Trained) -> dict:
+    def _on_trained(self, req: Trained) -> Ack:
         self.node.put_or_say(keys.TRAINED, json.dumps({"step": req.step, "node": self.node.node_id}), "trained marker")
-        return {"ok": True}
+        return Ack()
 
-    def _on_migration(self, req: Migration) -> dict:
+    def _on_migration(self, req: Migration) -> Ack:
         record = req.record
         if self.node.put_or_say(keys.migration(record.generation), record.dumps(), "migration record"):
             self.node.put_or_say(keys.LAST_MIGRATION, record.dumps(), "migration record")
         self.node.emit("migration", record.model_dump(exclude={"schema_version"}))
-        return {"ok": True}
+        return Ack()
 
-    def _on_generation_query(self, req: GenerationQuery) -> dict:
+    def _on_generation_query(self, req: GenerationQuery) -> GenerationReply:
         node = self.node
-        latest = node.latest
-        return {
-            "node_id": node.node_id,
-            "running": node.generation.model_dump() if node.generation else None,
-            "latest": latest.model_dump() if latest else None,
-            "leaving": node.state.state.leaving,
-        }
+        return GenerationReply(
+            node_id=node.node_id, running=node.generation, latest=node.latest, leaving=node.state.state.leaving
+        )
 
     def attached(self, req: Attach, sock: Any, reader: Any) -> None:
         """A sidecar's worker holds its attach connection while it lives (runs in the connection's thread)."""

@@ -25,10 +25,12 @@ import subprocess
 import sys
 import time
 
+from pydantic import ValidationError
+
 from etc_agent.agent._exec_with_parent import dying_with_this_process
 from etc_agent.agent.forkserver import ForkedProcess, ForkServer
 from etc_agent.agent.workers import WorkerSpec
-from etc_agent.protocol.control import GenerationQuery
+from etc_agent.protocol.control import GenerationQuery, GenerationReply
 from etc_agent.utils import auth
 from etc_agent.utils.jsonline import JsonLineError, parse_address, request
 
@@ -37,11 +39,11 @@ def _job_over(address: tuple[str, int]) -> str | None:
     """'succeeded'/'failed' once the agent says the job ended; None while it runs or cannot be asked."""
     try:
         key = auth.worker_key(f"{address[0]}:{address[1]}", 0)
-        reply = request(address, GenerationQuery().model_dump(), timeout=5, key=key)
-    except (OSError, JsonLineError, auth.AuthError):
+        reply = GenerationReply.model_validate(request(address, GenerationQuery().model_dump(), timeout=5, key=key))
+    except (OSError, JsonLineError, auth.AuthError, ValidationError):
         return None
-    latest = reply.get("latest") or {}
-    return latest.get("status") if latest.get("status") in ("succeeded", "failed") else None
+    status = reply.latest.status if reply.latest is not None else None
+    return status if status in ("succeeded", "failed") else None
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:

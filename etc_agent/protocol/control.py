@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 
-from etc_agent.rendezvous.records import MigrationRecord
+from etc_agent.rendezvous.records import GenerationRecord, MigrationRecord
 
 MAX_REASON = 2000
 
@@ -205,3 +205,23 @@ class AssignmentReply(_Reply):
         description="The node serves no generation yet (a warm joiner waits as long as its node does)."
     )
     stop: bool = Field(False, description="Sidecar: the agent asks this worker to stop.")
+
+
+class Ack(_Reply):
+    """A request carried out (``hold``: the connection stays open while the worker lives, sidecar)."""
+
+    ok: bool = True
+    hold: bool = False
+
+
+class GenerationReply(_Reply):
+    """What the agent serves: the generation its workers are in, the newest one read, whether it leaves."""
+
+    node_id: str
+    running: GenerationRecord | None
+    latest: GenerationRecord | None
+    leaving: bool
+
+
+ControlReply = Ack | HelloReply | AssignmentReply | GenerationReply
+"""Every reply of the agent on the control channel."""
