@@ -34,6 +34,7 @@ TEST_LAYERS: dict[str, tuple[str, dict[str, list[str]]]] = {
     "test_auth.py": ("unit", {}),
     "test_checkpoint_baseline.py": ("multiproc", {}),
     "test_cli.py": ("e2e", {}),  # etc-agent plan in a subprocess, about 2 s each
+    "test_decision.py": ("unit", {}),
     "test_dependencies.py": ("unit", {}),
     "test_elastic.py": ("e2e", {}),
     "test_etcd_auth.py": ("e2e", {}),
