@@ -25,6 +25,7 @@ from etc_agent.agent.gone import GoneAgents
 from etc_agent.agent.records import RecordReader, where
 from etc_agent.agent.snapshot import NodeEntry, Settings, Snapshot, members, ordered_nodes
 from etc_agent.layout.config import ParallelSpec
+from etc_agent.protocol import keys
 from etc_agent.rendezvous.records import AbandonRecord, GenerationRecord, LeaderRecord, NodeRecord, NodeStatus
 from etc_agent.rendezvous.store import KeyValue, Lease, MembershipStore, StoreError, WatchEvent
 
@@ -115,13 +116,13 @@ class Leader:
 
     def _leader_node(self) -> tuple[KeyValue, NodeRecord] | None:
         """The leader key and its holder's node record, when another agent holds it."""
-        kv = self.store.get("leader")
+        kv = self.store.get(keys.LEADER)
         if kv is None:
             return None
         holder = self.reader.parse(LeaderRecord, kv)
         if holder is None or holder.node_id == self.node_id:
             return None
-        node_kv = self.store.get(f"nodes/{holder.node_id}")
+        node_kv = self.store.get(keys.node(holder.node_id))
         record = self.reader.parse(NodeRecord, node_kv) if node_kv is not None else None
         return (kv, record) if record is not None else None
 
@@ -144,10 +145,10 @@ class Leader:
         if not self._gone.is_gone(record):
             return False
         if not self.store.compare_and_set(
-            "leader", LeaderRecord(node_id=self.node_id).dumps(), kv.version, lease=self._lease()
+            keys.LEADER, LeaderRecord(node_id=self.node_id).dumps(), kv.version, lease=self._lease()
         ):
             return False
-        self.store.delete(f"nodes/{record.node_id}")
+        self.store.delete(keys.node(record.node_id))
         self.emit(
             "agent_gone",
             {
@@ -158,22 +159,22 @@ class Leader:
         return True
 
     def _win(self) -> bool:
-        current = self.store.get("leader")
+        current = self.store.get(keys.LEADER)
         record = LeaderRecord(node_id=self.node_id).dumps()
         holder = self.reader.parse(LeaderRecord, current) if current is not None else None
         self._holder_seen = holder.node_id if holder is not None and holder.node_id != self.node_id else None
         if current is None:
-            if self.store.create("leader", record, lease=self._lease()):
+            if self.store.create(keys.LEADER, record, lease=self._lease()):
                 return True
             # Another agent won the key just now: learn who at once (its port is probed next), not a
             # fifth of a lease later, or a leader killed in the first seconds is never found gone.
-            won = self.store.get("leader")
+            won = self.store.get(keys.LEADER)
             winner = self.reader.parse(LeaderRecord, won) if won is not None else None
             self._holder_seen = winner.node_id if winner is not None and winner.node_id != self.node_id else None
             return False
         if holder is None:
             # Not a leader's record (it would have been written with a lease): take the key over.
-            return self.store.compare_and_set("leader", record, current.version, lease=self._lease())
+            return self.store.compare_and_set(keys.LEADER, record, current.version, lease=self._lease())
         return holder.node_id == self.node_id  # still ours (leading stopped on a store error): lead again
 
     def _lead(self) -> None:
@@ -189,7 +190,7 @@ class Leader:
                 elif time.monotonic() - last_decision > 1.0:
                     self.decide()  # also without events: a watch may have missed one
                     last_decision = time.monotonic()
-                leader = self.store.get("leader")
+                leader = self.store.get(keys.LEADER)
                 record = self.reader.parse(LeaderRecord, leader) if leader is not None else None
                 if record is None or record.node_id != self.node_id:
                     self.emit("leadership_lost", {})
@@ -204,7 +205,7 @@ class Leader:
                         "store_unreachable", {"error": str(err), "pending": "the departing leader's last decision"}
                     )
                 try:
-                    self.store.delete("leader")
+                    self.store.delete(keys.LEADER)
                 except StoreError:
                     pass
 
@@ -214,7 +215,7 @@ class Leader:
         first; nothing when no other node carries the job on."""
         deadline = time.monotonic() + HAND_OVER_WAIT_S
         while True:
-            kv = self.store.get(f"nodes/{self.node_id}")
+            kv = self.store.get(keys.node(self.node_id))
             record = self.reader.parse(NodeRecord, kv) if kv is not None else None
             if record is None or record.leaving or time.monotonic() >= deadline:
                 break
@@ -235,7 +236,7 @@ class Leader:
 
     def _on_event(self, event: WatchEvent) -> None:
         if (
-            event.key.startswith("nodes/")
+            event.key.startswith(keys.NODES)
             or "/status/" in event.key
             or "/abandoned/" in event.key
             or "/peer_failed/" in event.key
@@ -247,10 +248,10 @@ class Leader:
     def statuses(self, generation: int) -> dict[str, NodeStatus]:
         """Node id -> the status its agent reported for ``generation`` (foreign values left out)."""
         statuses = {}
-        for skv in self.store.get_prefix(f"generations/{generation}/status/"):
+        for skv in self.store.get_prefix(keys.statuses(generation)):
             status = self.reader.parse(NodeStatus, skv)
             if status is not None:
-                statuses[skv.key.rsplit("/", 1)[-1]] = status
+                statuses[keys.node_of(skv.key)] = status
         return statuses
 
     def members_now(self, include_leaving: bool = False, include_unready: bool = False) -> list[NodeRecord]:
@@ -260,7 +261,7 @@ class Leader:
     def _read_nodes(self) -> tuple[NodeEntry, ...]:
         """Every node record registered under a lease (group order: :func:`~etc_agent.agent.snapshot.ordered_nodes`)."""
         entries = []
-        for kv in self.store.get_prefix("nodes/"):
+        for kv in self.store.get_prefix(keys.NODES):
             if not kv.lease:
                 # Every agent registers under its lease; a record without one outlives any process
                 # and is not a member (a leftover, or written by hand).
@@ -275,7 +276,7 @@ class Leader:
 
     def _requested_spec(self) -> ParallelSpec | None:
         """A layout asked for at run time (``etc-agent reconfigure``), which wins over ``--parallel``."""
-        kv = self.store.get("parallel")
+        kv = self.store.get(keys.REQUESTED_PARALLEL)
         if kv is None:
             return None
         try:
@@ -286,27 +287,28 @@ class Leader:
 
     def _read(self) -> Snapshot:
         """One read of everything the decision uses: the only place the decision reads the store."""
-        kv = self.store.get("generation")
+        kv = self.store.get(keys.GENERATION)
         current = self.reader.parse(GenerationRecord, kv) if kv else None
         latest = self._latest()
         if current is not None and current.status in ("failed", "succeeded"):
             return Snapshot(self._settings, time.time(), kv.version if kv else 0, current, latest)  # the job is over
         used_numbers: tuple[int, ...] = ()
         if kv is not None and current is None:
-            used = [k.key.split("/")[1] for k in self.store.get_prefix("generations/")]
-            used_numbers = tuple(int(n) for n in used if n.isdigit())
+            used = (keys.generation_number(k.key) for k in self.store.get_prefix(keys.GENERATIONS))
+            used_numbers = tuple(n for n in used if n is not None)
         statuses: dict[str, NodeStatus] = {}
         abandoned: list[AbandonRecord] = []
         num_peer_failed, migration_done = 0, False
         if current is not None and current.status == "running":
             # The statuses first, then the node records: a node that reported a worker failure took
             # itself out of the membership before, so the records read after it show that too.
-            prefix = f"generations/{current.number}/"
             statuses = self.statuses(current.number)
-            parsed = (self.reader.parse(AbandonRecord, akv) for akv in self.store.get_prefix(prefix + "abandoned/"))
+            parsed = (
+                self.reader.parse(AbandonRecord, akv) for akv in self.store.get_prefix(keys.abandons(current.number))
+            )
             abandoned = [r for r in parsed if r is not None]
-            num_peer_failed = len(self.store.get_prefix(prefix + "peer_failed/"))
-            migration_done = self.store.get(prefix + "migration") is not None
+            num_peer_failed = len(self.store.get_prefix(keys.peer_failures(current.number)))
+            migration_done = self.store.get(keys.migration(current.number)) is not None
         nodes = self._read_nodes()
         return Snapshot(
             settings=self._settings,
@@ -320,7 +322,7 @@ class Leader:
             abandoned=tuple(abandoned),
             num_peer_failed=num_peer_failed,
             migration_done=migration_done,
-            live_job=self.store.get("elastic") is not None,
+            live_job=self.store.get(keys.ELASTIC) is not None,
             requested_spec=self._requested_spec(),
         )
 
@@ -357,7 +359,7 @@ class Leader:
         published only if ``generation`` is still at the version ``snapshot`` read."""
         for node_id in made.drop:
             assert snapshot.current is not None  # gone agents are found in a running generation only
-            self.store.delete(f"nodes/{node_id}")
+            self.store.delete(keys.node(node_id))
             self.emit(
                 "agent_gone",
                 {
@@ -369,7 +371,7 @@ class Leader:
         record = made.record
         if record is None:
             return
-        if self.store.compare_and_set("generation", record.dumps(), made.version):
+        if self.store.compare_and_set(keys.GENERATION, record.dumps(), made.version):
             self.emit(
                 "generation_published",
                 {
