@@ -161,7 +161,7 @@ def test_store_quotas_refuse_what_would_exceed_them_and_deleted_values_leave_the
             store.delete(f"v{i}")
         store.put("c", "1")
         state = server.state
-        assert state.data_bytes == sum(len(k) + len(v["value"]) for k, v in state.data.items())
+        assert state.data_bytes == sum(len(k) + len(v.value) for k, v in state.data.items())
         assert state.event_bytes <= limits.max_event_log_bytes
         assert sum(len(e[2]) + len(e[3] or "") for e in state.events) == state.event_bytes
     finally:

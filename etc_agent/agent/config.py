@@ -2,7 +2,7 @@
 
 Each field's description is the help text of the etcrun flag that sets it, and every check of a
 setting lives here (ranges, choices, what needs what): etcrun maps its flags to these fields and
-turns a rejected value into one line naming the flag (``etc_agent.cli.etcrun``).
+turns a rejected value into one line naming the flag (``etc_agent.cli.etcrun_config``).
 """
 
 from __future__ import annotations

@@ -4,9 +4,22 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import typer
+
+
+class UserError(Exception):
+    """A mistake in the command line or its inputs: one line on stderr, exit code 2."""
+
+
+def check_output(path: Path, flag: str) -> None:
+    """A file the command will write: its directory must exist (said before any work is done)."""
+    if path.is_dir():
+        raise UserError(f"{flag} {path}: a directory; give a file name")
+    if not path.parent.is_dir():
+        raise UserError(f"{flag} {path}: no directory {path.parent}")
 
 
 def run_app(

@@ -1,5 +1,12 @@
 """Command-line options generated from a pydantic model's fields, so every documented figure of a
-cost model is a flag with the field's own description, and the two never drift apart."""
+cost model is a flag with the field's own description, and the two never drift apart.
+
+Two ways: :func:`model_options` adds a model's fields to a command as optional overrides (a dict of
+the flags given), :func:`flags_command` makes a command's options from a flags model (each field
+an option or argument, its description the help, its default the default; :class:`Cli` in the
+field's ``Annotated`` metadata where it is not spelled ``--field-name``) and hands the command the
+model.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +14,12 @@ import functools
 import inspect
 import types
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar, Union, get_args, get_origin
 
 import typer
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 
 
 class OptionsError(ValueError):
@@ -51,6 +60,64 @@ def model_options(model_cls: type[BaseModel], dest: str, panel: str | None = Non
         def command(*args: Any, **kwargs: Any) -> Any:
             given = {name: kwargs.pop(name) for name in fields if name in kwargs}
             kwargs[dest] = {name: value for name, value in given.items() if value is not None}
+            return fn(*args, **kwargs)
+
+        command.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        return command
+
+    return wrap
+
+
+@dataclass(frozen=True)
+class Cli:
+    """How a field of a flags model (:func:`flags_command`) is given on the command line, where it is
+    not the option ``--field-name``."""
+
+    names: tuple[str, ...] = ()
+    """The option's long spellings, instead of ``--field-name``."""
+    short: tuple[str, ...] = ()
+    """Short spellings before them (``-m``)."""
+    torchrun: bool = False
+    """torchrun's way: also spelled ``--field_name``, and read from ``PET_FIELD_NAME`` (not shown in the help)."""
+    envvar: str | None = None
+    argument: bool = False
+    """A positional argument instead of an option."""
+
+
+TORCHRUN = Cli(torchrun=True)
+
+
+def _command_parameter(name: str, field: FieldInfo) -> inspect.Parameter:
+    """The typer parameter of one field of a flags model."""
+    cli = next((meta for meta in field.metadata if isinstance(meta, Cli)), Cli())
+    info: Any
+    if cli.argument:
+        info = typer.Argument(help=field.description)
+    elif cli.torchrun:
+        names = [*cli.short, *(cli.names or [flag_name(name)]), *([f"--{name}"] if "_" in name else [])]
+        info = typer.Option(*names, envvar=f"PET_{name.upper()}", show_envvar=False, help=field.description)
+    else:
+        info = typer.Option(*cli.short, *(cli.names or [flag_name(name)]), envvar=cli.envvar, help=field.description)
+    default = inspect.Parameter.empty if field.is_required() else field.default
+    return inspect.Parameter(
+        name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=Annotated[field.annotation, info]
+    )
+
+
+def flags_command(flags_cls: type[BaseModel], dest: str) -> Callable:
+    """Decorate a typer command: one option (or argument) per field of ``flags_cls``, in the fields'
+    order after the command's own parameters, and ``dest=`` the model of the values given."""
+    fields = flags_cls.model_fields
+
+    def wrap(fn: Callable) -> Callable:
+        sig = inspect.signature(fn, eval_str=True)  # typer reads __signature__ as is: no string annotations
+        params = [p for p in sig.parameters.values() if p.name != dest]
+        params += [_command_parameter(name, field) for name, field in fields.items()]
+
+        @functools.wraps(fn)
+        def command(*args: Any, **kwargs: Any) -> Any:
+            kwargs[dest] = flags_cls(**{name: kwargs.pop(name) for name in fields})
             return fn(*args, **kwargs)
 
         command.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -30,14 +31,41 @@ def transition_title(plan: MigrationPlan) -> str:
     return f"{old} on {len(plan.devices_old)} devices -> {new} on {len(plan.devices_new)} devices"
 
 
+Row = tuple[str, str, str]
+"""One line of the summary: figure, value, note."""
+
+
 def summary_table(plan: MigrationPlan) -> Table:
     table = Table(title=transition_title(plan), show_header=True, header_style="bold")
     table.add_column("figure")
     table.add_column("value", justify="right")
     table.add_column("", style="dim")
+    rows = _figure_rows(plan)
+    if plan.failure_domains is not None:
+        rows += _failure_domain_rows(plan.failure_domains)
+    advice = plan.resilient_alternative
+    if advice is not None:
+        rows.append(
+            (
+                "resilient placement would move",
+                fmt_bytes(advice["bytes_moved"]),
+                f"+{fmt_bytes(advice['extra_bytes_moved'])}; then a node loss loses "
+                f"{fmt_bytes(advice['worst_node_loss']['bytes_lost'] if advice['worst_node_loss'] else 0)} "
+                "(--placement resilient applies it)",
+            )
+        )
+    if plan.failed:
+        rows.insert(0, ("failed devices", str(len(plan.failed)), ", ".join(map(str, plan.failed[:8]))))
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def _figure_rows(plan: MigrationPlan) -> list[Row]:
+    """What the plan moves and costs, beside what the naive and checkpoint ways would."""
     moved = plan.bytes_moved
     resident = sum(plan.resident_bytes.values())
-    rows = [
+    return [
         ("state (each element once)", fmt_bytes(plan.state_bytes), ""),
         ("new layout needs (all devices)", fmt_bytes(sum(plan.need_bytes.values())), ""),
         ("already resident", fmt_bytes(resident), "no copy over a link"),
@@ -61,52 +89,38 @@ def summary_table(plan: MigrationPlan) -> Table:
         ("plan seconds", f"{plan.plan_seconds:.3f}", "time to compute this plan"),
         ("plan hash", plan.plan_hash, ""),
     ]
-    domains = plan.failure_domains
-    if domains is not None:
-        worst = domains["worst_node_loss"]
-        rows += [
-            (
-                "shards with one failure domain",
-                str(domains["single_domain_shards"]),
-                f"{fmt_bytes(domains['single_domain_bytes'])} with every copy in one node"
-                + (
-                    f" ({fmt_bytes(domains['unavoidable_single_domain_bytes'])} held once: ZeRO ranges, dp=1)"
-                    if domains["unavoidable_single_domain_bytes"]
-                    else ""
-                ),
+
+
+def _failure_domain_rows(domains: dict[str, Any]) -> list[Row]:
+    """State whose every copy sits in one node, and what the loss of each node would lose."""
+    rows: list[Row] = [
+        (
+            "shards with one failure domain",
+            str(domains["single_domain_shards"]),
+            f"{fmt_bytes(domains['single_domain_bytes'])} with every copy in one node"
+            + (
+                f" ({fmt_bytes(domains['unavoidable_single_domain_bytes'])} held once: ZeRO ranges, dp=1)"
+                if domains["unavoidable_single_domain_bytes"]
+                else ""
             ),
-        ]
-        if worst is not None and domains["num_nodes"] > 1:
-            rows.append(
-                (
-                    "worst single node loss",
-                    f"{fmt_bytes(worst['bytes_lost'])} lost",
-                    f"{worst['node']}: {fmt_bytes(worst['bytes_from_peers'])} from peers",
-                )
-            )
-            losing = [n for n in domains["node_loss"] if n["bytes_lost"]]
-            for node in losing[:MAX_NODE_LOSS_ROWS]:
-                rows.append(
-                    (f"  loss of {node['node']}", f"{fmt_bytes(node['bytes_lost'])} lost", "only a checkpoint has it")
-                )
-            if len(losing) > MAX_NODE_LOSS_ROWS:
-                rows.append(("", f"{len(losing) - MAX_NODE_LOSS_ROWS} more nodes", "see --json node_loss"))
-    advice = plan.resilient_alternative
-    if advice is not None:
-        rows.append(
-            (
-                "resilient placement would move",
-                fmt_bytes(advice["bytes_moved"]),
-                f"+{fmt_bytes(advice['extra_bytes_moved'])}; then a node loss loses "
-                f"{fmt_bytes(advice['worst_node_loss']['bytes_lost'] if advice['worst_node_loss'] else 0)} "
-                "(--placement resilient applies it)",
-            )
+        ),
+    ]
+    worst = domains["worst_node_loss"]
+    if worst is None or domains["num_nodes"] <= 1:
+        return rows
+    rows.append(
+        (
+            "worst single node loss",
+            f"{fmt_bytes(worst['bytes_lost'])} lost",
+            f"{worst['node']}: {fmt_bytes(worst['bytes_from_peers'])} from peers",
         )
-    if plan.failed:
-        rows.insert(0, ("failed devices", str(len(plan.failed)), ", ".join(map(str, plan.failed[:8]))))
-    for row in rows:
-        table.add_row(*row)
-    return table
+    )
+    losing = [n for n in domains["node_loss"] if n["bytes_lost"]]
+    for node in losing[:MAX_NODE_LOSS_ROWS]:
+        rows.append((f"  loss of {node['node']}", f"{fmt_bytes(node['bytes_lost'])} lost", "only a checkpoint has it"))
+    if len(losing) > MAX_NODE_LOSS_ROWS:
+        rows.append(("", f"{len(losing) - MAX_NODE_LOSS_ROWS} more nodes", "see --json node_loss"))
+    return rows
 
 
 def assignment_table(plan: MigrationPlan) -> Table:
