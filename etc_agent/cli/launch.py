@@ -13,6 +13,7 @@ from etc_agent.agent.console import add_log_file, configure_logging, console_lev
 from etc_agent.agent.workers import WorkerSpec
 from etc_agent.cli.etcrun_flags import EtcrunFlags
 from etc_agent.cli.rdzv import Rendezvous, open_stores
+from etc_agent.protocol import keys
 from etc_agent.rendezvous.store import MembershipStore
 
 log = logging.getLogger("etc_agent.etcrun")
@@ -58,7 +59,7 @@ def _keep_serving_store(store: MembershipStore, agent: Agent) -> None:
     """
     announced = False
     while not agent.hard_stop.is_set():
-        others = [kv for kv in store.get_prefix("nodes/") if not kv.key.endswith(agent.node_id)]
+        others = [kv for kv in store.get_prefix(keys.NODES) if not kv.key.endswith(agent.node_id)]
         if not others:
             return
         if not announced:

@@ -28,6 +28,7 @@ from etc_agent.cli.options import OptionsError
 from etc_agent.cli.plan import parse_failed, plan
 from etc_agent.cli.simulate import simulate
 from etc_agent.cli.status import migration_table, status
+from etc_agent.protocol import keys
 from etc_agent.rendezvous.store import MembershipStore, StoreError
 
 if TYPE_CHECKING:
@@ -98,7 +99,7 @@ def reconfigure(
         rdzv_backend, rdzv_endpoint, rdzv_id, etcd_ca_cert, etcd_cert, etcd_key, etcd_user, etcd_password
     ) as store:
         _check_fits_the_job(spec, store, rdzv_id)
-        store.put("parallel", json.dumps({"spec": spec.short()}))
+        store.put(keys.REQUESTED_PARALLEL, json.dumps({"spec": spec.short()}))
     sys.stdout.write(f"requested {spec.short()} for run {rdzv_id}\n")
 
 
@@ -109,7 +110,7 @@ def _check_fits_the_job(spec: ParallelSpec, store: MembershipStore, rdzv_id: str
     """A layout the running job's devices cannot take is refused here, not parked by the leader."""
     from etc_agent.rendezvous.records import GenerationRecord
 
-    kv = store.get("generation")
+    kv = store.get(keys.GENERATION)
     if kv is None:
         raise UserError(f"run {rdzv_id}: no generation in the store (is the job running, and is this its run id?)")
     gen = GenerationRecord.loads(kv.value)

@@ -23,6 +23,7 @@ from etc_agent.cli.jobstore import (
     RdzvId,
     open_job_store,
 )
+from etc_agent.protocol import keys
 from etc_agent.rendezvous.records import GenerationRecord, LeaderRecord, MigrationRecord, NodeRecord, NodeStatus
 from etc_agent.rendezvous.store import MembershipStore
 
@@ -54,24 +55,24 @@ class JobStatus:
 
 def read_status(store: MembershipStore) -> JobStatus:
     job = JobStatus()
-    for kv in store.get_prefix("nodes/"):
+    for kv in store.get_prefix(keys.NODES):
         try:
             job.nodes.append(NodeRecord.loads(kv.value))
         except ValueError as err:
             job.rejected.append({"key": kv.key, "reason": str(err)})
-    leader_kv = store.get("leader")
-    gen_kv = store.get("generation")
+    leader_kv = store.get(keys.LEADER)
+    gen_kv = store.get(keys.GENERATION)
     job.leader = LeaderRecord.loads(leader_kv.value).node_id if leader_kv else None
     job.generation = GenerationRecord.loads(gen_kv.value) if gen_kv else None
     if job.generation is not None:
-        for kv in store.get_prefix(f"generations/{job.generation.number}/status/"):
-            job.statuses[kv.key.rsplit("/", 1)[-1]] = NodeStatus.loads(kv.value)
-    migration_kv = store.get("last_migration")
+        for kv in store.get_prefix(keys.statuses(job.generation.number)):
+            job.statuses[keys.node_of(kv.key)] = NodeStatus.loads(kv.value)
+    migration_kv = store.get(keys.LAST_MIGRATION)
     if migration_kv is not None:
         try:
             job.migration = MigrationRecord.loads(migration_kv.value)
         except ValueError as err:
-            job.rejected.append({"key": "last_migration", "reason": str(err)})
+            job.rejected.append({"key": keys.LAST_MIGRATION, "reason": str(err)})
     return job
 
 
