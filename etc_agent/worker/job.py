@@ -60,6 +60,7 @@ from etc_agent.worker.groups import destroy_all_groups, mark_loaded_modules_clea
 from etc_agent.worker.link import AgentLink
 from etc_agent.worker.report import Stopped
 from etc_agent.worker.switch import Switch
+from etc_agent.worker.switch_view import JobView, Resumed
 
 __all__ = ["ArrivalTimeout", "Build", "Job", "JobError", "JobFinished", "StateLost", "current", "init"]
 
@@ -447,7 +448,7 @@ class Job:
 
     def _switch(self, at_least: int, why: str, stopped: Stopped | None, failure: bool) -> None:
         try:
-            Switch(self, stopped, failure).run(at_least, why)
+            Switch(self._switch_view(), stopped, failure).run(at_least, why)
         except JobFinished:
             self.phase.to(Phase.FINISHED)
             print(
@@ -458,6 +459,49 @@ class Job:
             if self.link is not None:
                 self.link.close()
             raise SystemExit(0) from None
+
+    def _switch_view(self) -> JobView:
+        """The switch's view of this job: settings, services, and the calls that change the job's state."""
+        assert self.link is not None  # only an elastic job switches, and it has its agent link
+        return JobView(
+            link=self.link,
+            phase=self.phase,
+            checkpointer=self.checkpointer,
+            timeout_s=self.timeout_s,
+            backend=self.backend,
+            device=self.device,
+            node_id=self.node_id,
+            local_rank=self.local_rank,
+            migration=self.migration,
+            checkpoint_dir=self.checkpoint_dir,
+            resumes_from_storage=self.resumes_from_storage,
+            config_for=self.config_for,
+            build_state=self.build_state,
+            publish=self.publish,
+            fatal=self.fatal,
+            mark_trained=self.mark_trained,
+            next_step=lambda: self.next_step,
+            take_state=self._take_state,
+            teardown=self.teardown_group,
+            leave=self._leave,
+            use_store=self._use_store,
+            resume=self._resume,
+        )
+
+    def _take_state(self) -> tuple[dict | None, ParallelContext | None]:
+        state, self.state = self.state, None  # the app objects may hold old groups: the teardown frees them
+        return state, self.ctx
+
+    def _leave(self) -> None:
+        self.state, self.ctx = None, None
+        self.teardown_group()
+
+    def _use_store(self, store: dist.Store) -> None:
+        self.store = store
+
+    def _resume(self, resumed: Resumed) -> None:
+        self.state, self.ctx = resumed.state, resumed.ctx
+        self.next_step, self.generation = resumed.next_step, resumed.generation
 
     def publish(self, record: MigrationRecord) -> None:
         """Keep, log and hand one migration record to the agent (which stores it for `etc-agent status`)."""
