@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from etc_agent.layout.config import ParallelConfig
-from etc_agent.protocol.control import Assignment
 from etc_agent.protocol.phases import PhaseTracker
 from etc_agent.rendezvous.records import MigrationRecord
 from etc_agent.worker.context import ParallelContext
@@ -52,7 +51,8 @@ class JobView:
     migration: str
     """live, or checkpoint (the baseline)."""
     checkpoint_dir: str | None
-    resumes_from_storage: Callable[[Assignment], bool]
+    fresh_start: bool
+    """``etcrun --fresh-start``: never resume from the checkpoints in ``checkpoint_dir``."""
     config_for: Callable[[str | None, int], ParallelConfig]
     build_state: Callable[[ParallelContext], dict]
     publish: Callable[[MigrationRecord], None]

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from etc_agent.migrate.describe import BoxedTensor, describe_state
+from etc_agent.protocol.control import Assignment
 from etc_agent.utils.plainstate import to_json
 from etc_agent.worker.appstate import split_state
 from etc_agent.worker.context import ParallelContext
@@ -85,7 +86,7 @@ def exchange(job: JobView, entry: Entry, held: Held) -> Exchanged:
             }
         )
     storage = checkpointer.storage_steps() if checkpointer is not None else {}
-    if job.resumes_from_storage(assignment):
+    if resumes_from_storage(job, assignment):
         from etc_agent.worker.checkpoint import resumable_checkpoints
 
         assert job.checkpoint_dir is not None  # resumes_from_storage() asks for it
@@ -94,6 +95,12 @@ def exchange(job: JobView, entry: Entry, held: Held) -> Exchanged:
         {"device": str(entry.device), "new_rank": entry.new_rank, "versions": versions, "storage": storage}
     )
     return Exchanged(statuses, snapshots)
+
+
+def resumes_from_storage(job: JobView, assignment: Assignment) -> bool:
+    """The job's first generation with ``--checkpoint-dir``: a full restart resumes from its newest
+    complete checkpoint (``--fresh-start``: from scratch)."""
+    return not assignment.started and job.checkpoint_dir is not None and job.migration == "live" and not job.fresh_start
 
 
 def candidate_states(
