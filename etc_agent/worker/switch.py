@@ -54,7 +54,7 @@ class _Standby(Exception):
 
 
 class Switch:
-    """One switch of the job ``job`` shows (see the module docstring); :meth:`run` returns once the job is in."""
+    """One switch of the job seen through ``job`` (see the module docstring); :meth:`run` returns once it is in."""
 
     def __init__(self, job: JobView, stopped: Stopped | None, failure: bool):
         self.job, self.stopped, self.failure = job, stopped, failure
