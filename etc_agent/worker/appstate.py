@@ -20,7 +20,7 @@ migrated tensors and the carried plain values. Plain values travel as JSON, neve
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from etc_agent.utils.plainstate import from_json, json_key, load_param_group, ma
 
 __all__ = [
     "from_json",
+    "hook_optimizers",
     "load_param_group",
     "load_state",
     "materialize_optimizer_state",
@@ -55,6 +56,22 @@ def param_names(app: Mapping[str, Any]) -> dict[int, str]:
             for fqn, param in obj.named_parameters(remove_duplicate=False):
                 names.setdefault(id(param), f"{name}.{fqn}")
     return names
+
+
+def hook_optimizers(
+    app: Mapping[str, Any], zero: bool, before_step: Callable[..., None] | None, after_step: Callable[..., None]
+) -> None:
+    """Give every optimizer of the app state its state now (zeros when ``zero``: nothing will be
+    loaded into it) and hook its step: ``before_step`` (None: nothing) before it, ``after_step`` after."""
+    for obj in app.values():
+        if isinstance(obj, torch.optim.Optimizer):
+            materialize_optimizer_state(obj, zero=zero)
+            if before_step is not None:
+                obj.register_step_pre_hook(before_step)
+            obj.register_step_post_hook(after_step)
+        elif megatron.is_optimizer(obj):
+            megatron.materialize_optimizer_state(obj, zero=zero)
+            megatron.wrap_step(obj, before_step, after_step)
 
 
 def split_state(app: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

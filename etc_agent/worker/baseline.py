@@ -37,6 +37,7 @@ from etc_agent.migrate.describe import describe_state
 from etc_agent.migrate.storage import load_shards, save_shards
 from etc_agent.protocol.phases import RESTART_EXIT
 from etc_agent.utils.plainstate import to_json
+from etc_agent.worker.appstate import split_state
 
 __all__ = ["checkpoint_api", "load_checkpoint", "load_shards", "save_and_exit", "save_shards"]
 
@@ -136,8 +137,6 @@ def _load(app: Mapping[str, Any], tensors: Mapping[str, Any], path: Path, api: C
 
 def save_and_exit(
     app: Mapping[str, Any],
-    tensors: dict,
-    plain: dict,
     checkpoint_dir: str,
     pending: int,
     step: int,
@@ -148,6 +147,7 @@ def save_and_exit(
     """Save the state with DCP (files synced; the way :func:`checkpoint_api` picks), then exit so that
     the agent starts fresh workers for generation ``pending`` that load with resharding. Rank 0
     writes the plain state beside them."""
+    tensors, plain = split_state(app)
     path = Path(checkpoint_dir) / f"gen{pending}"
     api = checkpoint_api(app, tensors)
     t0 = time.perf_counter()

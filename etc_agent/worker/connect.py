@@ -63,6 +63,19 @@ def gloo_group(store: dist.Store, rank: int, world_size: int, timeout: timedelta
     return group
 
 
+def init_static_group(backend: str, timeout: timedelta) -> tuple[int, int]:
+    """Without an agent: the default group from torchrun's environment, unless the script made one
+    (one process without ``MASTER_ADDR`` gets a group of its own). Returns (rank, world size)."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    rank = int(os.environ.get("RANK", 0))
+    if not dist.is_initialized():
+        if world == 1 and "MASTER_ADDR" not in os.environ:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout)
+    return rank, world
+
+
 def init_default_group(backend: str, store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> None:
     """``init_process_group`` on ``store``, formed under the connect bound, collectives bounded by ``timeout``."""
     dist.init_process_group(

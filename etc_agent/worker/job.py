@@ -20,9 +20,12 @@ runs the switch with the surviving replicas as sources, and re-enters the script
 ``init``/``start`` return the live job and whose ``steps`` continue from the recovered step.
 
 The worker's modules: this one (the public API), :mod:`~etc_agent.worker.link` (the agent link),
-:mod:`~etc_agent.worker.switch` (the switch), :mod:`~etc_agent.worker.report` (migration records),
-:mod:`~etc_agent.worker.baseline` (the checkpoint baseline), :mod:`~etc_agent.worker.checkpoint`
-(periodic checkpoints), :mod:`~etc_agent.worker.errors` (what can stop a worker).
+:mod:`~etc_agent.worker.boundary` (the step boundary's votes), :mod:`~etc_agent.worker.switch` (the
+switch; it sees this job through a :class:`~etc_agent.worker.switch_view.JobView`),
+:mod:`~etc_agent.worker.report` (migration records), :mod:`~etc_agent.worker.baseline` (the
+checkpoint baseline), :mod:`~etc_agent.worker.checkpoint` (periodic checkpoints),
+:mod:`~etc_agent.worker.gather` (the whole state on one rank), :mod:`~etc_agent.worker.errors`
+(what can stop a worker).
 """
 
 from __future__ import annotations
@@ -44,22 +47,21 @@ import torch.distributed as dist
 
 from etc_agent.integrations import megatron
 from etc_agent.layout.config import ParallelConfig, ParallelSpec
-from etc_agent.layout.devices import Device
-from etc_agent.migrate.describe import BoxedTensor, describe_state
-from etc_agent.migrate.executor import migrate_state
-from etc_agent.migrate.transport import TorchTransport
-from etc_agent.protocol.control import Assignment, Fatal, Finished, Migration, PeerFailed, Trained
+from etc_agent.protocol.control import Fatal, Finished, Migration, PeerFailed, Trained
 from etc_agent.protocol.phases import Phase, PhaseTracker
 from etc_agent.rendezvous.records import MigrationRecord
-from etc_agent.utils.plainstate import materialize_optimizer_state, to_json
-from etc_agent.worker.appstate import split_state
-from etc_agent.worker.connect import connect_timeout_s
+from etc_agent.utils.plainstate import to_json
+from etc_agent.worker.appstate import hook_optimizers, split_state
+from etc_agent.worker.boundary import agree_on_checkpoint, boundary_vote
+from etc_agent.worker.connect import connect_timeout_s, init_static_group
 from etc_agent.worker.context import ParallelContext, make_context
 from etc_agent.worker.errors import ArrivalTimeout, JobError, JobFinished, StateLost, is_peer_failure
+from etc_agent.worker.gather import gather_state
 from etc_agent.worker.groups import destroy_all_groups, mark_loaded_modules_clean
 from etc_agent.worker.link import AgentLink
 from etc_agent.worker.report import Stopped
 from etc_agent.worker.switch import Switch
+from etc_agent.worker.switch_view import JobView, Resumed
 
 __all__ = ["ArrivalTimeout", "Build", "Job", "JobError", "JobFinished", "StateLost", "current", "init"]
 
@@ -205,47 +207,13 @@ class Job:
 
         Runs on the executor: rank 0's new layout holds every key as one full box.
         """
-        assert self.state is not None  # set by start(), which a script calls first
-        tensors, _ = split_state(self.state)
-        transport = TorchTransport()
-        infos = transport.all_gather_object(
-            [[s.shard.key, list(s.shard.global_shape), s.shard.dtype] for s in describe_state(tensors)]
-        )
-        full = None
-        assert self.ctx is not None  # set with the state
-        if self.ctx.rank == 0:
-            from etc_agent.migrate.executor import TORCH_DTYPES
-
-            shapes = {key: (tuple(shape), dtype) for info in infos for key, shape, dtype in info}
-            full = {
-                key: BoxedTensor(torch.empty(shape, dtype=TORCH_DTYPES[dtype]), shape, (0,) * len(shape))
-                for key, (shape, dtype) in sorted(shapes.items())
-            }
-        result = migrate_state(
-            tensors,
-            full,
-            device=Device("g", self.ctx.rank),
-            old_rank=self.ctx.rank,
-            new_rank=0 if self.ctx.rank == 0 else None,
-            transport=transport,
-            timeout_s=self.timeout_s,
-        )
-        if full is None:
-            return None
-        return {key: result.tensors[key].view(full[key].global_shape) for key in full}
+        assert self.state is not None and self.ctx is not None  # set by start(), which a script calls first
+        return gather_state(self.state, self.ctx, self.timeout_s)
 
     # ---- static (no agent) ---------------------------------------------------------------
     def _start_static(self) -> None:
-        world = int(os.environ.get("WORLD_SIZE", 1))
-        rank = int(os.environ.get("RANK", 0))
         timeout = timedelta(seconds=self.timeout_s)
-        if not dist.is_initialized():
-            if world == 1 and "MASTER_ADDR" not in os.environ:
-                dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-            else:
-                dist.init_process_group(
-                    self.backend, init_method="env://", rank=rank, world_size=world, timeout=timeout
-                )
+        rank, world = init_static_group(self.backend, timeout)
         config = self.config_for(os.environ.get("ETC_AGENT_PARALLEL"), world)
         self.ctx = make_context(config, rank, 0, self.device, timeout=timeout)
         self.state = self.build_state(self.ctx)
@@ -267,15 +235,8 @@ class Job:
         if not isinstance(state, dict):
             raise TypeError(f"build() must return a dict (the app state), got {type(state).__name__}")
         barrier = self.elastic and self.commit_barrier
-        for obj in state.values():
-            if isinstance(obj, torch.optim.Optimizer):
-                materialize_optimizer_state(obj, zero=not ctx.restoring)
-                if barrier:
-                    obj.register_step_pre_hook(self._before_optimizer_step)
-                obj.register_step_post_hook(self._on_optimizer_step)
-            elif megatron.is_optimizer(obj):
-                megatron.materialize_optimizer_state(obj, zero=not ctx.restoring)
-                megatron.wrap_step(obj, self._before_optimizer_step if barrier else None, self._on_optimizer_step)
+        before_step = self._before_optimizer_step if barrier else None
+        hook_optimizers(state, not ctx.restoring, before_step, self._on_optimizer_step)
         return state
 
     def _checkpoint(self) -> None:
@@ -308,16 +269,6 @@ class Job:
             self._trained_sent = True
             self.link.send(Trained(step=self.next_step))
 
-    def resumes_from_storage(self, assignment: Assignment) -> bool:
-        """The job's first generation with ``--checkpoint-dir``: a full restart resumes from its newest
-        complete checkpoint (``--fresh-start``: from scratch)."""
-        return (
-            not assignment.started
-            and self.checkpoint_dir is not None
-            and self.migration == "live"
-            and not self.fresh_start
-        )
-
     # ---- switching generations -----------------------------------------------------------
     def _maybe_switch(self) -> bool:
         """The step-boundary agreement; after any switch it runs again, so that the first collective
@@ -326,56 +277,30 @@ class Job:
         step's snapshot, all take it (after a switch the ranks' snapshot lists may differ, and a rank
         that forms the checkpoint group alone waits for the others until its timeout while they
         train on and wait for it). Where a rank's previous write still runs, see
-        :meth:`_agree_on_checkpoint`."""
+        :func:`~etc_agent.worker.boundary.agree_on_checkpoint`."""
         assert self.link is not None  # only an elastic job switches, and it has its agent link
         while True:
-            due = self.checkpointer is not None and self.checkpointer.due(self.next_step)
-            busy = self.checkpointer is not None and self.checkpointer.writing()
-            flag = torch.tensor([max(self.link.latest, self.generation), int(due), int(busy)], dtype=torch.int64)
             try:
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                vote = boundary_vote(max(self.link.latest, self.generation), self.checkpointer, self.next_step)
             except Exception as err:  # a peer died between steps
                 if not self.recover(err):
                     raise
                 continue
-            pending = int(flag[0].item())
-            if pending <= self.generation:
-                if not (flag[1].item() and flag[2].item()):
-                    return bool(flag[1].item())
+            if vote.pending <= self.generation:
+                if not (vote.checkpoint_due and vote.writing):
+                    return vote.checkpoint_due
                 try:
-                    return self._agree_on_checkpoint()
+                    # Some rank's checkpoint is due: this job has periodic checkpoints (see _checkpoint).
+                    assert self.checkpointer is not None and self.ctx is not None
+                    return agree_on_checkpoint(self.checkpointer, self.timeout_s, self.ctx.rank, self.next_step)
                 except Exception as err:  # a peer died while the others waited for a write
                     if not self.recover(err):
                         raise
                     continue
-            self.phase.to(Phase.PENDING, pending)
+            self.phase.to(Phase.PENDING, vote.pending)
             if self.migration == "checkpoint":
-                self._save_and_exit(pending, time.time())
-            self._switch(pending, f"switch to generation {pending}", stopped=Stopped.now(), failure=False)
-
-    def _agree_on_checkpoint(self) -> bool:
-        """A checkpoint is due and some rank's previous write still runs: every rank waits for its
-        own (at most half the group timeout, so that the others' wait in the vote below cannot
-        time out first), then all take the new one, or, where a write had to be abandoned, none does
-        and the checkpoint group is formed anew (the abandoned write's collectives may still be
-        pending on the old one). A rank that skipped alone would leave the others' new write
-        waiting for it until its timeout."""
-        # Some rank's checkpoint is due: this job has periodic checkpoints (see _checkpoint).
-        assert self.checkpointer is not None and self.ctx is not None
-        settled = self.checkpointer.settle(failure=False, limit_s=self.timeout_s / 2)
-        vote = torch.tensor([int(settled)], dtype=torch.int64)
-        dist.all_reduce(vote, op=dist.ReduceOp.MIN)
-        if vote.item():
-            return True
-        self.checkpointer.drop_group()
-        if self.ctx.rank == 0:
-            print(
-                f"[etc_agent] checkpoint of step {self.next_step} skipped on every rank: a rank's previous "
-                f"checkpoint was still being written after {self.timeout_s / 2:g} s",
-                file=sys.stderr,
-                flush=True,
-            )
-        return False
+                self._save_and_exit(vote.pending, time.time())
+            self._switch(vote.pending, f"switch to generation {vote.pending}", stopped=Stopped.now(), failure=False)
 
     def _save_and_exit(self, pending: int, stopped_at: float) -> None:
         """The checkpoint baseline: save with DCP and exit (:func:`etc_agent.worker.baseline.save_and_exit`)."""
@@ -384,11 +309,8 @@ class Job:
         # A started job holds its state and context; the agent's config requires --checkpoint-dir with
         # --migration checkpoint.
         assert self.state is not None and self.ctx is not None and self.checkpoint_dir is not None
-        tensors, plain = split_state(self.state)
         save_and_exit(
             self.state,
-            tensors,
-            plain,
             self.checkpoint_dir,
             pending,
             self.next_step,
@@ -447,7 +369,7 @@ class Job:
 
     def _switch(self, at_least: int, why: str, stopped: Stopped | None, failure: bool) -> None:
         try:
-            Switch(self, stopped, failure).run(at_least, why)
+            Switch(self._switch_view(), stopped, failure).run(at_least, why)
         except JobFinished:
             self.phase.to(Phase.FINISHED)
             print(
@@ -458,6 +380,49 @@ class Job:
             if self.link is not None:
                 self.link.close()
             raise SystemExit(0) from None
+
+    def _switch_view(self) -> JobView:
+        """The switch's view of this job: settings, services, and the calls that change the job's state."""
+        assert self.link is not None  # only an elastic job switches, and it has its agent link
+        return JobView(
+            link=self.link,
+            phase=self.phase,
+            checkpointer=self.checkpointer,
+            timeout_s=self.timeout_s,
+            backend=self.backend,
+            device=self.device,
+            node_id=self.node_id,
+            local_rank=self.local_rank,
+            migration=self.migration,
+            checkpoint_dir=self.checkpoint_dir,
+            fresh_start=self.fresh_start,
+            config_for=self.config_for,
+            build_state=self.build_state,
+            publish=self.publish,
+            fatal=self.fatal,
+            mark_trained=self.mark_trained,
+            next_step=lambda: self.next_step,
+            take_state=self._take_state,
+            teardown=self.teardown_group,
+            leave=self._leave,
+            use_store=self._use_store,
+            resume=self._resume,
+        )
+
+    def _take_state(self) -> tuple[dict | None, ParallelContext | None]:
+        state, self.state = self.state, None  # the app objects may hold old groups: the teardown frees them
+        return state, self.ctx
+
+    def _leave(self) -> None:
+        self.state, self.ctx = None, None
+        self.teardown_group()
+
+    def _use_store(self, store: dist.Store) -> None:
+        self.store = store
+
+    def _resume(self, resumed: Resumed) -> None:
+        self.state, self.ctx = resumed.state, resumed.ctx
+        self.next_step, self.generation = resumed.next_step, resumed.generation
 
     def publish(self, record: MigrationRecord) -> None:
         """Keep, log and hand one migration record to the agent (which stores it for `etc-agent status`)."""

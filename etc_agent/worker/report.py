@@ -61,7 +61,8 @@ def live_record(
     everyone = transport.all_gather_object(mine)
     if result is None or assignment.rank != 0:
         return None
-    assert source_config is not None  # a migration result comes with the layout it started from (Switch._migrate_from)
+    # A migration result comes with the layout it started from (Migration._migrate_from).
+    assert source_config is not None
     stops = [e["stop_wall"] for e in everyone if e["stop_wall"] is not None]
     published = assignment.published_at
     # After a failure the survivors stopped before the leader published (detection is publish minus
@@ -70,11 +71,6 @@ def live_record(
     after_failure = any(e["failure"] for e in everyone)
     detect = (published - min(stops) if after_failure else max(stops) - published) if stops else 0.0
     plan = result.plan
-
-    def worst(name: str) -> float:
-        values = [e[name] for e in everyone if e[name] is not None]
-        return max(values) if values else 0.0
-
     return MigrationRecord(
         generation=assignment.generation,
         old_config=source_config,
@@ -97,12 +93,18 @@ def live_record(
         redone_steps=redone,
         detect_s=round(max(detect, 0.0), 4),
         leave_spread_s=round(max(stops) - min(stops), 4) if after_failure and stops else None,
-        agree_s=round(worst("agree"), 4),
-        rebuild_s=round(worst("rebuild"), 4),
-        plan_s=round(worst("plan"), 4),
-        transfer_s=round(worst("transfer"), 4),
-        total_stall_s=round(worst("stall"), 4),
+        agree_s=round(_worst(everyone, "agree"), 4),
+        rebuild_s=round(_worst(everyone, "rebuild"), 4),
+        plan_s=round(_worst(everyone, "plan"), 4),
+        transfer_s=round(_worst(everyone, "transfer"), 4),
+        total_stall_s=round(_worst(everyone, "stall"), 4),
     )
+
+
+def _worst(everyone: list[dict], name: str) -> float:
+    """The longest ``name`` phase time any process reported (0 when none did)."""
+    values = [e[name] for e in everyone if e[name] is not None]
+    return max(values) if values else 0.0
 
 
 def _phase_times(result: MigrationResult | None, stopped: Stopped | None, clocks: Clocks) -> dict:

@@ -1,0 +1,125 @@
+"""Entering a generation (steps 2 and 3 of the switch, :mod:`etc_agent.worker.switch`): every process
+arrives at the generation's store, then the members form the training group and mesh and build
+their state, and everyone forms the migration group."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from etc_agent.layout.devices import Device
+from etc_agent.migrate.transport import GroupTransport
+from etc_agent.protocol.control import Assignment
+from etc_agent.worker.appstate import split_state
+from etc_agent.worker.connect import gloo_group, init_default_group
+from etc_agent.worker.context import ParallelContext, make_context
+from etc_agent.worker.errors import ArrivalTimeout, JobFinished
+from etc_agent.worker.genstore import GenerationStore
+from etc_agent.worker.link import AgentLink
+from etc_agent.worker.report import Clocks
+from etc_agent.worker.switch_view import JobView
+
+
+@dataclass
+class Entry:
+    """A generation being entered: the assignment, the groups formed, the state built for it."""
+
+    assignment: Assignment
+    device: Device
+    clocks: Clocks
+    transport: GroupTransport
+    group: Any
+    ctx: ParallelContext | None = None
+    new_state: dict | None = None
+    new_tensors: dict | None = None
+
+    @property
+    def new_rank(self) -> int | None:
+        return self.assignment.rank
+
+
+def arrive(job: JobView, assignment: Assignment) -> dist.Store | None:
+    """Wait until every process of the generation reached its store (None: a newer generation came)."""
+    from torch.distributed import TCPStore
+
+    generation = assignment.generation
+    store = TCPStore(
+        assignment.store_addr,
+        assignment.store_port,
+        is_master=False,
+        timeout=timedelta(seconds=job.timeout_s),
+        wait_for_workers=False,
+    )
+    job.use_store(store)
+    key = f"gen{generation}/arrived"
+    store.set(f"{key}/{assignment.pg_rank}", "1")
+    store.add(key, 1)
+    deadline = time.monotonic() + job.timeout_s
+    while True:
+        count = store.add(key, 0)
+        if count >= assignment.pg_world_size:
+            return store
+        if job.link.newer_than(generation):
+            return None
+        if job.link.finished:
+            raise JobFinished()
+        if time.monotonic() > deadline:
+            missing = [d for r, d in enumerate(assignment.devices) if not store.check([f"{key}/{r}"])]
+            raise ArrivalTimeout(
+                f"generation {generation}: {count} of {assignment.pg_world_size} processes arrived within "
+                f"{job.timeout_s:.0f} s; missing: {', '.join(missing)}"
+            )
+        time.sleep(0.01)
+
+
+def form(job: JobView, assignment: Assignment, job_store: dist.Store, started: float) -> Entry:
+    """Members: the training group, the context and ``build(ctx)``; everyone: the migration group."""
+    generation = assignment.generation
+    timeout = timedelta(seconds=job.timeout_s)
+    ctx = new_state = new_tensors = None
+    grouped = built = time.perf_counter()
+    store = GenerationStore(job_store, generation, lambda: newer_generation(job.link, generation), job.timeout_s)
+    if assignment.rank is not None:
+        init_default_group(
+            job.backend,
+            dist.PrefixStore(f"gen{generation}/train/", store),
+            assignment.rank,
+            assignment.world_size,
+            timeout,
+        )
+        config = job.config_for(assignment.parallel, assignment.world_size)
+        # Before the first optimizer step nothing is lost if nobody holds state: build it fresh.
+        ctx = make_context(
+            config, assignment.rank, generation, job.device, restoring=assignment.trained, timeout=timeout
+        )
+        grouped = time.perf_counter()
+        new_state = job.build_state(ctx)
+        new_tensors, _ = split_state(new_state)
+        built = time.perf_counter()
+    group = gloo_group(
+        dist.PrefixStore(f"gen{generation}/migrate/", store),
+        assignment.pg_rank,
+        assignment.pg_world_size,
+        timeout,
+    )
+    return Entry(
+        assignment=assignment,
+        device=Device.parse(assignment.device),
+        clocks=Clocks(started, grouped, built),
+        # GroupTransport's hint says ProcessGroup; it uses only rank/size/allgather/send/recv, which gloo has.
+        transport=GroupTransport(group, "gloo"),  # type: ignore[arg-type]
+        group=group,
+        ctx=ctx,
+        new_state=new_state,
+        new_tensors=new_tensors,
+    )
+
+
+def newer_generation(link: AgentLink, generation: int) -> int | None:
+    """The number of a generation the agent published after ``generation`` (None: none yet)."""
+    newer = link.newer_than(generation)
+    return newer.generation if newer is not None else None
