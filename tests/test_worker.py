@@ -288,3 +288,11 @@ def test_the_mesh_groups_are_bounded_by_the_connect_timeout_while_created_then_b
             assert backend.options._timeout == timedelta(seconds=7), name
     finally:
         destroy_all_groups()
+
+
+def test_gather_state_before_start_says_what_to_call_first(monkeypatch):
+    from etc_agent.worker.job import Job
+
+    monkeypatch.delenv("ETC_AGENT_ADDR", raising=False)
+    with pytest.raises(RuntimeError, match=r"call job.start\(build\) before job.gather_state\(\)"):
+        Job().gather_state()

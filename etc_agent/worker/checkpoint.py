@@ -36,6 +36,7 @@ import torch.distributed as dist
 from etc_agent.migrate.describe import BoxedTensor, describe_state
 from etc_agent.migrate.storage import save_shards_on
 from etc_agent.migrate.transport import GroupTransport
+from etc_agent.protocol.settings import WorkerSettings
 from etc_agent.worker.connect import gloo_group
 
 log = logging.getLogger("etc_agent.worker")
@@ -43,9 +44,13 @@ log = logging.getLogger("etc_agent.worker")
 FAILURE_SETTLE_S = 0.5
 """After a failure, how long a switch waits for a background checkpoint write to end."""
 
-FAULT_COMMIT_PAUSE_S = float(os.environ.get("ETC_AGENT_FAULT_CHECKPOINT_COMMIT_PAUSE_S", 0) or 0)
-"""Fault injection for tests: the first write of rank 0 pauses this long after every rank's data is
-written, before it marks the checkpoint complete (a slow storage, say)."""
+
+def _fault_commit_pause_s() -> float:
+    """Fault injection for tests (``ETC_AGENT_FAULT_CHECKPOINT_COMMIT_PAUSE_S``): the first write of
+    rank 0 pauses this long after every rank's data is written, before it marks the checkpoint
+    complete (a slow storage, say)."""
+    return WorkerSettings.from_env(os.environ).fault_checkpoint_commit_pause_s
+
 
 STATE_FILE = "etc_state.json"
 """Written by rank 0 once every rank's data and DCP's metadata are on storage: marks a checkpoint complete."""
@@ -257,15 +262,15 @@ class PeriodicCheckpointer:
             t0 = time.perf_counter()
             written = save_shards_on(describe_state(snapshot.boxed), path, transport)
             sizes = transport.all_gather_object(written)
-            if FAULT_COMMIT_PAUSE_S > 0 and transport.rank == 0 and not self._fault_paused:
+            pause_s = _fault_commit_pause_s()
+            if pause_s > 0 and transport.rank == 0 and not self._fault_paused:
                 self._fault_paused = True
                 print(
-                    f"[etc_agent] fault injection: the commit of checkpoint step {snapshot.step} pauses "
-                    f"{FAULT_COMMIT_PAUSE_S:g} s",
+                    f"[etc_agent] fault injection: the commit of checkpoint step {snapshot.step} pauses {pause_s:g} s",
                     file=sys.stderr,
                     flush=True,
                 )
-                time.sleep(FAULT_COMMIT_PAUSE_S)
+                time.sleep(pause_s)
             write.stats["write_s"] = time.perf_counter() - t0
             snapshot.written = not write.abandoned
             if transport.rank == 0 and not write.abandoned:

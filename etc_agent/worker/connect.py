@@ -29,24 +29,15 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-CONNECT_TIMEOUT_ENV = "ETC_AGENT_CONNECT_TIMEOUT"
-DEFAULT_CONNECT_TIMEOUT_S = 1.0
+from etc_agent.protocol.settings import WorkerSettings
+
 CONNECT_WAIT_FACTOR = 5
 """gloo's passive side of a pair waits this many times the group's timeout for its peer."""
 
 
 def connect_timeout_s() -> float:
-    """The bound on forming a gloo group (``ETC_AGENT_CONNECT_TIMEOUT``)."""
-    raw = os.environ.get(CONNECT_TIMEOUT_ENV)
-    if raw is None:
-        return DEFAULT_CONNECT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{CONNECT_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
-    if not value > 0:
-        raise ValueError(f"{CONNECT_TIMEOUT_ENV}={raw!r} must be a positive number of seconds")
-    return value
+    """The bound on forming a gloo group (``ETC_AGENT_CONNECT_TIMEOUT``, default 1 s)."""
+    return WorkerSettings.from_env(os.environ).connect_timeout_s
 
 
 def forming_timeout(backend: str, timeout: timedelta) -> timedelta:

@@ -16,6 +16,7 @@ import signal
 import socket
 import sys
 
+from etc_agent.protocol.settings import WorkerSettings
 from etc_agent.utils.forkserver import serve
 
 PRELOAD = (
@@ -38,7 +39,7 @@ def preload() -> None:
     try:
         for name in PRELOAD:
             importlib.import_module(name)
-        for name in filter(None, (n.strip() for n in os.environ.get("ETC_AGENT_PRELOAD", "").split(","))):
+        for name in WorkerSettings.from_env(os.environ).preload:
             try:
                 importlib.import_module(name)
             except Exception as err:  # noqa: BLE001 - the worker imports it itself then, and sees the error there

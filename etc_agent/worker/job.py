@@ -49,16 +49,18 @@ from etc_agent.integrations import megatron
 from etc_agent.layout.config import ParallelConfig, ParallelSpec
 from etc_agent.protocol.control import Fatal, Finished, Migration, PeerFailed, Trained
 from etc_agent.protocol.phases import Phase, PhaseTracker
+from etc_agent.protocol.settings import WorkerSettings
 from etc_agent.rendezvous.records import MigrationRecord
 from etc_agent.utils.plainstate import to_json
 from etc_agent.worker.appstate import hook_optimizers, split_state
 from etc_agent.worker.boundary import agree_on_checkpoint, boundary_vote
-from etc_agent.worker.connect import connect_timeout_s, init_static_group
+from etc_agent.worker.connect import init_static_group
 from etc_agent.worker.context import ParallelContext, make_context
 from etc_agent.worker.errors import ArrivalTimeout, JobError, JobFinished, StateLost, is_peer_failure
 from etc_agent.worker.gather import gather_state
 from etc_agent.worker.groups import destroy_all_groups, mark_loaded_modules_clean
 from etc_agent.worker.link import AgentLink
+from etc_agent.worker.logs import configure_worker_logging
 from etc_agent.worker.report import Stopped
 from etc_agent.worker.switch import Switch
 from etc_agent.worker.switch_view import JobView, Resumed
@@ -70,13 +72,6 @@ log = logging.getLogger("etc_agent.worker")
 Build = Callable[[ParallelContext], dict]
 
 
-def _env_float(name: str, default: float) -> float:
-    try:
-        return float(os.environ.get(name, default))
-    except ValueError:
-        raise ValueError(f"{name}={os.environ[name]!r} is not a number") from None
-
-
 class Job:
     """One worker's view of the elastic job. Create it with :func:`etc_agent.init`."""
 
@@ -86,24 +81,26 @@ class Job:
         """Before every optimizer step, all ranks meet (a one-element all-reduce): a rank's peer that
         died during the step then fails every rank before any optimizer steps, so all states stay at
         the same step (otherwise dp groups away from the failure could step while others cannot)."""
-        self.timeout_s = _env_float("ETC_AGENT_TIMEOUT", 120.0)
+        # Read once here; a sidecar's hello then fills in what etcrun would have put in the
+        # environment, and the settings are read again with it.
+        settings = WorkerSettings.from_env(os.environ)
+        self.timeout_s = settings.timeout_s
         """Bound on every wait of a switch in the store, on every collective, and on waiting for a generation."""
-        self.connect_timeout_s = connect_timeout_s()
+        self.connect_timeout_s = settings.connect_timeout_s
         """Bound on gloo's pairwise connect while a group forms (read here so a bad value fails at start)."""
         # ETC_AGENT_LOCAL_RANK: the agent's own count, which --virtual-local-rank leaves intact (LOCAL_RANK is then 0).
-        self.local_rank = int(
-            os.environ.get("ETC_AGENT_LOCAL_RANK", os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
-        )
-        address = os.environ.get("ETC_AGENT_ADDR")
-        self.elastic = address is not None and os.environ.get("ETC_AGENT_ELASTIC", "1") != "0"
-        self.link = AgentLink(address, self.local_rank) if self.elastic and address is not None else None
+        self.local_rank = settings.local_rank
+        self.elastic = settings.agent_addr is not None and settings.elastic
+        self.link = AgentLink(settings.agent_addr, self.local_rank) if self.elastic and settings.agent_addr else None
         for key, value in (self.link.hello.env if self.link else {}).items():
             os.environ.setdefault(key, value)  # a sidecar's workers get from it what etcrun puts in their environment
-        self.backend = os.environ.get("ETC_AGENT_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
-        self.node_id = os.environ.get("ETC_AGENT_NODE_ID", "local")
+        self.settings = settings = WorkerSettings.from_env(os.environ)
+        """What the agent told this process (:class:`etc_agent.protocol.settings.WorkerSettings`)."""
+        configure_worker_logging(settings)
+        self.backend = settings.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.node_id = settings.node_id
         # LOCAL_RANK is the CUDA index (0 under --virtual-local-rank, where each worker sees one device).
-        cuda_index = int(os.environ.get("LOCAL_RANK", self.local_rank))
-        self.device = torch.device("cuda", cuda_index) if self.backend == "nccl" else torch.device("cpu")
+        self.device = torch.device("cuda", settings.cuda_index) if self.backend == "nccl" else torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.state: dict | None = None
@@ -123,13 +120,12 @@ class Job:
         self._in_step = False
         self._finished = False
         self._trained_sent = False
-        self.migration = os.environ.get("ETC_AGENT_MIGRATION", "live")
+        self.migration = settings.migration
         """live, or checkpoint: at a switch save with DCP and exit; new workers load (the baseline)."""
-        self.checkpoint_dir = os.environ.get("ETC_AGENT_CHECKPOINT_DIR")
-        self.fresh_start = os.environ.get("ETC_AGENT_FRESH_START") == "1"
+        self.checkpoint_dir = settings.checkpoint_dir
+        self.fresh_start = settings.fresh_start
         """``etcrun --fresh-start``: never resume from the checkpoints in ``checkpoint_dir``."""
-        self._started_wall = time.time()
-        interval = int(_env_float("ETC_AGENT_CHECKPOINT_INTERVAL", 0))
+        interval = settings.checkpoint_interval
         self.checkpointer = None
         """Periodic asynchronous checkpoints (``etcrun --checkpoint-interval``): restore what a failure
         leaves without any live copy; see :mod:`etc_agent.worker.checkpoint`."""
@@ -137,7 +133,7 @@ class Job:
             # Imported here: torch.distributed.checkpoint stays out of processes that never checkpoint.
             from etc_agent.worker.checkpoint import PeriodicCheckpointer
 
-            keep = int(_env_float("ETC_AGENT_CHECKPOINT_KEEP", 2))
+            keep = settings.checkpoint_keep
             self.checkpointer = PeriodicCheckpointer(self.checkpoint_dir, interval, keep, self.timeout_s)
 
     # ---- public API ------------------------------------------------------------------------
@@ -161,8 +157,7 @@ class Job:
         # scanned again (a full collection after `import torch` costs 0.1-0.3 s on the stall).
         gc.freeze()
         mark_loaded_modules_clean()  # teardowns then look only at modules imported later
-        env_generation = int(os.environ.get("ETC_AGENT_GENERATION", 0))
-        self._switch(env_generation, "start", stopped=None, failure=False)
+        self._switch(self.settings.generation, "start", stopped=None, failure=False)
 
     def steps(self, num_steps: int) -> Iterator[int]:
         """Global step numbers from the current one to ``num_steps - 1``; switches between steps."""
@@ -207,14 +202,15 @@ class Job:
 
         Runs on the executor: rank 0's new layout holds every key as one full box.
         """
-        assert self.state is not None and self.ctx is not None  # set by start(), which a script calls first
+        if self.state is None or self.ctx is None:
+            raise RuntimeError("call job.start(build) before job.gather_state()")
         return gather_state(self.state, self.ctx, self.timeout_s)
 
     # ---- static (no agent) ---------------------------------------------------------------
     def _start_static(self) -> None:
         timeout = timedelta(seconds=self.timeout_s)
         rank, world = init_static_group(self.backend, timeout)
-        config = self.config_for(os.environ.get("ETC_AGENT_PARALLEL"), world)
+        config = self.config_for(self.settings.parallel, world)
         self.ctx = make_context(config, rank, 0, self.device, timeout=timeout)
         self.state = self.build_state(self.ctx)
 

@@ -21,12 +21,18 @@ from etc_agent.migrate.executor import MigrationResult, migrate_state
 from etc_agent.migrate.storage import read_regions
 from etc_agent.planner.core import StateLostError
 from etc_agent.planner.validate import PlanValidationError
+from etc_agent.protocol.settings import WorkerSettings
 from etc_agent.worker.entry import Entry
 from etc_agent.worker.errors import BuildMismatch, PlannerBug, StateLost
 from etc_agent.worker.switch_view import JobView
 from etc_agent.worker.versions import Exchanged, Held, candidate_states
 
-FAULT_SENDER_PAUSE_S = float(os.environ.get("ETC_AGENT_FAULT_SENDER_PAUSE_S", 0) or 0)
+
+def _fault_sender_pause_s() -> float:
+    """Tests only (``ETC_AGENT_FAULT_SENDER_PAUSE_S``): read when the fault would happen."""
+    return WorkerSettings.from_env(os.environ).fault_sender_pause_s
+
+
 """Tests only: a departing sender sleeps this long between the status exchange and sending."""
 
 
@@ -222,13 +228,14 @@ def _announcer(
 
 def _pause_before_sending(entry: Entry) -> None:
     """Fault injection for tests: a window in which a sender can be killed mid-migration."""
-    if FAULT_SENDER_PAUSE_S > 0:
+    pause_s = _fault_sender_pause_s()
+    if pause_s > 0:
         print(
-            f"[etc_agent] {entry.device}: fault injection: pausing {FAULT_SENDER_PAUSE_S:g} s before sending",
+            f"[etc_agent] {entry.device}: fault injection: pausing {pause_s:g} s before sending",
             file=sys.stderr,
             flush=True,
         )
-        time.sleep(FAULT_SENDER_PAUSE_S)
+        time.sleep(pause_s)
 
 
 def pipeline_stages(config: ParallelConfig) -> dict[str, list[int]]:
