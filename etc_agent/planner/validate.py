@@ -33,99 +33,124 @@ class PlanValidationError(ValueError):
 
 
 def validate_plan(plan: MigrationPlan, old: StateLayout, new: StateLayout) -> None:
-    old_rank_of = {d: r for r, d in enumerate(plan.old_assignment)}
-    failed = set(plan.failed)
-    held_cache: dict[tuple[str, int, int], list[Box]] = {}
+    """Raise :class:`PlanValidationError` unless ``plan`` turns ``old`` into exactly ``new``."""
+    validator = _Validator(plan, old, new)
+    validator.check_dtypes()
+    validator.check_local_copies()
+    validator.check_restores()
+    validator.check_transfers()
+    validator.check_coverage()
 
-    def pieces(layout: StateLayout, tag: str, placement: int, rank: int) -> list[Box]:
+
+class _Validator:
+    """The checks of one plan, in order; collects what each device receives for the coverage check."""
+
+    def __init__(self, plan: MigrationPlan, old: StateLayout, new: StateLayout) -> None:
+        self.plan, self.old, self.new = plan, old, new
+        self.old_rank_of = {d: r for r, d in enumerate(plan.old_assignment)}
+        self.failed = set(plan.failed)
+        self.held_cache: dict[tuple[str, int, int], list[Box]] = {}
+        self.incoming: dict[tuple[int, Device], list[Box]] = defaultdict(list)
+        """(group, device) -> boxes it receives, by local copy, transfer or restore."""
+
+    def _pieces(self, layout: StateLayout, tag: str, placement: int, rank: int) -> list[Box]:
         key = (tag, placement, rank)
-        if key not in held_cache:
+        if key not in self.held_cache:
             p = layout.placements[placement]
-            held_cache[key] = [box for s in p.shards_held_by(rank) for box in p.geometry.pieces_of(s)]
-        return held_cache[key]
+            self.held_cache[key] = [box for s in p.shards_held_by(rank) for box in p.geometry.pieces_of(s)]
+        return self.held_cache[key]
 
-    def name(region: Region) -> str:
-        g = plan.groups[region.group]
+    def _name(self, region: Region) -> str:
+        g = self.plan.groups[region.group]
         return f"{g.keys[0]}{f' (+{len(g.keys) - 1} keys)' if len(g.keys) > 1 else ''} region offsets={region.offsets} lengths={region.lengths}"
 
-    for g in plan.groups:
-        for key, dtype in zip(g.keys, g.dtypes):
-            if (g.old_placement >= 0 and old.key_dtype[key] != dtype) or new.key_dtype[key] != dtype:
-                raise PlanValidationError(
-                    f"{key}: dtype differs between layouts ({old.key_dtype[key]} -> {new.key_dtype[key]})"
-                )
+    def _num_bytes(self, regions: tuple[Region, ...]) -> int:
+        return sum(r.numel * self.plan.groups[r.group].bytes_per_element for r in regions)
 
-    incoming: dict[tuple[int, Device], list[Box]] = defaultdict(list)
-
-    def check_bounds(region: Region) -> None:
-        g = plan.groups[region.group]
+    def _check_bounds(self, region: Region) -> None:
+        g = self.plan.groups[region.group]
         if any(o < 0 or o + n > s for o, n, s in zip(region.offsets, region.lengths, g.global_shape)):
-            raise PlanValidationError(f"{name(region)}: outside the tensor's shape {g.global_shape}")
+            raise PlanValidationError(f"{self._name(region)}: outside the tensor's shape {g.global_shape}")
 
-    def check_source(region: Region, device: Device, what: str) -> None:
-        g = plan.groups[region.group]
-        check_bounds(region)
+    def _check_source(self, region: Region, device: Device, what: str) -> None:
+        g = self.plan.groups[region.group]
+        self._check_bounds(region)
         if g.old_placement < 0:
-            raise PlanValidationError(f"{name(region)}: {what} {device} cannot hold it (no old rank has the key)")
-        rank = old_rank_of.get(device)
+            raise PlanValidationError(f"{self._name(region)}: {what} {device} cannot hold it (no old rank has the key)")
+        rank = self.old_rank_of.get(device)
         box = (region.offsets, region.lengths)
-        if rank is None or not any(box_contains(p, box) for p in pieces(old, "old", g.old_placement, rank)):
-            raise PlanValidationError(f"{name(region)}: {what} {device} does not hold it")
+        if rank is None or not any(box_contains(p, box) for p in self._pieces(self.old, "old", g.old_placement, rank)):
+            raise PlanValidationError(f"{self._name(region)}: {what} {device} does not hold it")
 
-    for copy in plan.local_copies:
-        if copy.num_bytes != sum(r.numel * plan.groups[r.group].bytes_per_element for r in copy.regions):
-            raise PlanValidationError(f"local copy on {copy.device}: byte count does not match its regions")
-        for region in copy.regions:
-            check_source(region, copy.device, "local copy: device")
-            incoming[(region.group, copy.device)].append((region.offsets, region.lengths))
+    def check_dtypes(self) -> None:
+        old, new = self.old, self.new
+        for g in self.plan.groups:
+            for key, dtype in zip(g.keys, g.dtypes):
+                if (g.old_placement >= 0 and old.key_dtype[key] != dtype) or new.key_dtype[key] != dtype:
+                    raise PlanValidationError(
+                        f"{key}: dtype differs between layouts ({old.key_dtype[key]} -> {new.key_dtype[key]})"
+                    )
 
-    for restore in plan.restores:
-        if restore.num_bytes != sum(r.numel * plan.groups[r.group].bytes_per_element for r in restore.regions):
-            raise PlanValidationError(f"restore on {restore.device}: byte count does not match its regions")
-        for region in restore.regions:
-            check_bounds(region)
-            incoming[(region.group, restore.device)].append((region.offsets, region.lengths))
+    def check_local_copies(self) -> None:
+        for copy in self.plan.local_copies:
+            if copy.num_bytes != self._num_bytes(copy.regions):
+                raise PlanValidationError(f"local copy on {copy.device}: byte count does not match its regions")
+            for region in copy.regions:
+                self._check_source(region, copy.device, "local copy: device")
+                self.incoming[(region.group, copy.device)].append((region.offsets, region.lengths))
 
-    cap = plan.mem_cap_bytes
-    per_round: dict[tuple[int, Device, str], list[int]] = defaultdict(lambda: [0, 0])
-    pairs: set[tuple[int, Device, Device]] = set()
-    for t in plan.transfers:
-        if t.src in failed:
-            raise PlanValidationError(f"transfer {t.src} -> {t.dst} in round {t.round}: source failed")
-        if (t.round, t.src, t.dst) in pairs:
-            raise PlanValidationError(f"two messages {t.src} -> {t.dst} in round {t.round}")
-        pairs.add((t.round, t.src, t.dst))
-        if t.num_bytes != sum(r.numel * plan.groups[r.group].bytes_per_element for r in t.regions):
+    def check_restores(self) -> None:
+        for restore in self.plan.restores:
+            if restore.num_bytes != self._num_bytes(restore.regions):
+                raise PlanValidationError(f"restore on {restore.device}: byte count does not match its regions")
+            for region in restore.regions:
+                self._check_bounds(region)
+                self.incoming[(region.group, restore.device)].append((region.offsets, region.lengths))
+
+    def check_transfers(self) -> None:
+        per_round: dict[tuple[int, Device, str], list[int]] = defaultdict(lambda: [0, 0])
+        pairs: set[tuple[int, Device, Device]] = set()
+        for t in self.plan.transfers:
+            if t.src in self.failed:
+                raise PlanValidationError(f"transfer {t.src} -> {t.dst} in round {t.round}: source failed")
+            if (t.round, t.src, t.dst) in pairs:
+                raise PlanValidationError(f"two messages {t.src} -> {t.dst} in round {t.round}")
+            pairs.add((t.round, t.src, t.dst))
+            if t.num_bytes != self._num_bytes(t.regions):
+                raise PlanValidationError(
+                    f"transfer {t.src} -> {t.dst} in round {t.round}: byte count does not match its regions"
+                )
+            for end, dev in (("send", t.src), ("recv", t.dst)):
+                self._count_in_round(per_round[(t.round, dev, end)], t.num_bytes, dev, end, t.round)
+            for region in t.regions:
+                self._check_source(region, t.src, "sender")
+                self.incoming[(region.group, t.dst)].append((region.offsets, region.lengths))
+
+    def _count_in_round(self, slot: list[int], num_bytes: int, dev: Device, end: str, rnd: int) -> None:
+        """Count one more message of ``num_bytes`` in ``slot``: ``dev``'s (bytes, messages) at ``end`` in round ``rnd``."""
+        cap, limit = self.plan.mem_cap_bytes, self.plan.max_messages_per_round
+        slot[0] += num_bytes
+        slot[1] += 1
+        if slot[0] > cap:
+            raise PlanValidationError(f"{dev} would {end} {slot[0]} bytes in round {rnd}, above the cap of {cap}")
+        if slot[1] > limit:
             raise PlanValidationError(
-                f"transfer {t.src} -> {t.dst} in round {t.round}: byte count does not match its regions"
+                f"{dev} would {end} {slot[1]} messages in round {rnd}, above the limit of {limit}"
             )
-        for end, dev in (("send", t.src), ("recv", t.dst)):
-            slot = per_round[(t.round, dev, end)]
-            slot[0] += t.num_bytes
-            slot[1] += 1
-            if slot[0] > cap:
-                raise PlanValidationError(
-                    f"{dev} would {end} {slot[0]} bytes in round {t.round}, above the cap of {cap}"
-                )
-            if slot[1] > plan.max_messages_per_round:
-                raise PlanValidationError(
-                    f"{dev} would {end} {slot[1]} messages in round {t.round}, above the limit of {plan.max_messages_per_round}"
-                )
-        for region in t.regions:
-            check_source(region, t.src, "sender")
-            incoming[(region.group, t.dst)].append((region.offsets, region.lengths))
 
-    for gi, g in enumerate(plan.groups):
-        pn = new.placements[g.new_placement]
-        for rank in np.unique(pn.entry_rank).tolist():
-            device = plan.assignment[rank]
-            need = pieces(new, "new", g.new_placement, rank)
-            got = incoming.pop((gi, device), [])
-            _check_cover(need, got, lambda box: f"{g.keys[0]} on {device} (new rank {rank}) {box}")  # noqa: B023 - called at once
-    for (gi, device), boxes in incoming.items():
-        raise PlanValidationError(
-            f"{plan.groups[gi].keys[0]}: {len(boxes)} regions sent to {device}, which does not need them"
-        )
+    def check_coverage(self) -> None:
+        plan, incoming = self.plan, self.incoming
+        for gi, g in enumerate(plan.groups):
+            pn = self.new.placements[g.new_placement]
+            for rank in np.unique(pn.entry_rank).tolist():
+                device = plan.assignment[rank]
+                need = self._pieces(self.new, "new", g.new_placement, rank)
+                got = incoming.pop((gi, device), [])
+                _check_cover(need, got, lambda box: f"{g.keys[0]} on {device} (new rank {rank}) {box}")  # noqa: B023 - called at once
+        for (gi, device), boxes in incoming.items():
+            raise PlanValidationError(
+                f"{plan.groups[gi].keys[0]}: {len(boxes)} regions sent to {device}, which does not need them"
+            )
 
 
 def _check_cover(need: list[Box], got: list[Box], where: Callable[[object], str]) -> None:
