@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import MODELS, ROOT
@@ -176,5 +177,7 @@ def test_reconfigure_refuses_a_layout_the_job_cannot_take_and_a_store_without_th
 
 
 def test_etc_agent_console_script_is_installed():
-    out = subprocess.run(["etc-agent", "--help"], capture_output=True, text=True)
+    # The script pip installed beside this interpreter, whether or not its environment is activated.
+    script = Path(sys.executable).parent / "etc-agent"
+    out = subprocess.run([str(script), "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "plan" in out.stdout

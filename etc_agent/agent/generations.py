@@ -27,6 +27,12 @@ from etc_agent.rendezvous.store import StoreError
 
 log = logging.getLogger("etc_agent.agent")
 
+MASTER_WAIT_FLOOR_S = 60.0
+"""The least a member waits for the first member's workers' store address. That member may still be
+importing torch in its fork server to host the store (seconds on a loaded machine), so a short
+``join_timeout`` must not end the wait; a first member that died is caught by its lease, and the
+newer generation ends the wait at once (:class:`Superseded`)."""
+
 
 class StaticStore(Protocol):
     """A store at a fixed address (etcrun's TCPStore on ``--master-port``)."""
@@ -114,7 +120,7 @@ class Generations:
         key = keys.master(gen.number)
         if gen.members[0] == node.node_id:
             node.store.create(key, self._host_master(gen).dumps())
-        deadline = time.monotonic() + node.config.join_timeout
+        deadline = time.monotonic() + max(node.config.join_timeout, MASTER_WAIT_FLOOR_S)
         while time.monotonic() < deadline and not node.state.state.stop_requested:
             kv = node.store.get(key)
             master = node.reader.parse(MasterRecord, kv) if kv else None
