@@ -195,9 +195,14 @@ def test_a_join_before_the_first_step_starts_fresh_instead_of_failing(etcd_serve
     j = Job(etcd_server, tmp_path, nnodes="1:2", extra=("--log-format", "json"))
     try:
         script = str(ROOT / "tests" / "scripts" / "slow_start.py")
-        j.agents.append(launch(*j.args, script, "30", "4"))
+        # The workers wait before job.start() until this file exists: the join lands there however
+        # long the joining agent takes to start on a loaded machine.
+        go = tmp_path / "go"
+        j.agents.append(launch(*j.args, script, "30", str(go)))
         j.wait_for(lambda g: g.status == "running" and g.world_size == 2, 60, "one agent running")
-        j.agents.append(launch(*j.args, script, "30", "4"))
+        j.agents.append(launch(*j.args, script, "30", str(go)))
+        j.wait_for(lambda g: g.world_size == 4, 60, "the generation with the joined node")
+        go.touch()
         outputs = finish(j.agents, timeout=180)
         texts = "\n".join(text for _, text in outputs)
         assert [code for code, _ in outputs] == [0, 0], texts[-3000:]

@@ -1,15 +1,21 @@
 """A worker-API script whose processes take a while before ``job.start()`` (slow imports, a big
-dataset index): a node that joins meanwhile must not find the job "without state"."""
+dataset index): a node that joins meanwhile must not find the job "without state".
+
+Arguments: the number of steps, then a file the processes wait for before ``job.start()`` (at most
+120 s)."""
 
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 import etc_agent
 
 job = etc_agent.init(parallel="tp=1,pp=1,dp=auto")
-time.sleep(float(sys.argv[2]))
+go, deadline = Path(sys.argv[2]), time.monotonic() + 120
+while not go.exists() and time.monotonic() < deadline:
+    time.sleep(0.05)
 
 
 def build(ctx: etc_agent.ParallelContext) -> dict:
