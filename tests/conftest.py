@@ -1,3 +1,4 @@
+import fcntl
 import os
 import re
 import shutil
@@ -125,6 +126,48 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if not any(item.get_closest_marker(mark) for mark in LAYER_MARKS):
             item.add_marker(getattr(pytest.mark, layer_of_test(item)))
+
+
+class _RunAlone:
+    """The suite runs on two pytest-xdist workers (the README's test command); most end-to-end tests
+    spend their time waiting on paced steps, so two at once roughly halve the wall time. A test
+    marked ``alone`` asserts wall-clock bounds that a second test's CPU load would eat into: it
+    holds this lock exclusively and the other worker waits, every other test holds it shared. The
+    turnstile keeps shared holders from starving an exclusive one (each acquire passes through it,
+    and an exclusive waiter keeps it until it has the lock)."""
+
+    def __init__(self, run_id: str):
+        base = Path(os.environ.get("TMPDIR", "/tmp")) / f"etc-agent-tests-{run_id}"
+        self._turnstile = open(f"{base}.turnstile", "a+")  # held for the session
+        self._lock = open(f"{base}.lock", "a+")  # held for the session
+
+    def acquire(self, exclusive: bool) -> None:
+        fcntl.flock(self._turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(self._turnstile, fcntl.LOCK_UN)
+
+    def release(self) -> None:
+        fcntl.flock(self._lock, fcntl.LOCK_UN)
+
+
+@pytest.fixture(scope="session")
+def _run_alone_lock():
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    yield _RunAlone(run_id) if run_id else None
+
+
+@pytest.fixture(autouse=True)
+def _one_at_a_time_where_asked(request, _run_alone_lock):
+    if _run_alone_lock is None:  # not under xdist: every test runs alone anyway
+        yield
+        return
+    _run_alone_lock.acquire(exclusive=request.node.get_closest_marker("alone") is not None)
+    try:
+        yield
+    finally:
+        _run_alone_lock.release()
 
 
 def _free_port() -> int:

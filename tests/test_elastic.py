@@ -262,6 +262,7 @@ def test_a_worker_crash_with_default_flags_lets_the_others_go_on_and_its_node_re
     assert compare_states(result["state_file"], reference_state) == []
 
 
+@pytest.mark.alone  # wall-clock bounds
 def test_ten_worker_kills_in_a_row_never_stall_the_survivors_over_2_s(etcd_server, tmp_path):
     """Ten SIGKILLs of a worker in one job (tp=2,dp=auto, 2 agents x 2, --nnodes 1:3, --max-restarts 10:
     the default, 3 crash restarts per node, would have the node leave at the fourth),

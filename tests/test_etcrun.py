@@ -279,6 +279,7 @@ def job(etcd_server, tmp_path):
         j.close()
 
 
+@pytest.mark.alone  # wall-clock bounds
 def test_join_leave_and_kill_produce_new_generations(job):
     j = job()
     j.add_agent()

@@ -82,6 +82,7 @@ def test_a_forked_worker_exits_as_the_interpreter_would(server, end, code, in_ou
         assert "Traceback (most recent call last)" in err
 
 
+@pytest.mark.alone  # wall-clock bounds
 def test_a_killed_worker_reports_the_signal_and_a_fork_takes_milliseconds(server):
     started = time.monotonic()
     process = server.spawn([PROBE], {**os.environ, "PROBE_END": "sleep"}, str(ROOT), True, True, "probe")
@@ -108,6 +109,7 @@ def test_workers_die_with_the_server_and_are_reported_killed():
     fork_server.close()
 
 
+@pytest.mark.alone  # wall-clock bounds
 def test_a_worker_stopped_while_the_server_imports_is_cancelled_without_waiting_for_the_imports():
     """A generation superseded while the server still imports: stopping its queued workers must not
     wait seconds for a fork only to kill it, and a cancelled worker never runs."""

@@ -308,6 +308,7 @@ def test_rendezvous_backend_state_follows_torchs_backend_contract(backend):
         rdzv.get_state()
 
 
+@pytest.mark.alone  # wall-clock bounds
 def test_c10d_store_waits_end_in_dist_store_error(backend):
     """torch's elastic barrier and store utilities catch ``DistStoreError``, not ``LookupError``."""
     import torch.distributed as dist
