@@ -55,7 +55,11 @@ class Cluster:
         min_nodes: int = 1,
         sidecar: bool = False,
         module: str = "etc_agent.examples.gpt",
+        hosts: list[tuple[list[str], str | None]] | None = None,
     ):
+        self.hosts = hosts
+        """Where agent ``i`` runs: a command prefix (``ip netns exec NS``) and its ``--local-addr``
+        (``None``: the flag is left out). Without it every agent runs here on 127.0.0.1."""
         self.module = module
         """The training script every worker runs (``python -m``)."""
         self.rdzv, self.nproc, self.parallel = rdzv, nproc, parallel
@@ -67,9 +71,11 @@ class Cluster:
         """Sidecar mode: each node's ``etc-agent workers`` process (the workers' parent)."""
         self.sidecar = sidecar
         self.outputs: list[list[str]] = []
+        # On hosts of their own the agents choose the workers' interface from their address.
+        loopback = {} if hosts else {"GLOO_SOCKET_IFNAME": "lo"}
         self.env = {
             **os.environ,
-            "GLOO_SOCKET_IFNAME": "lo",
+            **loopback,
             "ETC_AGENT_TIMEOUT": os.environ.get("ETC_AGENT_TIMEOUT", "60"),
             # The fork server imports the example's modules (Megatron-core: seconds) once per node.
             "ETC_AGENT_PRELOAD": os.environ.get("ETC_AGENT_PRELOAD", module),
@@ -89,8 +95,6 @@ class Cluster:
             "--nproc-per-node",
             str(self.nproc),
             *self.rdzv,
-            "--local-addr",
-            "127.0.0.1",
             "--reconfig-delay",
             "0.5",
             "--lease-ttl",
@@ -101,6 +105,8 @@ class Cluster:
             "json",
             *self.extra,
         ]
+        prefix, local_addr = self.hosts[index] if self.hosts else ([], "127.0.0.1")
+        args = [*prefix, *args] + (["--local-addr", local_addr] if local_addr else [])
         if "--rdzv-backend" in self.rdzv and self.rdzv[self.rdzv.index("--rdzv-backend") + 1] == "c10d":
             args += ["--rdzv-conf", f"is_host={'1' if host_store else '0'}"]
         lines: list[str] = []
@@ -283,6 +289,7 @@ def run_scenario(
     module: str = "etc_agent.examples.gpt",
     gap_before: dict[str, int] | None = None,
     slow_during_events: float | None = 4.0,
+    hosts: list[tuple[list[str], str | None]] | None = None,
 ) -> dict:
     """Run the elastic scenario; return losses, migration records and exit codes.
 
@@ -301,7 +308,7 @@ def run_scenario(
     ``--slow-while``), so that however long a busy machine takes to start a joining agent or notice a
     crash, the run does not reach its end first, and a quick one costs nothing; ``None`` keeps the
     ``step_delay`` pace throughout (benchmarks, whose runs are long and whose records time the switch,
-    not the steps)."""
+    not the steps). ``hosts``: where each agent runs (:class:`Cluster`)."""
     loss_log = work / "loss.jsonl"
     state_file = work / "state.pt"
     slow_file = work / "slow-steps"
@@ -340,6 +347,7 @@ def run_scenario(
         min_nodes=min_nodes or initial_agents,
         sidecar=sidecar,
         module=module,
+        hosts=hosts,
     )
     events_done: list[dict] = []
     skipped = 0

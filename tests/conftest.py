@@ -34,7 +34,11 @@ MODELS = ROOT / "configs" / "models"
 TEST_LAYERS: dict[str, tuple[str, dict[str, list[str]]]] = {
     "test_auth.py": ("unit", {}),
     "test_checkpoint_baseline.py": ("multiproc", {}),
-    "test_cli.py": ("e2e", {}),  # etc-agent plan in a subprocess, about 2 s each
+    "test_cli.py": ("e2e", {}),
+    "test_cluster.py": (
+        "e2e",
+        {},
+    ),  # also marked cluster: hosts made of network namespaces  # etc-agent plan in a subprocess, about 2 s each
     "test_decision.py": ("unit", {}),
     "test_dependencies.py": ("unit", {}),
     "test_elastic.py": ("e2e", {}),

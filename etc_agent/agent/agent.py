@@ -80,7 +80,7 @@ class Agent:
             spec=spec,
             store=store,
             node_id=node_id,
-            host=config.local_addr or socket.getfqdn(),
+            host=config.local_addr or "127.0.0.1",  # etcrun always chooses one (utils.netaddr)
             emit=self.emit,
             run_dir=log_root / f"{config.run_id}_{node_id}",
             state=NodeStateMachine(f"agent {node_id}"),
@@ -143,6 +143,7 @@ class Agent:
             "registered",
             {
                 "host": self.node.host,
+                "interface": self.config.local_interface,
                 "devices": self.config.nproc_per_node,
                 "lease_ttl": self.node.lease.ttl,
                 "control_addr": self.node.control_address,

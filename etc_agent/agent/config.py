@@ -63,7 +63,14 @@ class AgentConfig(BaseModel):
         "(default TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30).",
     )
     local_addr: str | None = Field(
-        None, description="Address other nodes use to reach this node (default: this host's name)."
+        None,
+        description="Address other nodes use to reach this node (default: the source address of this "
+        "host's route to the rendezvous endpoint; 127.0.0.1 for a rendezvous on loopback).",
+    )
+    local_interface: str | None = Field(
+        None,
+        description="The interface holding local_addr: the workers' gloo and NCCL sockets bind to it "
+        "(GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME) unless the environment already names one.",
     )
     node_rank: int | None = Field(None, description="This node's rank (static rendezvous; a position hint otherwise).")
     log_format: Literal["text", "json"] = Field("text", description="text, or json: one JSON line per agent event.")

@@ -13,6 +13,9 @@ from etc_agent.protocol.settings import WorkerSettings
 from etc_agent.rendezvous.records import GenerationRecord, MasterRecord
 from etc_agent.utils import auth
 
+SOCKET_INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+"""Where gloo and NCCL bind their sockets; a user's own setting wins."""
+
 
 def node_env(node: Node, local_rank: int, generation: int) -> dict[str, str]:
     """What a worker gets from this node whatever its place in a generation."""
@@ -42,6 +45,12 @@ def node_env(node: Node, local_rank: int, generation: int) -> dict[str, str]:
         "TORCHELASTIC_RUN_ID": config.run_id,
         auth.TOKEN_ENV: node.control_keys.token(local_rank),
     }
+    if config.local_interface:
+        # The workers' sockets on the interface the peers reach this node on: without it gloo takes
+        # the address this host's name resolves to, loopback in many containers and namespaces.
+        for variable in SOCKET_INTERFACE_VARIABLES:
+            if variable not in os.environ:
+                env[variable] = config.local_interface
     if "OMP_NUM_THREADS" in os.environ:
         env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
     if spec.virtual_local_rank:

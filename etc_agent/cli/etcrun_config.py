@@ -25,6 +25,7 @@ from etc_agent.cli.etcrun_flags import (
 )
 from etc_agent.cli.options import build_model
 from etc_agent.cli.rdzv import Rendezvous
+from etc_agent.utils.netaddr import choose_advertised
 
 RDZV_CONF_SETTINGS = ("join_timeout", "lease_ttl")
 """--rdzv-conf keys that are AgentConfig fields (the others, is_host and read_timeout, go to the store)."""
@@ -63,6 +64,7 @@ def agent_config(ctx: typer.Context, f: EtcrunFlags, rdzv: Rendezvous) -> AgentC
 def _settings(ctx: typer.Context, f: EtcrunFlags, rdzv: Rendezvous) -> dict[str, Any]:
     """AgentConfig's fields from the flags, as given: checking them is AgentConfig's part."""
     low, high = parse_nnodes(f.nnodes)
+    advertised = choose_advertised(f.local_addr or ("127.0.0.1" if f.standalone else None), rdzv.first_host)
     values = {name: getattr(f, name) for name in AGENT_FLAGS}
     values.update(
         run_id=rdzv.run_id,
@@ -71,7 +73,8 @@ def _settings(ctx: typer.Context, f: EtcrunFlags, rdzv: Rendezvous) -> dict[str,
         nproc_per_node=parse_nproc(f.nproc_per_node),
         lease_ttl=f.lease_ttl,
         shutdown_timeout=f.shutdown_timeout if f.shutdown_timeout is not None else os.environ.get(SHUTDOWN_ENV, 30),
-        local_addr=f.local_addr or ("127.0.0.1" if f.standalone else None),
+        local_addr=advertised.addr,
+        local_interface=advertised.interface,
         node_rank=f.node_rank if rdzv.backend == "static" or parameter_source(ctx, "node_rank") != "DEFAULT" else None,
         model=str(f.model) if f.model is not None else None,
         checkpoint_dir=str(f.checkpoint_dir.resolve()) if f.checkpoint_dir else None,

@@ -49,6 +49,7 @@ SHARED_FLAG_PARAMS = {
     "max_nodes": "nnodes",
     "nproc_per_node": "nproc_per_node",
     "join_timeout": "rdzv_conf",
+    "local_interface": "local_addr",
 }
 """AgentConfig field -> the etcrun parameter of a flag that sets it among other things (its help names the field)."""
 

@@ -50,6 +50,15 @@ class Rendezvous:
     etcd: EtcdOptions | None = None
 
     @property
+    def first_host(self) -> str | None:
+        """The host of the (first) endpoint: the agent advertises the address its route there takes."""
+        first = self.endpoint.split(",")[0].strip()
+        if "://" in first:
+            first = first.split("://", 1)[1]
+        host = first.rpartition(":")[0] if ":" in first else first
+        return host.strip("[]") or None
+
+    @property
     def secret_file(self) -> str | None:
         """``--rdzv-conf secret_file``: the job's secret for the embedded store (docs/security.md)."""
         return self.conf.get("secret_file")

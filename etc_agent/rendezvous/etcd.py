@@ -6,7 +6,7 @@ import logging
 import math
 from collections.abc import Callable
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from etc_agent.rendezvous.store import (
     KeyValue,
@@ -20,13 +20,19 @@ from etc_agent.rendezvous.store import (
 
 log = logging.getLogger("etc_agent.rendezvous.etcd")
 
+ENDPOINT_RETRY_S = 1.0
+"""Seconds before a member that failed a request is tried again."""
+
 
 class EtcdOptions(BaseModel):
     """How to reach etcd."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    endpoint: str = Field(description="host:port of an etcd client URL (http or https scheme prefix allowed).")
+    endpoint: str = Field(
+        description="host:port of the etcd members' client URLs, comma-separated as etcdctl takes them "
+        "(http or https scheme prefix allowed); requests fail over between them."
+    )
     ca_cert: str | None = Field(None, description="CA bundle to verify the server (enables TLS).")
     cert_key: str | None = Field(None, description="Client private key for mutual TLS.")
     cert_cert: str | None = Field(None, description="Client certificate for mutual TLS.")
@@ -34,12 +40,29 @@ class EtcdOptions(BaseModel):
     password: str | None = Field(None, description="Password of ``user``.")
     timeout_s: float = Field(5.0, gt=0, description="Per-request deadline.")
 
-    def host_port(self) -> tuple[str, int]:
-        text = self.endpoint.split("://", 1)[-1].rstrip("/")
-        host, sep, port = text.rpartition(":")
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoints_parse(cls, value: str) -> str:
+        _parse_endpoints(value)
+        return value
+
+    def host_ports(self) -> list[tuple[str, int]]:
+        """Every member's ``(host, port)``, in the order given."""
+        return _parse_endpoints(self.endpoint)
+
+
+def _parse_endpoints(text: str) -> list[tuple[str, int]]:
+    found: list[tuple[str, int]] = []
+    for item in text.split(","):
+        address = item.strip().split("://", 1)[-1].rstrip("/")
+        host, sep, port = address.rpartition(":")
+        host = host.strip("[]")
         if not sep or not port.isdigit() or not host:
-            raise ValueError(f"bad etcd endpoint {self.endpoint!r}: expected host:port")
-        return host, int(port)
+            raise ValueError(f"bad etcd endpoint {item.strip()!r} in {text!r}: expected host:port[,host:port...]")
+        if (host, int(port)) in found:
+            raise ValueError(f"etcd endpoint {host}:{port} is given twice in {text!r}")
+        found.append((host, int(port)))
+    return found
 
 
 def _connect(options: EtcdOptions):
@@ -57,22 +80,29 @@ def _connect(options: EtcdOptions):
         raise ValueError("--etcd-user and --etcd-password go together")
     if options.user is not None and options.ca_cert is None:
         raise ValueError("etcd user/password need TLS (--etcd-ca-cert): gRPC sends credentials only over TLS")
-    host, port = options.host_port()
-    client = pyetcd.client(
-        host=host,
-        port=port,
-        ca_cert=options.ca_cert,
-        cert_key=options.cert_key,
-        cert_cert=options.cert_cert,
+    credentials = None
+    if options.ca_cert is not None:
+        credentials = pyetcd.Etcd3Client.get_secure_creds(options.ca_cert, options.cert_key, options.cert_cert)
+    # A failed request marks its member failed and the next request goes to another (failover); the
+    # client would refuse a failed member for 300 s, but gRPC reconnects by itself, so it is tried
+    # again after a second (an etcd restart, or a partition that heals, must not cost five minutes).
+    endpoints = [
+        pyetcd.Endpoint(
+            f"[{host}]" if ":" in host else host,
+            port,
+            secure=credentials is not None,
+            creds=credentials,
+            time_retry=ENDPOINT_RETRY_S,
+        )
+        for host, port in options.host_ports()
+    ]
+    return pyetcd.MultiEndpointEtcd3Client(
+        endpoints=endpoints,
         timeout=options.timeout_s,
         user=options.user,
         password=options.password,
+        failover=True,
     )
-    # After one failed request the client refuses its only endpoint for 300 s; gRPC reconnects by
-    # itself, so try again after a second (an etcd restart must not cost five minutes).
-    for endpoint in client.endpoints.values():
-        endpoint.time_retry = 1.0
-    return client
 
 
 class _EtcdLease(Lease):
