@@ -20,6 +20,12 @@ LIVE_RESTARTS = 3
 a node out at its first crash although a restart costs the others nothing."""
 
 
+_INTERFACE = (
+    "The workers' gloo and NCCL sockets bind to the interface that holds this address "
+    "(GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME) unless the environment already names one."
+)
+
+
 class AgentConfig(BaseModel):
     """One agent's settings (from ``etcrun`` flags)."""
 
@@ -65,13 +71,9 @@ class AgentConfig(BaseModel):
     local_addr: str | None = Field(
         None,
         description="Address other nodes use to reach this node (default: the source address of this "
-        "host's route to the rendezvous endpoint; 127.0.0.1 for a rendezvous on loopback).",
+        f"host's route to the rendezvous endpoint; 127.0.0.1 for a rendezvous on loopback). {_INTERFACE}",
     )
-    local_interface: str | None = Field(
-        None,
-        description="The interface holding local_addr: the workers' gloo and NCCL sockets bind to it "
-        "(GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME) unless the environment already names one.",
-    )
+    local_interface: str | None = Field(None, description=_INTERFACE)
     node_rank: int | None = Field(None, description="This node's rank (static rendezvous; a position hint otherwise).")
     log_format: Literal["text", "json"] = Field("text", description="text, or json: one JSON line per agent event.")
     model: str | None = Field(
