@@ -7,10 +7,13 @@ Marked ``cluster``; skipped with the reason where the machine cannot make namesp
 
 from __future__ import annotations
 
+import json
+import time
 import uuid
+from pathlib import Path
 
 import pytest
-from elastic_demo import compare_states, json_line_event, reference_losses, run_scenario
+from elastic_demo import Cluster, compare_states, json_line_event, leader_of, reference_losses, run_scenario
 from netlab import NetLab, unavailable
 
 _WHY_NOT = unavailable()
@@ -53,3 +56,75 @@ def test_hosts_with_their_own_addresses_join_and_leave_live_with_local_addr_alon
         assert sorted(result["losses"]) == list(range(STEPS)), logs
         _, reference_state = reference_losses(STEPS, tmp_path, ["--elementwise"])
         assert compare_states(result["state_file"], reference_state) == [], logs
+
+
+def _records(path: Path) -> list[dict]:
+    """The example's per-step records (rank 0's), in the order written."""
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _wait(predicate, timeout: float, what: str, cluster: Cluster) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{cluster.tail(40)}")
+
+
+CUT_S = 20.0
+CUT_STEPS = 300  # 0.1 s a step (0.11 s here): the cut, the rejoin and 60+ steps after it
+
+
+def test_a_host_cut_off_silently_costs_the_survivors_at_most_3_s_and_rejoins_after_the_heal(tmp_path):
+    """Three hosts in dp; one that neither leads nor holds rank 0 is cut off silently (packets
+    dropped both ways, no reset) for 20 s mid-run. Default liveness flags: the survivors train again
+    within 3 s, no step runs at the old world size while it is cut, it rejoins after the heal, every
+    agent exits 0 and the final state is the uninterrupted run's, bitwise."""
+    loss_log, state_file = tmp_path / "loss.jsonl", tmp_path / "state.pt"
+    script = ["--steps", str(CUT_STEPS), "--parallel", "tp=1,pp=1,dp=auto", "--step-delay", "0.1"]
+    script += ["--loss-log", str(loss_log), "--dump-state", str(state_file), "--elementwise"]
+    with NetLab(num_hosts=3, num_etcd=1) as lab:
+        rdzv = ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", lab.etcd_endpoints, "--rdzv-id", uuid.uuid4().hex[:8]]
+        hosts = [(lab.prefix(name), lab.addr(name)) for name in ("h1", "h2", "h3")]
+        # Default --lease-ttl and --peer-timeout: what a user gets (Cluster's own default is 3 s).
+        cluster = Cluster(rdzv, 1, "tp=1,pp=1,dp=auto", script, tmp_path, False, max_nodes=3, min_nodes=2, hosts=hosts)
+        cluster.extra = ["--lease-ttl", "5"]
+        try:
+            for _ in hosts:
+                cluster.add_agent()
+            at_three = lambda: [r for r in _records(loss_log) if "dp=3" in r["config"]]  # noqa: E731
+            _wait(lambda: len(at_three()) >= 5, 120, "5 steps at dp=3", cluster)
+            leader = leader_of(cluster)
+            target = next(i for i in (2, 1) if i != leader)
+            cut_at = time.time()
+            lab.cut(f"h{target + 1}")
+            after = lambda: [r for r in _records(loss_log) if r["wall"] > cut_at and "dp=2" in r["config"]]  # noqa: E731
+            _wait(lambda: after(), 60, "a step at dp=2 after the cut", cluster)
+            stall = after()[0]["wall"] - cut_at
+            _wait(lambda: time.time() - cut_at >= CUT_S, CUT_S + 5, "the end of the cut", cluster)
+            healed_at = time.time()
+            lab.heal()
+            back = lambda: [r for r in _records(loss_log) if r["wall"] > healed_at and "dp=3" in r["config"]]  # noqa: E731
+            _wait(lambda: back(), 60, "the cut host back at dp=3", cluster)
+            rejoined = back()[0]["wall"] - healed_at
+            codes = cluster.finish(timeout=120)
+        finally:
+            for agent in cluster.agents:
+                if agent.poll() is None:
+                    agent.kill()
+            for i, lines in enumerate(cluster.outputs):
+                (tmp_path / f"agent-{i}.log").write_text("".join(lines))
+        logs = cluster.tail(60)
+        print(f"survivors' stall {stall:.2f} s, rejoined {rejoined:.2f} s after the heal")
+        assert codes == [0, 0, 0], f"agents exited {codes}\n{logs}"
+        assert stall <= 3.0, f"the survivors trained again {stall:.2f} s after the cut\n{logs}"
+        during = [r for r in _records(loss_log) if cut_at < r["wall"] < healed_at]
+        assert during and all("dp=2" in r["config"] for r in during), "a step at dp=3 while a host was cut"
+        steps = [r["step"] for r in _records(loss_log)]
+        assert sorted(set(steps)) == list(range(CUT_STEPS)), logs
+        cut_text = "".join(cluster.outputs[target])
+        assert '"agent_gone"' in "".join("".join(lines) for lines in cluster.outputs), logs
+        assert "unreachable" in "".join(cluster.outputs[leader]), logs
+        _, reference_state = reference_losses(CUT_STEPS, tmp_path, ["--elementwise"])
+        assert compare_states(state_file, reference_state) == [], cut_text[-3000:]

@@ -59,6 +59,14 @@ class AgentConfig(BaseModel):
     lease_ttl: float = Field(
         5.0, gt=0, description="Seconds after which a node whose lease is not refreshed counts as dead."
     )
+    peer_timeout: float = Field(
+        1.0,
+        ge=0,
+        description="Seconds a node's liveness port may go without answering the leader's probes (a few "
+        "a second) before the node counts as unreachable: a silent partition or a dead host leaves the "
+        "job then, not at its lease, and rejoins once its port answers again. Shorter: a shorter stall "
+        "on a silent host, and a congested network more likely to drop a live one. 0: leave it to the lease.",
+    )
     join_timeout: float = Field(
         600.0, gt=0, description="Seconds the job may wait for --nnodes MIN members before it fails."
     )

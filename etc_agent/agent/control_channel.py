@@ -147,6 +147,7 @@ class ControlChannel:
             finished=node.job_finished(),
             standby=not node.assignments or not node.state.state.ready,
             stop=node.attachments.stop_requested(req.local_rank),
+            unreachable_hosts=latest.unreachable_hosts if latest else [],
         )
 
     def _on_switch_failed(self, req: SwitchFailed) -> Ack:

@@ -74,7 +74,8 @@ def settled(snapshot: Snapshot) -> bool:
     if current is None or current.status != "running" or not current.members:
         return False
     failed = any(s.state == "failed" and n in current.members for n, s in snapshot.statuses.items())
-    return failed or snapshot.num_peer_failed > 0 or all_succeeded(current, snapshot.statuses)
+    silent = any(n in current.members for n in snapshot.unreachable)
+    return failed or silent or snapshot.num_peer_failed > 0 or all_succeeded(current, snapshot.statuses)
 
 
 def decide(snapshot: Snapshot) -> Decision:
@@ -82,16 +83,44 @@ def decide(snapshot: Snapshot) -> Decision:
     basis = _basis(snapshot)
     if basis is None:
         return Decision(why="the job is over")
-    records = [r for r in ordered_nodes(snapshot.nodes) if r.node_id not in snapshot.gone]
+    excluded = set(snapshot.gone) | set(snapshot.unreachable)
+    records = [r for r in ordered_nodes(snapshot.nodes) if r.node_id not in excluded]
     current = basis.current
+    drop = _dropped(snapshot, current)
     if current is not None and current.status == "running":
         final, reason, restart_count = _after_running(snapshot, current, basis, records)
         if final is not None:
-            return Decision(record=final, version=snapshot.generation_version, drop=snapshot.gone)
+            return Decision(record=final, version=snapshot.generation_version, drop=drop)
         basis = replace(basis, restart_count=restart_count)
     else:
         reason = "enough nodes" if current else "records vanished from the store" if basis.records_vanished else "start"
-    return replace(_next_generation(snapshot, basis, records, reason), drop=snapshot.gone)
+    made = replace(_next_generation(snapshot, basis, records, reason), drop=drop)
+    if made.record is not None and made.record.status == "running" and current is not None:
+        made = replace(made, record=_with_unreachable_hosts(made.record, snapshot, current))
+    return made
+
+
+def _dropped(snapshot: Snapshot, current: GenerationRecord | None) -> tuple[str, ...]:
+    """The node records to delete: members found gone, and members found unreachable (a node that
+    is not a member and went silent is only kept out; its lease decides its record)."""
+    members_now = set(current.members) if current is not None and current.status == "running" else set()
+    silent = tuple(n for n in snapshot.unreachable if n in members_now and n not in snapshot.gone)
+    return (*snapshot.gone, *silent)
+
+
+def _with_unreachable_hosts(
+    record: GenerationRecord, snapshot: Snapshot, current: GenerationRecord
+) -> GenerationRecord:
+    """``record`` saying which members it drops as unreachable, and naming the addresses of the current members it drops as unreachable that none of
+    its members shares (on one host, closing sockets by address would cut the survivors too)."""
+    hosts = {r.node_id: r.host for r in ordered_nodes(snapshot.nodes)}
+    silent = [n for n in snapshot.unreachable if n in current.members and n not in record.members]
+    if not silent:
+        return record
+    kept = {hosts.get(n) for n in record.members}
+    cut = sorted({hosts[n] for n in silent if n in hosts} - kept)
+    reason = f"{record.reason} (unreachable: {', '.join(silent)})"
+    return record.model_copy(update={"unreachable_hosts": cut, "reason": reason})
 
 
 def _basis(snapshot: Snapshot) -> _Basis | None:

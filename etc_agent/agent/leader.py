@@ -22,6 +22,7 @@ from etc_agent.agent import decision
 from etc_agent.agent.config import AgentConfig
 from etc_agent.agent.decision import Decision, failure_evidence, settled
 from etc_agent.agent.gone import GoneAgents
+from etc_agent.agent.reach import Prober, Reachability
 from etc_agent.agent.records import RecordReader, where
 from etc_agent.agent.snapshot import NodeEntry, Settings, Snapshot, members, ordered_nodes
 from etc_agent.layout.config import ParallelSpec
@@ -57,6 +58,10 @@ class Leader:
         self._lease, self._latest = lease, latest
         self.is_leader = False
         self._gone = GoneAgents(node_id)
+        self._reach = Reachability(node_id, config.peer_timeout) if config.peer_timeout > 0 else None
+        self._probed: tuple[NodeRecord, ...] = ()
+        """The node records of the last decision's read: whose liveness ports the probes go to."""
+        self._went_silent = threading.Event()
         self._holder_seen: str | None = None
         """Another agent that held the leader key at the last look."""
         self._leaseless_seen: set[str] = set()
@@ -179,11 +184,16 @@ class Leader:
 
     def _lead(self) -> None:
         watch = self.store.watch_prefix("", self._on_event)
+        prober = self._start_probing()
         try:
             self._dirty.set()
             last_decision = 0.0
             while not self.stop_requested.is_set() and not self.leaving.is_set():
-                if self._dirty.wait(0.1):
+                if self._went_silent.is_set():
+                    self._went_silent.clear()
+                    self.decide()  # a member went silent: its peers are blocked, no quiet period
+                    last_decision = time.monotonic()
+                elif self._dirty.wait(0.1):
                     self._quiet()
                     self.decide()
                     last_decision = time.monotonic()
@@ -197,6 +207,8 @@ class Leader:
                     return
         finally:
             watch.cancel()
+            if prober is not None:
+                prober.stop()
             if self.leaving.is_set():
                 try:
                     self._hand_over()
@@ -208,6 +220,17 @@ class Leader:
                     self.store.delete(keys.LEADER)
                 except StoreError:
                     pass
+
+    def _start_probing(self) -> Prober | None:
+        """Probe the nodes' liveness ports while leading (:mod:`etc_agent.agent.reach`)."""
+        if self._reach is None:
+            return None
+
+        def never(record: NodeRecord) -> None:
+            port = f"{record.host}:{record.probe_port}"
+            self.emit("liveness_port_silent", {"node": record.node_id, "port": port, "note": "left to its lease"})
+
+        return Prober(self._reach, lambda: self._probed, self._went_silent.set, never)
 
     def _hand_over(self) -> None:
         """A departing leader publishes the generation without its own node before it gives up the
@@ -347,11 +370,14 @@ class Leader:
                 )
             snapshot = replace(snapshot, vanished_for_s=time.monotonic() - self._vanished_since)
         current = snapshot.current
+        records = ordered_nodes(snapshot.nodes)
+        self._probed = tuple(records)
         if current is not None and current.status == "running":
-            records = ordered_nodes(snapshot.nodes)
             self._gone.learn(records)
             gone = self._gone.check(current.number, failure_evidence(snapshot), current.members, records)
             snapshot = replace(snapshot, gone=tuple(gone))
+        if self._reach is not None:
+            snapshot = replace(snapshot, unreachable=tuple(self._reach.unreachable(r.node_id for r in records)))
         return snapshot
 
     def _apply(self, snapshot: Snapshot, made: Decision) -> None:
@@ -360,14 +386,15 @@ class Leader:
         for node_id in made.drop:
             assert snapshot.current is not None  # gone agents are found in a running generation only
             self.store.delete(keys.node(node_id))
-            self.emit(
-                "agent_gone",
-                {
-                    "node": node_id,
-                    "generation": snapshot.current.number,
-                    "how": "its liveness port refused a connection after a failure (not waiting for its lease)",
-                },
-            )
+            if node_id in snapshot.gone:
+                how = "its liveness port refused a connection after a failure (not waiting for its lease)"
+            else:
+                assert self._reach is not None  # only the probes find nodes unreachable
+                silent_s = self._reach.silent_for(node_id)
+                how = (
+                    f"its liveness port has not answered for {silent_s:.1f} s: unreachable (not waiting for its lease)"
+                )
+            self.emit("agent_gone", {"node": node_id, "generation": snapshot.current.number, "how": how})
         record = made.record
         if record is None:
             return

@@ -73,6 +73,9 @@ class Snapshot:
     """A layout asked for at run time (``etc-agent reconfigure``); it wins over ``--parallel``."""
     gone: tuple[str, ...] = ()
     """Members whose agents the leader found gone (their liveness ports refused after a failure)."""
+    unreachable: tuple[str, ...] = ()
+    """Registered nodes whose liveness ports have not answered for ``--peer-timeout``
+    (:mod:`etc_agent.agent.reach`): members leave now, the others are not admitted."""
     vanished_for_s: float | None = None
     """Seconds since the leader found the job's generation record gone from the store (None: never)."""
 

@@ -44,6 +44,7 @@ AGENT_FLAGS = (
     "sidecar",
     "control_addr",
     "placement",
+    "peer_timeout",
 )
 """AgentConfig fields that take their flag's value as it is."""
 

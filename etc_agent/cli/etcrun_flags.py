@@ -37,6 +37,7 @@ SETTING_FLAGS: dict[str, str] = {
     "model": "--model",
     "reconfig_delay": "--reconfig-delay",
     "lease_ttl": "--lease-ttl",
+    "peer_timeout": "--peer-timeout",
     "log_format": "--log-format",
     "worker_heartbeat_timeout": "--worker-heartbeat-timeout",
     "placement": "--placement",
@@ -174,6 +175,7 @@ class EtcrunFlags(BaseModel):
     )
     reconfig_delay: float = Field(1.0, description=_describe("reconfig_delay"))
     lease_ttl: float = Field(5.0, description=_describe("lease_ttl"))
+    peer_timeout: float = Field(1.0, description=_describe("peer_timeout"))
     log_format: str = Field("text", description=_describe("log_format"))
     log_level: str | None = Field(
         None,

@@ -205,6 +205,10 @@ class AssignmentReply(_Reply):
         description="The node serves no generation yet (a warm joiner waits as long as its node does)."
     )
     stop: bool = Field(False, description="Sidecar: the agent asks this worker to stop.")
+    unreachable_hosts: list[str] = Field(
+        default_factory=list,
+        description="The newest generation's ``unreachable_hosts``: the worker shuts its sockets to them.",
+    )
 
 
 class Ack(_Reply):

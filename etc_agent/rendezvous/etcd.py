@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
+import time
 from collections.abc import Callable
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -105,16 +107,51 @@ def _connect(options: EtcdOptions):
     )
 
 
+class _Reconnect:
+    """A fresh connection to an etcd member whose requests time out or find it unreachable.
+
+    A partition leaves the channel's TCP connection dead but open: the kernel retransmits on it with
+    a backoff that reaches seconds, and gRPC reconnects a failed channel with its own backoff, so a
+    member can answer again seconds before the client notices. After such a failure the member's
+    channel is replaced (at most once per ``ENDPOINT_RETRY_S``): the next request connects anew and
+    goes through as soon as the network does. Leases and watches go through the client's stubs,
+    which pyetcd rebuilds on the new channel."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+        self._lock = threading.Lock()
+        self._renewed_at: dict[str, float] = {}
+
+    def after(self, endpoint, err: BaseException) -> None:
+        """``endpoint`` (the one the failed request used) failed with ``err``."""
+        import pyetcd.exceptions as errors
+
+        if not isinstance(err, (errors.ConnectionTimeoutError, errors.ConnectionFailedError)):
+            return
+        with self._lock:
+            now = time.monotonic()
+            if now - self._renewed_at.get(endpoint.netloc, float("-inf")) < ENDPOINT_RETRY_S:
+                return
+            self._renewed_at[endpoint.netloc] = now
+            old = endpoint.channel
+            endpoint.channel = endpoint._mkchannel(None)  # pyetcd's own constructor of a member's channel
+            self.client._clear_old_stubs()
+        old.close()
+
+
 class _EtcdLease(Lease):
-    def __init__(self, lease, ttl: float):
+    def __init__(self, lease, ttl: float, reconnect: _Reconnect):
         self._lease = lease
         self.id = lease.id
         self.ttl = ttl
+        self._reconnect = reconnect
 
     def refresh(self) -> None:
+        endpoint = self._reconnect.client.endpoint_in_use
         try:
             responses = self._lease.refresh()
         except Exception as err:
+            self._reconnect.after(endpoint, err)
             raise StoreError(f"etcd lease refresh failed: {err}") from err
         if not responses or responses[0].TTL <= 0:
             raise LeaseExpired(f"etcd lease {self.id:x} expired")
@@ -153,17 +190,21 @@ class EtcdStore(MembershipStore):
             self.client.status()
         except Exception as err:
             raise StoreError(f"cannot reach etcd at {options.endpoint}: {_short(err)}") from err
+        self._reconnect = _Reconnect(self.client)
 
     def _call(self, what: str, fn, *args, **kwargs):
+        endpoint = self.client.endpoint_in_use
         try:
             return fn(*args, **kwargs)
         except StoreError:
             raise
         except Exception as err:
+            self._reconnect.after(endpoint, err)
             if "auth token" in _short(err).lower() and self.options.user is not None:
                 # A restarted etcd forgot the simple token: authenticate again, the caller retries.
                 try:
                     self.client = _connect(self.options)
+                    self._reconnect = _Reconnect(self.client)
                 except Exception:  # noqa: BLE001
                     pass
             raise StoreError(f"etcd {what} failed ({self.options.endpoint}): {_short(err)}") from err
@@ -206,7 +247,7 @@ class EtcdStore(MembershipStore):
     def grant_lease(self, ttl: float) -> Lease:
         # etcd leases are whole seconds (and at least the server's minimum, usually 2 s).
         lease = self._call("lease grant", self.client.lease, max(1, math.ceil(ttl)))
-        return _EtcdLease(lease, float(lease.ttl))
+        return _EtcdLease(lease, float(lease.ttl), self._reconnect)
 
     def watch_prefix(self, prefix, callback: Callable[[WatchEvent], None], on_error=None) -> WatchHandle:
         import pyetcd.events as events

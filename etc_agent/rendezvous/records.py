@@ -96,6 +96,12 @@ class GenerationRecord(Record):
         "a node is restarting after a crash holds nothing and is left out.",
     )
     started: bool = Field(False, description="An earlier generation ran: training state exists somewhere.")
+    unreachable_hosts: list[str] = Field(
+        default_factory=list,
+        description="Addresses of the previous generation's members this one dropped as unreachable (their "
+        "liveness ports went silent) that no member of this one shares: the survivors' workers shut their "
+        "sockets to them, which ends a collective blocked on a silent host.",
+    )
     published_at: float = Field(0.0, description="Wall-clock time the leader published this generation.")
     placement: list[str] | None = Field(
         None,

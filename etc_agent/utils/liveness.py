@@ -12,8 +12,12 @@ as before.
 
 from __future__ import annotations
 
+import errno
+import select
 import socket
 import threading
+import time
+from collections.abc import Mapping
 from typing import Literal
 
 Probe = Literal["alive", "gone", "unknown"]
@@ -58,3 +62,41 @@ def probe(host: str, port: int, timeout_s: float = 0.5) -> Probe:
         return "gone"
     except OSError:
         return "unknown"
+
+
+def probe_many(targets: Mapping[str, tuple[str, int]], timeout_s: float) -> dict[str, Probe]:
+    """:func:`probe` for many ports at once (non-blocking connects, one wait of at most ``timeout_s``):
+    a leader probing every member each fraction of a second must not wait for them one by one."""
+    results: dict[str, Probe] = {}
+    pending: dict[socket.socket, str] = {}
+    for key, (host, port) in targets.items():
+        try:
+            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            results[key] = "unknown"
+            continue
+        sock.setblocking(False)
+        code = sock.connect_ex((host, port))
+        if code in (0, errno.EINPROGRESS):
+            pending[sock] = key
+        else:
+            results[key] = "gone" if code == errno.ECONNREFUSED else "unknown"
+            sock.close()
+    deadline = time.monotonic() + timeout_s
+    last_look = False
+    while pending and not last_look:
+        left = deadline - time.monotonic()
+        # Once the time is up, one more look without waiting: a prober that was not scheduled for a
+        # while must not count the connects the kernel completed meanwhile as unanswered.
+        last_look = left <= 0
+        _, writable, _ = select.select([], list(pending), [], max(0.0, left))
+        for sock in writable:
+            code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            key = pending.pop(sock)
+            results[key] = "alive" if code == 0 else "gone" if code == errno.ECONNREFUSED else "unknown"
+            sock.close()
+    for sock, key in pending.items():
+        results[key] = "unknown"
+        sock.close()
+    return results

@@ -26,6 +26,7 @@ from etc_agent.protocol.control import (
 )
 from etc_agent.utils import auth
 from etc_agent.utils.jsonline import JsonLineError, hold, parse_address, request
+from etc_agent.utils.sever import sever
 from etc_agent.worker.errors import JobError, JobFinished
 
 log = logging.getLogger("etc_agent.worker")
@@ -50,6 +51,8 @@ class AgentLink:
         self._stop = threading.Event()
         self._changed = threading.Condition(self._lock)
         self._stopping = False
+        self._severed_for = -1
+        """The newest generation whose unreachable hosts this worker's connections were shut to."""
         hello = request(
             self.address,
             Hello(local_rank=local_rank, pid=os.getpid(), elastic=True).model_dump(),
@@ -97,6 +100,9 @@ class AgentLink:
                         flush=True,
                     )
                     os.kill(os.getpid(), signal.SIGTERM)
+                if reply.unreachable_hosts and reply.latest is not None and reply.latest > self._severed_for:
+                    self._severed_for = reply.latest
+                    self._sever(reply.latest, reply.unreachable_hosts)
                 with self._changed:
                     self.reply = reply
                     if reply.latest is not None:
@@ -110,6 +116,18 @@ class AgentLink:
                         self.error = f"agent at {self.address[0]}:{self.address[1]} unreachable: {err}"
                         self._changed.notify_all()
             self._stop.wait(self.poll_interval)
+
+    def _sever(self, generation: int, hosts: list[str]) -> None:
+        """The newest generation dropped ``hosts`` as unreachable: end any collective blocked on them
+        (:mod:`etc_agent.utils.sever`); the failure then switches this worker to that generation."""
+        severed = sever(hosts)
+        if severed:
+            print(
+                f"[etc_agent] local_rank {self.local_rank}: generation {generation} dropped unreachable "
+                f"{', '.join(hosts)}: shut {severed} connections to them",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def assignment(self, at_least: int, timeout_s: float, why: str) -> Assignment:
         """The newest assignment for a generation >= ``at_least`` (waiting for the agent to prepare it)."""
