@@ -128,3 +128,52 @@ def test_a_host_cut_off_silently_costs_the_survivors_at_most_3_s_and_rejoins_aft
         assert "unreachable" in "".join(cluster.outputs[leader]), logs
         _, reference_state = reference_losses(CUT_STEPS, tmp_path, ["--elementwise"])
         assert compare_states(state_file, reference_state) == [], cut_text[-3000:]
+
+
+ETCD_STEPS = 150
+
+
+def test_losing_the_etcd_leader_costs_training_at_most_2_s_and_restarts_nothing(tmp_path):
+    """A 3-member etcd, two hosts in dp, the agents given every member (the leader first, so the
+    member they talk to is the one that dies): the etcd leader is killed for good mid-run. The
+    agents fail over to the other members; training never waits more than 2 s between steps, no
+    generation follows, the finished job is reported finished (exit 0) and the final state is the
+    uninterrupted run's."""
+    loss_log, state_file = tmp_path / "loss.jsonl", tmp_path / "state.pt"
+    script = ["--steps", str(ETCD_STEPS), "--parallel", "tp=1,pp=1,dp=auto", "--step-delay", "0.1"]
+    script += ["--loss-log", str(loss_log), "--dump-state", str(state_file), "--elementwise"]
+    with NetLab(num_hosts=2, num_etcd=3) as lab:
+        leader = lab.wait_etcd_healthy()
+        members = [leader, *(m for m in lab.etcd_members if m != leader)]
+        endpoints = ",".join(f"{lab.etcd_members[m].addr}:2379" for m in members)
+        rdzv = ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", endpoints, "--rdzv-id", uuid.uuid4().hex[:8]]
+        hosts = [(lab.prefix(name), lab.addr(name)) for name in ("h1", "h2")]
+        cluster = Cluster(rdzv, 1, "tp=1,pp=1,dp=auto", script, tmp_path, False, max_nodes=2, min_nodes=2, hosts=hosts)
+        try:
+            for _ in hosts:
+                cluster.add_agent()
+            _wait(lambda: len(_records(loss_log)) >= 20, 120, "20 steps", cluster)
+            killed_at = time.time()
+            lab.kill_etcd(leader)
+            codes = cluster.finish(timeout=120)
+        finally:
+            for agent in cluster.agents:
+                if agent.poll() is None:
+                    agent.kill()
+            for i, lines in enumerate(cluster.outputs):
+                (tmp_path / f"agent-{i}.log").write_text("".join(lines))
+        logs = cluster.tail(40)
+        records = _records(loss_log)
+        after = [r for r in records if r["wall"] > killed_at]
+        gaps = [b["wall"] - a["wall"] for a, b in zip(records, records[1:]) if b["wall"] > killed_at]
+        print(
+            f"etcd leader {leader} killed at step {records[-len(after)]['step']}: longest step gap after it {max(gaps):.2f} s"
+        )
+        assert codes == [0, 0], f"agents exited {codes}\n{logs}"
+        assert after and max(gaps) <= 2.0, f"a {max(gaps):.2f} s gap between steps after the kill\n{logs}"
+        assert {r["generation"] for r in records} == {0}, "a generation followed the loss of the etcd leader"
+        assert sorted(r["step"] for r in records) == list(range(ETCD_STEPS)), logs
+        text = "".join("".join(lines) for lines in cluster.outputs)
+        assert "job_unfinished" not in text and '"status": "succeeded"' in text, logs
+        _, reference_state = reference_losses(ETCD_STEPS, tmp_path, ["--elementwise"])
+        assert compare_states(state_file, reference_state) == [], logs

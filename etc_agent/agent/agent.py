@@ -74,6 +74,7 @@ class Agent:
         node_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         log_root = Path(spec.log_dir) if spec.log_dir else Path(tempfile.mkdtemp(prefix="etcrun-"))
         self.config = config
+        self._outage_said = _EveryTenSeconds()
         self.emit = emit or self._log_event
         self.node = Node(
             config=config,
@@ -127,6 +128,10 @@ class Agent:
         level, :mod:`etc_agent.agent.console`); with ``--log-format json`` the console gets each
         event as one JSON line on stdout instead, whatever its level."""
         as_json = self.config.log_format == "json"
+        if event == "store_unreachable" and not self._outage_said.due():
+            # One line per outage on the console, not one per failed request of each thread.
+            log.debug("[%s] %s %s", self.node_id, event, fields, extra={CONSOLE_ATTR: False})
+            return
         if as_json:
             line = json_line(event, self.node_id, fields)
             with _STDOUT_LOCK:  # one write per record: print() writes the newline separately
@@ -298,6 +303,22 @@ class Agent:
             node.wake.clear()
 
 
+class _EveryTenSeconds:
+    """Whether a repeated complaint is due again (at most once per 10 s, from any thread)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._said_at = float("-inf")
+
+    def due(self) -> bool:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._said_at < 10:
+                return False
+            self._said_at = now
+            return True
+
+
 class _StoreOutage:
     """How long the store has been unreachable: said every 10 s, given up after ``join_timeout``."""
 
@@ -307,6 +328,8 @@ class _StoreOutage:
         self.last_said = 0.0
 
     def over(self) -> None:
+        if self.since is not None:
+            self.emit("store_reachable", {"after_s": round(time.monotonic() - self.since, 1)})
         self.since = None
 
     def gives_up(self, now: float, err: StoreError) -> bool:

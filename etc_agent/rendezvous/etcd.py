@@ -98,13 +98,17 @@ def _connect(options: EtcdOptions):
         )
         for host, port in options.host_ports()
     ]
-    return pyetcd.MultiEndpointEtcd3Client(
+    client = pyetcd.MultiEndpointEtcd3Client(
         endpoints=endpoints,
         timeout=options.timeout_s,
         user=options.user,
         password=options.password,
         failover=True,
     )
+    # pyetcd starts on a random member; the first one given, as etcdctl does, makes a job's agents
+    # share a member and fail over in the order the user wrote.
+    client._current_endpoint_label = endpoints[0].netloc
+    return client
 
 
 class _Reconnect:
