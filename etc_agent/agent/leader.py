@@ -11,7 +11,6 @@ compare-and-set on ``generation``. Every agent then acts on what it reads back
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -24,10 +23,11 @@ from etc_agent.agent.decision import Decision, failure_evidence, settled
 from etc_agent.agent.gone import GoneAgents
 from etc_agent.agent.reach import Prober, Reachability
 from etc_agent.agent.records import RecordReader, where
-from etc_agent.agent.snapshot import NodeEntry, Settings, Snapshot, members, ordered_nodes
+from etc_agent.agent.snapshot import Settings, Snapshot, members, ordered_nodes
+from etc_agent.agent.store_read import StoreRead
 from etc_agent.layout.config import ParallelSpec
 from etc_agent.protocol import keys
-from etc_agent.rendezvous.records import AbandonRecord, GenerationRecord, LeaderRecord, NodeRecord, NodeStatus
+from etc_agent.rendezvous.records import GenerationRecord, LeaderRecord, NodeRecord, NodeStatus
 from etc_agent.rendezvous.store import KeyValue, Lease, MembershipStore, StoreError, WatchEvent
 
 HAND_OVER_WAIT_S = 2.0
@@ -64,8 +64,6 @@ class Leader:
         self._went_silent = threading.Event()
         self._holder_seen: str | None = None
         """Another agent that held the leader key at the last look."""
-        self._leaseless_seen: set[str] = set()
-        """Node records without a lease this leader has already logged."""
         self._vanished_since: float | None = None
         """When this leader first found the job's generation record gone (None: it never did)."""
         self._peer_failure = threading.Event()
@@ -86,6 +84,7 @@ class Leader:
             model=model,
             reregistration_grace_s=config.lease_ttl + config.reconfig_delay,
         )
+        self._store_read = StoreRead(store, reader, self._settings, latest)
 
     # ---- election --------------------------------------------------------------------
     def run_election(self) -> None:
@@ -267,87 +266,17 @@ class Leader:
         ):
             self._dirty.set()
 
-    # ---- reading the store: the decision's snapshot ------------------------------------
+    # ---- reading the store ---------------------------------------------------------------
     def statuses(self, generation: int) -> dict[str, NodeStatus]:
         """Node id -> the status its agent reported for ``generation`` (foreign values left out)."""
-        statuses = {}
-        for skv in self.store.get_prefix(keys.statuses(generation)):
-            status = self.reader.parse(NodeStatus, skv)
-            if status is not None:
-                statuses[keys.node_of(skv.key)] = status
-        return statuses
+        return self._store_read.statuses(generation)
 
     def members_now(self, include_leaving: bool = False, include_unready: bool = False) -> list[NodeRecord]:
         """The registered, ready nodes in group order (one read of the store)."""
-        return members(ordered_nodes(self._read_nodes()), include_leaving, include_unready)
-
-    def _read_nodes(self) -> tuple[NodeEntry, ...]:
-        """Every node record registered under a lease (group order: :func:`~etc_agent.agent.snapshot.ordered_nodes`)."""
-        entries = []
-        for kv in self.store.get_prefix(keys.NODES):
-            if not kv.lease:
-                # Every agent registers under its lease; a record without one outlives any process
-                # and is not a member (a leftover, or written by hand).
-                if kv.key not in self._leaseless_seen:
-                    self._leaseless_seen.add(kv.key)
-                    log.warning("%s has no lease: not a member of the job (agents register under a lease)", kv.key)
-                continue
-            record = self.reader.parse(NodeRecord, kv)
-            if record is not None:
-                entries.append(NodeEntry(record, kv.mod_revision))
-        return tuple(entries)
-
-    def _requested_spec(self) -> ParallelSpec | None:
-        """A layout asked for at run time (``etc-agent reconfigure``), which wins over ``--parallel``."""
-        kv = self.store.get(keys.REQUESTED_PARALLEL)
-        if kv is None:
-            return None
-        try:
-            return ParallelSpec.parse(json.loads(kv.value)["spec"])
-        except (ValueError, KeyError, TypeError) as err:
-            self.reader.reject(kv, f"{type(err).__name__}: {err}")
-            return None
+        return members(ordered_nodes(self._store_read.nodes()), include_leaving, include_unready)
 
     def _read(self) -> Snapshot:
-        """One read of everything the decision uses: the only place the decision reads the store."""
-        kv = self.store.get(keys.GENERATION)
-        current = self.reader.parse(GenerationRecord, kv) if kv else None
-        latest = self._latest()
-        if current is not None and current.status in ("failed", "succeeded"):
-            return Snapshot(self._settings, time.time(), kv.version if kv else 0, current, latest)  # the job is over
-        used_numbers: tuple[int, ...] = ()
-        if kv is not None and current is None:
-            used = (keys.generation_number(k.key) for k in self.store.get_prefix(keys.GENERATIONS))
-            used_numbers = tuple(n for n in used if n is not None)
-        statuses: dict[str, NodeStatus] = {}
-        abandoned: list[AbandonRecord] = []
-        num_peer_failed, migration_done = 0, False
-        if current is not None and current.status == "running":
-            # The statuses first, then the node records: a node that reported a worker failure took
-            # itself out of the membership before, so the records read after it show that too.
-            statuses = self.statuses(current.number)
-            parsed = (
-                self.reader.parse(AbandonRecord, akv) for akv in self.store.get_prefix(keys.abandons(current.number))
-            )
-            abandoned = [r for r in parsed if r is not None]
-            num_peer_failed = len(self.store.get_prefix(keys.peer_failures(current.number)))
-            migration_done = self.store.get(keys.migration(current.number)) is not None
-        nodes = self._read_nodes()
-        return Snapshot(
-            settings=self._settings,
-            now=time.time(),
-            generation_version=kv.version if kv else 0,
-            current=current,
-            latest=latest,
-            used_numbers=used_numbers,
-            nodes=nodes,
-            statuses=statuses,
-            abandoned=tuple(abandoned),
-            num_peer_failed=num_peer_failed,
-            migration_done=migration_done,
-            live_job=self.store.get(keys.ELASTIC) is not None,
-            requested_spec=self._requested_spec(),
-        )
+        return self._store_read.snapshot()
 
     # ---- the decision -----------------------------------------------------------------
     def decide(self) -> None:
