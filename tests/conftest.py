@@ -44,6 +44,7 @@ TEST_LAYERS: dict[str, tuple[str, dict[str, list[str]]]] = {
     "test_elastic.py": ("e2e", {}),
     "test_etcd_auth.py": ("e2e", {}),
     "test_etcd_tls.py": ("e2e", {}),
+    "test_endpoints.py": ("unit", {}),
     "test_endwatch.py": ("unit", {}),
     "test_etcrun.py": ("e2e", {"unit": ["test_the_example_job_configs_are_valid"]}),
     "test_faults.py": ("e2e", {}),
@@ -54,6 +55,7 @@ TEST_LAYERS: dict[str, tuple[str, dict[str, list[str]]]] = {
     "test_failures.py": ("unit", {"multiproc": ["test_the_agent_does_not_import_torch"]}),
     "test_gone.py": ("unit", {}),
     "test_leader.py": ("unit", {}),
+    "test_netaddr.py": ("unit", {}),
     "test_node_state.py": ("unit", {}),
     "test_settings.py": ("unit", {}),
     "test_groups.py": (
@@ -86,7 +88,9 @@ TEST_LAYERS: dict[str, tuple[str, dict[str, list[str]]]] = {
     "test_planner.py": ("unit", {"multiproc": ["test_plan_hash_is_the_same_in_fresh_processes"]}),
     "test_plain.py": ("e2e", {}),
     "test_protocol.py": ("unit", {}),
+    "test_reach.py": ("unit", {}),
     "test_restore.py": ("multiproc", {}),
+    "test_sever.py": ("unit", {}),  # real sockets of this process, no other process
     "test_sim.py": (
         "unit",
         {"e2e": ["test_simulate_bench_suite_json_and_comparison", "test_simulate_bad_input_is_one_line_and_exit_2"]},

@@ -24,9 +24,9 @@ VERSION = 7
 TP2 = "tp=2,pp=1,dp=2,zero=0"
 
 
-def node(node_id: str, revision: int = 0, **changes) -> NodeEntry:
+def node(node_id: str, revision: int = 0, host: str = "127.0.0.1", **changes) -> NodeEntry:
     """A node with 2 devices; ``revision``: when it registered (the group order after hints)."""
-    record = NodeRecord(node_id=node_id, host="127.0.0.1", num_devices=2, pid=1, **changes)
+    record = NodeRecord(node_id=node_id, host=host, num_devices=2, pid=1, **changes)
     return NodeEntry(record, revision or 100 + ord(node_id[0]))
 
 
@@ -77,6 +77,12 @@ class Expect:
     started: bool = True
     drop: tuple[str, ...] = ()
     wait_until: float | None = None
+    unreachable_hosts: tuple[str, ...] = ()
+
+
+def on(host: str, *node_ids: str) -> tuple[NodeEntry, ...]:
+    """Nodes on one host (its address)."""
+    return tuple(node(n, host=host) for n in node_ids)
 
 
 CASES = [
@@ -139,6 +145,57 @@ CASES = [
         "a member whose agent is gone leaves at once",
         snap(node("a"), node("b"), current=gen(["a", "b"]), gone=("b",), num_peer_failed=1),
         Expect("running", ("a",), "1 left", drop=("b",)),
+    ),
+    # Members whose liveness ports went silent (etc_agent.agent.reach).
+    (
+        "an unreachable member leaves at once and its host is named",
+        snap(
+            *on("10.0.0.1", "a"),
+            *on("10.0.0.2", "b"),
+            *on("10.0.0.3", "c"),
+            current=gen(["a", "b", "c"]),
+            unreachable=("b",),
+        ),
+        Expect("running", ("a", "c"), "1 left (unreachable: b)", drop=("b",), unreachable_hosts=("10.0.0.2",)),
+    ),
+    (
+        "two unreachable members on two hosts",
+        snap(
+            *on("10.0.0.1", "a"),
+            *on("10.0.0.2", "b"),
+            *on("10.0.0.3", "c"),
+            current=gen(["a", "b", "c"]),
+            unreachable=("a", "c"),
+        ),
+        Expect(
+            "running", ("b",), "2 left (unreachable: a, c)", drop=("a", "c"), unreachable_hosts=("10.0.0.1", "10.0.0.3")
+        ),
+    ),
+    (
+        "an unreachable member on a survivor's host: no host to cut",
+        snap(*on("10.0.0.1", "a", "b"), *on("10.0.0.3", "c"), current=gen(["a", "b", "c"]), unreachable=("b",)),
+        Expect("running", ("a", "c"), "1 left (unreachable: b)", drop=("b",)),
+    ),
+    (
+        "a member gone and unreachable is dropped once",
+        snap(*on("10.0.0.1", "a"), *on("10.0.0.2", "b"), current=gen(["a", "b"]), gone=("b",), unreachable=("b",)),
+        Expect("running", ("a",), "1 left (unreachable: b)", drop=("b",), unreachable_hosts=("10.0.0.2",)),
+    ),
+    (
+        "an unreachable node that is no member is neither dropped nor admitted",
+        snap(
+            *on("10.0.0.1", "a"),
+            *on("10.0.0.2", "b"),
+            *on("10.0.0.3", "c"),
+            current=gen(["a", "b"]),
+            unreachable=("c",),
+        ),
+        Expect(),
+    ),
+    (
+        "an unreachable node is not in the first generation",
+        snap(*on("10.0.0.1", "a"), *on("10.0.0.2", "b"), unreachable=("b",)),
+        Expect("running", ("a",), "start", number=0, started=False),
     ),
     # Bounds.
     (
@@ -274,6 +331,7 @@ def test_decision(snapshot: Snapshot, expect: Expect):
     assert record.num_devices == [2] * len(record.members) and record.number == expect.number
     assert tuple(record.senders) == expect.senders and record.parallel == expect.parallel
     assert (record.restart_count, record.started) == (expect.restart_count, expect.started)
+    assert tuple(record.unreachable_hosts) == expect.unreachable_hosts
     assert made.failed == (record.reason if record.status == "failed" else None)
     if record.status in ("running", "waiting"):
         assert record.published_at == NOW
@@ -293,6 +351,8 @@ SETTLED = [
     ("every member succeeded", snap(node("a"), current=gen(["a"]), statuses={"a": OK}), True),
     ("a join", snap(node("a"), node("b"), current=gen(["a"])), False),
     ("waiting", snap(node("a"), current=gen(["a"], status="waiting")), False),
+    ("a member unreachable", snap(node("a"), node("b"), current=gen(["a", "b"]), unreachable=("b",)), True),
+    ("a node unreachable that is no member", snap(node("a"), node("b"), current=gen(["a"]), unreachable=("b",)), False),
 ]
 
 

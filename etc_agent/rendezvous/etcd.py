@@ -59,7 +59,8 @@ def _parse_endpoints(text: str) -> list[tuple[str, int]]:
         address = item.strip().split("://", 1)[-1].rstrip("/")
         host, sep, port = address.rpartition(":")
         host = host.strip("[]")
-        if not sep or not port.isdigit() or not host:
+        # isascii: str.isdigit also takes digits that int() refuses (superscripts).
+        if not sep or not (port.isascii() and port.isdigit()) or not 0 < int(port) <= 65535 or not host:
             raise ValueError(f"bad etcd endpoint {item.strip()!r} in {text!r}: expected host:port[,host:port...]")
         if (host, int(port)) in found:
             raise ValueError(f"etcd endpoint {host}:{port} is given twice in {text!r}")

@@ -25,8 +25,9 @@ def _address(hex_address: str) -> str:
         return socket.inet_ntop(socket.AF_INET, raw[::-1])
     # Four 32-bit words, each in host (little-endian) order.
     words = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
-    mapped = ipaddress.IPv6Address(words).ipv4_mapped
-    return str(mapped) if mapped is not None else socket.inet_ntop(socket.AF_INET6, words)
+    address = ipaddress.IPv6Address(words)
+    # ipaddress' text, as connections_to writes the hosts it looks for (inet_ntop differs on some).
+    return str(address.ipv4_mapped or address)
 
 
 def connections_to(hosts: Iterable[str], proc: Path = Path("/proc/self")) -> set[int]:
@@ -65,7 +66,10 @@ def sever(hosts: Iterable[str]) -> int:
             continue
         if not (link.startswith("socket:[") and int(link[8:-1]) in targets):
             continue
-        sock = socket.socket(fileno=int(name))
+        try:
+            sock = socket.socket(fileno=int(name))
+        except OSError:
+            continue  # closed since its link was read
         try:
             sock.shutdown(socket.SHUT_RDWR)
             severed += 1
