@@ -62,6 +62,8 @@ class Leader:
         self._probed: tuple[NodeRecord, ...] = ()
         """The node records of the last decision's read: whose liveness ports the probes go to."""
         self._went_silent = threading.Event()
+        self._leader_record: NodeRecord | None = None
+        """The node record of the agent that holds the leader key (another one), for the prober."""
         self._holder_seen: str | None = None
         """Another agent that held the leader key at the last look."""
         self._vanished_since: float | None = None
@@ -88,14 +90,26 @@ class Leader:
 
     # ---- election --------------------------------------------------------------------
     def run_election(self) -> None:
-        """Try to become leader whenever there is none; lead while holding the key."""
+        """Try to become leader whenever there is none; lead while holding the key. The liveness
+        ports are probed meanwhile (:mod:`etc_agent.agent.reach`): the leader probes every node, the
+        others the leader."""
+        prober = self._start_probing()
+        try:
+            self._elect()
+        finally:
+            if prober is not None:
+                prober.stop()
+
+    def _elect(self) -> None:
         while not self.stop_requested.is_set():
             try:
                 if not self.leaving.is_set() and self._win():
                     self.is_leader = True
                     self.emit("leader_elected", {})
-                    self._lead()
-                    self.is_leader = False
+                    try:
+                        self._lead()
+                    finally:
+                        self.is_leader = False
                 elif self._peer_failure.is_set():
                     self._peer_failure.clear()
                     if not self.leaving.is_set() and self._take_over_from_a_gone_leader():
@@ -131,35 +145,40 @@ class Leader:
         return (kv, record) if record is not None else None
 
     def _learn_the_leader(self) -> None:
-        """Probe a new leader's port once (its refusals count only then); nothing to read otherwise."""
-        if self._holder_seen is None or self._gone.knows(self._holder_seen):
+        """Probe a new leader's port once (its refusals count only then), and keep its record for
+        the prober; nothing to read otherwise."""
+        known = self._leader_record is not None and self._leader_record.node_id == self._holder_seen
+        if self._holder_seen is None or (known and self._gone.knows(self._holder_seen)):
             return
         found = self._leader_node()
         if found is not None:
+            self._leader_record = found[1]
             self._gone.learn([found[1]])
 
     def _take_over_from_a_gone_leader(self) -> bool:
-        """The leader's agent is gone (:mod:`etc_agent.agent.gone`): take its key (compare-and-set,
-        one agent wins) and its node out, instead of waiting for its lease."""
+        """The leader's agent is gone (:mod:`etc_agent.agent.gone`) or its host unreachable
+        (:mod:`etc_agent.agent.reach`): take its key (compare-and-set, one agent wins) instead of
+        waiting for its lease. A gone leader's node goes out now; an unreachable one's is dropped by
+        the first decision, which names its host so that the survivors' workers stop waiting on it."""
         found = self._leader_node()
         if found is None:
             return False
         kv, record = found
         self._gone.learn([record])
-        if not self._gone.is_gone(record):
-            return False
-        if not self.store.compare_and_set(
+        gone = self._gone.is_gone(record)
+        silent = self._reach is not None and bool(self._reach.unreachable([record.node_id]))
+        if not (gone or silent) or not self.store.compare_and_set(
             keys.LEADER, LeaderRecord(node_id=self.node_id).dumps(), kv.version, lease=self._lease()
         ):
             return False
-        self.store.delete(keys.node(record.node_id))
-        self.emit(
-            "agent_gone",
-            {
-                "node": record.node_id,
-                "how": "the leader's liveness port refused a connection after a failure; taking over",
-            },
-        )
+        if gone:
+            self.store.delete(keys.node(record.node_id))
+            how = "the leader's liveness port refused a connection after a failure; taking over"
+        else:
+            assert self._reach is not None
+            self._went_silent.set()  # the first decision comes at once, not after a quiet period
+            how = f"the leader's liveness port has not answered for {self._reach.silent_for(record.node_id):.1f} s; taking over"
+        self.emit("agent_gone", {"node": record.node_id, "how": how})
         return True
 
     def _win(self) -> bool:
@@ -183,7 +202,6 @@ class Leader:
 
     def _lead(self) -> None:
         watch = self.store.watch_prefix("", self._on_event)
-        prober = self._start_probing()
         try:
             self._dirty.set()
             last_decision = 0.0
@@ -206,8 +224,6 @@ class Leader:
                     return
         finally:
             watch.cancel()
-            if prober is not None:
-                prober.stop()
             if self.leaving.is_set():
                 try:
                     self._hand_over()
@@ -221,15 +237,24 @@ class Leader:
                     pass
 
     def _start_probing(self) -> Prober | None:
-        """Probe the nodes' liveness ports while leading (:mod:`etc_agent.agent.reach`)."""
+        """Probe liveness ports (:mod:`etc_agent.agent.reach`): a leader every node's (a silent one
+        calls for a decision now), another agent the leader's (a silent one, for a take-over)."""
         if self._reach is None:
             return None
+
+        def targets() -> list[NodeRecord]:
+            if self.is_leader:
+                return list(self._probed)
+            return [self._leader_record] if self._leader_record is not None else []
+
+        def went_silent() -> None:
+            (self._went_silent if self.is_leader else self._peer_failure).set()
 
         def never(record: NodeRecord) -> None:
             port = f"{record.host}:{record.probe_port}"
             self.emit("liveness_port_silent", {"node": record.node_id, "port": port, "note": "left to its lease"})
 
-        return Prober(self._reach, lambda: self._probed, self._went_silent.set, never)
+        return Prober(self._reach, targets, went_silent, never)
 
     def _hand_over(self) -> None:
         """A departing leader publishes the generation without its own node before it gives up the
