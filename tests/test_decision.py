@@ -193,6 +193,17 @@ CASES = [
         Expect(),
     ),
     (
+        "an unreachable member that leaves the job below --nnodes MIN: the waiting record names its host",
+        snap(*on("10.0.0.1", "a"), *on("10.0.0.2", "b"), current=gen(["a", "b"]), unreachable=("b",), settings=MIN2),
+        Expect(
+            "waiting",
+            ("a",),
+            "1 of at least 2 nodes (unreachable: b)",
+            drop=("b",),
+            unreachable_hosts=("10.0.0.2",),
+        ),
+    ),
+    (
         "an unreachable node is not in the first generation",
         snap(*on("10.0.0.1", "a"), *on("10.0.0.2", "b"), unreachable=("b",)),
         Expect("running", ("a",), "start", number=0, started=False),

@@ -108,17 +108,35 @@ def test_time_without_probes_is_no_silence(watch):
     assert reach.unreachable(["a"]) == [] and reach.silent_for("a") == 0.0
 
 
+def test_a_pause_of_the_prober_before_a_silent_probe_is_not_counted_as_silence(watch):
+    """Answered at 0, no probe for a minute, then unanswered: the silence observed starts at the first
+    unanswered probe, so it takes --peer-timeout of unanswered probes from there."""
+    reach, _, _ = watch
+    nodes = [record("a")]
+    probe_at(watch, 0.0, nodes, a="alive")
+    assert probe_at(watch, 60.0, nodes) == ([], False)
+    assert reach.silent_for("a") == 0.0 and reach.unreachable(["a"]) == []
+    assert silent_rounds(watch, 60.25, 61.25, nodes) == [False] * 4 + [True]
+    assert reach.silent_for("a") == pytest.approx(1.25)
+
+
+def silent_rounds(watch, start: float, end: float, nodes: list[NodeRecord], **answers: Probe) -> list[bool]:
+    """A round every probe interval from ``start`` to ``end`` (inclusive); their went_silent."""
+    steps = round((end - start) / probe_interval(TIMEOUT))
+    return [probe_at(watch, start + i * probe_interval(TIMEOUT), nodes, **answers)[1] for i in range(steps + 1)]
+
+
 def test_a_node_that_answers_again_is_reachable(watch):
     reach, _, _ = watch
     nodes = [record("a")]
     probe_at(watch, 0.0, nodes, a="alive")
-    assert probe_at(watch, 2.0, nodes) == ([], True)
+    assert silent_rounds(watch, 0.25, 1.25, nodes) == [False] * 4 + [True]
     assert reach.unreachable(["a"]) == ["a"]
-    assert probe_at(watch, 2.25, nodes, a="alive") == ([], False)
+    assert probe_at(watch, 1.5, nodes, a="alive") == ([], False)
     assert reach.unreachable(["a"]) == [] and reach.silent_for("a") == 0.0
-    assert probe_at(watch, 2.5, nodes) == ([], False)
+    assert probe_at(watch, 1.75, nodes) == ([], False)
     assert reach.silent_for("a") == pytest.approx(0.25)  # counted from its newest answer
-    assert probe_at(watch, 3.5, nodes) == ([], True)  # silent anew: said again
+    assert silent_rounds(watch, 2.0, 2.75, nodes) == [False] * 3 + [True]  # silent anew: said again
     assert reach.unreachable(["a"]) == ["a"]
 
 
@@ -131,7 +149,7 @@ def test_a_node_that_never_answered_is_said_once_and_never_unreachable(watch):
     assert reach.unreachable(["a", "b"]) == [] and reach.silent_for("b") == 0.0
     # Once it answers it counts like any other node.
     probe_at(watch, 51.0, nodes, a="alive", b="alive")
-    assert probe_at(watch, 52.5, nodes, a="alive") == ([], True)
+    assert silent_rounds(watch, 51.25, 52.25, nodes, a="alive")[-1] is True
     assert reach.unreachable(["a", "b"]) == ["b"]
 
 
@@ -149,7 +167,7 @@ def test_a_node_whose_record_went_and_came_back_while_silent_is_still_unreachabl
     reach, prober, _ = watch
     a, b = record("a"), record("b")
     probe_at(watch, 0.0, [a, b], a="alive", b="alive")
-    assert probe_at(watch, 1.5, [a, b], a="alive") == ([], True)
+    assert silent_rounds(watch, 0.25, 1.25, [a, b], a="alive")[-1] is True
     probe_at(watch, 2.0, [a], a="alive")  # the leader deleted b's record
     assert "b" not in prober.asked[-1]
     assert reach.unreachable(["a", "b"]) == ["b"]
@@ -164,7 +182,7 @@ def test_unreachable_is_sorted_and_limited_to_the_nodes_asked_about(watch):
     reach, _, _ = watch
     nodes = [record("c"), record("a"), record("b")]
     probe_at(watch, 0.0, nodes, a="alive", b="alive", c="alive")
-    probe_at(watch, 2.0, nodes, b="alive")
+    silent_rounds(watch, 0.25, 1.25, nodes, b="alive")
     assert reach.unreachable(["c", "a", "b", "a"]) == ["a", "c"]
     assert reach.unreachable(["c"]) == ["c"] and reach.unreachable([]) == []
     assert reach.silent_for("unknown-node") == 0.0

@@ -95,7 +95,7 @@ def decide(snapshot: Snapshot) -> Decision:
     else:
         reason = "enough nodes" if current else "records vanished from the store" if basis.records_vanished else "start"
     made = replace(_next_generation(snapshot, basis, records, reason), drop=drop)
-    if made.record is not None and made.record.status == "running" and current is not None:
+    if made.record is not None and made.record.status in ("running", "waiting") and current is not None:
         made = replace(made, record=_with_unreachable_hosts(made.record, snapshot, current))
     return made
 

@@ -58,6 +58,8 @@ class Reachability:
         peers, not from etcd), it stays unreachable rather than counting as new."""
         self._last_silent: dict[str, float] = {}
         """Node id -> when a probe of its port last went unanswered."""
+        self._first_silent: dict[str, float] = {}
+        """Node id -> the first unanswered probe since its last answer."""
         self._silent_from_start: set[str] = set()
         self._silent: set[str] = set()
         """The nodes unreachable after the last round."""
@@ -83,9 +85,11 @@ class Reachability:
         """One probe's answer; True for a node seen never to answer, the first time."""
         if result == "alive":
             self._last_answer[node_id] = now
+            self._first_silent.pop(node_id, None)
             self._silent_from_start.discard(node_id)
         elif node_id in self._last_answer:
             self._last_silent[node_id] = now
+            self._first_silent.setdefault(node_id, now)
         elif node_id not in self._silent_from_start:
             self._silent_from_start.add(node_id)
             return True
@@ -96,11 +100,17 @@ class Reachability:
         return sorted(n for n in set(among) if self.silent_for(n) > self.peer_timeout_s)
 
     def silent_for(self, node_id: str) -> float:
-        """Seconds from ``node_id``'s port's last answer to the last probe it left unanswered (0 when
-        it answered the last probe, or never answered any)."""
+        """Seconds of observed silence of ``node_id``'s port: from its last answer to the last probe
+        it left unanswered, or, where the probes paused between that answer and the first unanswered
+        one, from that first unanswered probe (the pause is the prober's, not the node's). 0 when it
+        answered the last probe, or never answered any."""
         with self._lock:
             answered, silent = self._last_answer.get(node_id), self._last_silent.get(node_id)
-        return silent - answered if answered is not None and silent is not None and silent > answered else 0.0
+            first = self._first_silent.get(node_id)
+        if answered is None or silent is None or first is None or silent <= answered:
+            return 0.0
+        observed_from = answered if first - answered <= 2 * probe_interval(self.peer_timeout_s) else first
+        return silent - observed_from
 
 
 class Prober:
