@@ -109,7 +109,7 @@ class Reachability:
             first = self._first_silent.get(node_id)
         if answered is None or silent is None or first is None or silent <= answered:
             return 0.0
-        observed_from = answered if first - answered <= 2 * probe_interval(self.peer_timeout_s) else first
+        observed_from = answered if first - answered <= 3 * probe_interval(self.peer_timeout_s) else first
         return silent - observed_from
 
 

@@ -216,6 +216,11 @@ class MigrationRecord(Record):
     rebuild_s: float = Field(description="Building the new layout's model and optimizer (build + state).")
     plan_s: float
     transfer_s: float = Field(description="Data phase of the slowest rank (pack, send/receive, unpack).")
+    inter_node_gbit_s: float | None = Field(
+        None,
+        description="The bytes moved between nodes over transfer_s, in Gbit/s as links are rated (None: none "
+        "crossed a node); on a link that carried them all, the share of its rate the migration used.",
+    )
     total_stall_s: float = Field(description="Training stopped until training resumed, on the slowest rank.")
 
 

@@ -97,8 +97,14 @@ def live_record(
         rebuild_s=round(_worst(everyone, "rebuild"), 4),
         plan_s=round(_worst(everyone, "plan"), 4),
         transfer_s=round(_worst(everyone, "transfer"), 4),
+        inter_node_gbit_s=_gbit_s(plan.bytes_moved_inter_node, _worst(everyone, "transfer")),
         total_stall_s=round(_worst(everyone, "stall"), 4),
     )
+
+
+def _gbit_s(num_bytes: int, seconds: float) -> float | None:
+    """``num_bytes`` over ``seconds`` in Gbit/s, as links are rated (None: nothing moved, or no time)."""
+    return round(num_bytes * 8 / seconds / 1e9, 4) if num_bytes and seconds > 0 else None
 
 
 def _worst(everyone: list[dict], name: str) -> float:
