@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--cut-s", type=float, default=20.0, help="How long a cut lasts.")
     ap.add_argument("--rate", default="100mbit", help="The joining host's shaped link (tc units).")
+    ap.add_argument("--hidden", type=int, default=96, help="The example's width in the join (96: a 2.6 MB replica).")
     ap.add_argument("--only", default=None, help="Comma-separated substrings of the scenarios to run.")
     ap.add_argument("--json", type=Path, default=None, help="Also write the results here.")
     args = ap.parse_args()
@@ -46,7 +47,7 @@ def main() -> None:
         "cut non-leader": lambda work: silent_cut(work, "non-leader", args.cut_s),
         "cut leader": lambda work: silent_cut(work, "leader", args.cut_s),
         "etcd leader lost": etcd_leader_loss,
-        f"join over {args.rate}": lambda work: shaped_join(work, args.rate),
+        f"join over {args.rate}": lambda work: shaped_join(work, args.rate, model_args=["--hidden", str(args.hidden)]),
     }
     wanted = [w.strip() for w in args.only.split(",")] if args.only else None
     started = time.monotonic()
@@ -92,7 +93,7 @@ def main() -> None:
         table.add_column(column)
     for row in rows:
         table.add_row(*(str(row[c]) for c in columns))
-    Console().print(table)
+    Console(width=160).print(table)
     summary = {"bench": "cluster", "repeat": args.repeat, "cut_s": args.cut_s, "rows": rows}
     summary["wall_s"] = round(time.monotonic() - started, 1)
     line = json.dumps(summary)

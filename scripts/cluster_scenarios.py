@@ -36,7 +36,10 @@ class Outcome:
     rejoin_s: float | None = None
     """From the heal to the first step with the host back."""
     steps_trained_twice: int = 0
+    """Steps with two records in the loss log (rank 0 writes one per step trained)."""
     steps_missing: int = 0
+    """Steps without a record. The bitwise state says whether each step was applied exactly once;
+    this says whether rank 0 reported it."""
     steps_during_cut_at_old_size: int = 0
     generations: int = 0
     bytes_moved: int = 0
@@ -125,7 +128,9 @@ class _Run:
                 (self.work / f"agent-{i}.log").write_text("".join(lines))
         steps = [r["step"] for r in self.records()]
         outcome.steps_trained_twice = len(steps) - len(set(steps))
-        outcome.steps_missing = len(set(range(self.steps)) - set(steps))
+        missing = sorted(set(range(self.steps)) - set(steps))
+        outcome.steps_missing = len(missing)
+        outcome.extra["records_missing_for_steps"] = missing[:20]
         outcome.generations = len({r["generation"] for r in self.records()})
         outcome.logs = self.cluster.tail(60)
         _, reference = reference_losses(self.steps, self.work, self.example_args)
@@ -156,7 +161,7 @@ def silent_cut(work: Path, whom: str = "non-leader", cut_s: float = 20.0, steps:
             outcome.rejoin_s = run.wait_steps_at(3, 1, after=healed_at, timeout=60)[0]["wall"] - healed_at
             during = [r for r in run.records() if cut_at + outcome.stall_s < r["wall"] < healed_at]
             outcome.steps_during_cut_at_old_size = sum("dp=3," in r["config"] for r in during)
-            outcome.extra = {"target": target, "leader": leader}
+            outcome.extra.update(target=target, leader=leader)
         finally:
             run.finish(outcome)
         return outcome
@@ -175,7 +180,7 @@ def etcd_leader_loss(work: Path, steps: int = 150) -> Outcome:
             _wait(lambda: len(run.records()) >= 20, 120, "20 steps", run.cluster)
             killed_at = time.time()
             lab.kill_etcd(etcd_leader)
-            outcome.extra = {"killed": etcd_leader}
+            outcome.extra.update(killed=etcd_leader)
         finally:
             run.finish(outcome)
         records = run.records()
@@ -206,5 +211,5 @@ def shaped_join(work: Path, rate: str = "100mbit", steps: int = 120, model_args:
             if join.get("inter_node_gbit_s"):
                 outcome.rate_mbit = round(join["inter_node_gbit_s"] * 1000, 1)
             outcome.stall_s = join.get("total_stall_s")
-            outcome.extra = {"transfer_s": join.get("transfer_s"), "rate": rate}
+            outcome.extra.update(transfer_s=join.get("transfer_s"), rate=rate)
         return outcome
