@@ -21,6 +21,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # runs): it keeps the sys.path it started with, and its children import their functions from these.
 sys.path.insert(0, str(ROOT / "scripts"))
 MODELS = ROOT / "configs" / "models"
+LEAVE_SPREAD_S = 5.0
+"""The most a crash's survivors may take to leave their collectives one after another in an end-to-end
+test (a migration record's ``leave_spread_s``). Each leaves at once, and on a quiet machine the
+spread is a fraction of a second (``scripts/bench_crash.py``); with two end-to-end tests at once on
+two cores it reached 3.8 s. What the bound catches is a survivor that waits for a collective's
+timeout (60 s and more) instead of leaving. Tests marked ``alone`` keep the 2 s bound."""
 
 # Every test is in exactly one layer (markers registered in pyproject.toml; docs/development.md):
 #   unit       in this process: no subprocess, no agents, no etcd. The fast layer: python -m pytest -m unit
