@@ -402,6 +402,13 @@ class DictStore(MembershipStore):
         self.put(key, value, lease)
         return True
 
+    def put_if_unchanged(self, key, value, guard_key, guard_revision):
+        found = self.data.get(guard_key)
+        if (found.mod_revision if found else 0) != guard_revision:
+            return False
+        self.put(key, value)
+        return True
+
     def delete(self, key):
         return self.data.pop(key, None) is not None
 

@@ -84,6 +84,22 @@ def test_compare_and_set_conflicts(make_store):
     assert len(wins) == 1 and store.get("generation").value == f"w{wins[0]}"
 
 
+def test_a_write_fenced_on_a_revision_is_refused_once_the_guard_changed(make_store):
+    """A checkpoint commit made in the generation published at revision R: written while the
+    generation key is still at R, refused (nothing written) once a newer generation replaced it."""
+    store = make_store()
+    store.put("generation", "g1")
+    revision = store.get("generation").mod_revision
+    assert store.put_if_unchanged("checkpoint", "step 10 in g1", "generation", revision)
+    assert store.get("checkpoint").value == "step 10 in g1"
+    store.put("generation", "g2")
+    assert not store.put_if_unchanged("checkpoint", "step 12 in g1", "generation", revision)
+    assert store.get("checkpoint").value == "step 10 in g1"
+    assert store.put_if_unchanged("checkpoint", "step 12 in g2", "generation", store.get("generation").mod_revision)
+    assert not store.put_if_unchanged("other", "x", "absent-key", revision)
+    assert store.get("other") is None
+
+
 def test_lease_expiry_removes_the_node_within_ttl_plus_one_second(make_store):
     store = make_store()
     ttl = 2.0

@@ -35,8 +35,10 @@ from pathlib import Path
 
 from etc_agent.agent.config import AgentConfig
 from etc_agent.agent.console import CONSOLE_ATTR, event_level
+from etc_agent.agent.contact import ContactedStore, StoreContact
 from etc_agent.agent.control_channel import ControlChannel
 from etc_agent.agent.controlauth import ControlKeys
+from etc_agent.agent.fence import Fence, FenceState
 from etc_agent.agent.forkserver import ForkServer
 from etc_agent.agent.generations import Generations, StaticStore
 from etc_agent.agent.leader import Leader
@@ -46,7 +48,7 @@ from etc_agent.agent.node_state import NodeStateMachine
 from etc_agent.agent.records import RecordReader
 from etc_agent.agent.storehost import WorkerStores
 from etc_agent.agent.supervision import Supervision
-from etc_agent.agent.workers import WorkerSpec
+from etc_agent.agent.workers import WorkerGroup, WorkerSpec
 from etc_agent.protocol import keys
 from etc_agent.protocol.control import CONTROL_REQUEST
 from etc_agent.rendezvous.store import LeaseExpired, MembershipStore, StoreError, WatchHandle
@@ -76,6 +78,9 @@ class Agent:
         self.config = config
         self._outage_said = _EveryTenSeconds()
         self.emit = emit or self._log_event
+        contact = StoreContact()
+        store = ContactedStore(store, contact)
+        self.fence = Fence(node_id, config.lease_ttl, contact, self.emit)
         self.node = Node(
             config=config,
             spec=spec,
@@ -160,7 +165,10 @@ class Agent:
         node = self.node
         interval = max(0.2, self.config.lease_ttl / 3)
         assert node.lease is not None  # run() registers before it starts this thread
-        while not node.state.stop_event.wait(interval):
+        wait = interval
+        while not node.state.stop_event.wait(wait):
+            # Through an outage, tried again every quarter second: a node back in reach rejoins at once.
+            wait = interval if self.fence.contact.silence_s() == 0 else 0.25
             try:
                 node.lease.refresh()
                 if not node.state.state.leaving and node.store.get(keys.node(self.node_id)) is None:
@@ -175,6 +183,24 @@ class Agent:
                     self.emit("store_unreachable", {"error": str(err)})
             except StoreError as err:
                 self.emit("store_unreachable", {"error": str(err)})
+
+    def _watch_fence(self) -> None:
+        node = self.node
+
+        def view() -> tuple[int | None, list[tuple[str, str, int]]]:
+            gen = node.generation
+            return (gen.number, gen.peer_probes(self.node_id)) if gen is not None else (None, [])
+
+        self.fence.watch(node.state.stop_event, view, self._on_fence)
+
+    def _on_fence(self, state: FenceState) -> None:
+        """Fenced: a plain script's workers are frozen (worker-API ones hold at their step boundary,
+        told by their poll); lifted: they go on, and the main loop acts on what the store says."""
+        node = self.node
+        node.fenced = state == "fenced"
+        if not node.elastic and isinstance(node.workers, WorkerGroup):
+            node.workers.freeze(node.fenced)
+        node.wake.set()
 
     # ---- start and end ----------------------------------------------------------------
     def run(self) -> int:
@@ -192,12 +218,15 @@ class Agent:
         worker_stores = WorkerStores(node.host, node.forkserver)
         generations = Generations(node, worker_stores, self._static_store)
         control = self._open_control_channel()
-        node.liveness = LivenessPort()  # before the record that names its port
+        # Before the record that names its port; it tells a peer that asks whether this node hears the store.
+        node.liveness = LivenessPort(
+            lambda: self.fence.status_line(node.generation.number if node.generation else None)
+        )
         try:
             self.supervision.warm_fork_server_before_joining()
             self.supervision.join_warm()
             self._register()
-            for target in (self._keepalive, self.leader.run_election):
+            for target in (self._keepalive, self.leader.run_election, self._watch_fence):
                 t = threading.Thread(target=target, name=f"etc-{target.__name__}", daemon=True)
                 t.start()
                 self._threads.append(t)

@@ -39,6 +39,9 @@ NOTICE_EVENTS = frozenset(
         "waiting_for_nodes",
         "workers_still_running",
         "sidecar",
+        "store_outage_over",
+        "store_reachable",
+        "unfenced",
     }
 )
 """Said on a quiet console: the job's generations, a signal, how a departure ended, what an
@@ -50,7 +53,9 @@ WARNING_EVENTS = frozenset(
         "control_refused",
         "departure_timeout",
         "departure_unacknowledged",
+        "checkpoint_commit_refused",
         "fatal",
+        "fenced",
         "fork_server_not_warm",
         "generation_abandoned",
         "giving_up",
@@ -65,6 +70,7 @@ WARNING_EVENTS = frozenset(
         "peer_failure",
         "rejected_record",
         "state_not_sent",
+        "store_outage_shared",
         "store_records_vanished",
         "store_unreachable",
         "worker_hung",

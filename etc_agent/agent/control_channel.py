@@ -148,6 +148,7 @@ class ControlChannel:
             standby=not node.assignments or not node.state.state.ready,
             stop=node.attachments.stop_requested(req.local_rank),
             unreachable_hosts=latest.unreachable_hosts if latest else [],
+            fenced=node.fenced,
         )
 
     def _on_switch_failed(self, req: SwitchFailed) -> Ack:

@@ -361,4 +361,9 @@ def _running_record(
         published_at=snapshot.now,
         placement=placement,
         not_resilient=gaps,
+        probe_addresses=[_probe_address(registered.get(n)) for n in ordered],
     )
+
+
+def _probe_address(record: NodeRecord | None) -> str:
+    return f"{record.host}:{record.probe_port}" if record is not None and record.probe_port is not None else ""

@@ -88,6 +88,12 @@ class Node:
     liveness: LivenessPort | None = None
     forkserver: ForkServer | None = None
     """Workers (and the workers' stores) fork from it where the start method is ``forkserver``."""
+    fenced: bool = False
+    """This node lost the store while its peers reach it (:mod:`etc_agent.agent.fence`): its workers
+    train no step and commit no checkpoint until the store answers again."""
+    revisions: dict[int, int] = field(default_factory=dict)
+    """Generation number -> the store revision its record was published at (a checkpoint commit
+    made in that generation is fenced on it, :mod:`etc_agent.agent.commits`)."""
     num_crash_restarts: int = 0
     """Crashed workers this node restarted in a live job (bounded by ``--max-restarts``)."""
     _reported: tuple[int, str] | None = None
@@ -129,7 +135,12 @@ class Node:
     # ---- generations ----------------------------------------------------------------
     def read_generation(self) -> GenerationRecord | None:
         kv = self.store.get(keys.GENERATION)
-        return self.reader.parse(GenerationRecord, kv) if kv is not None else None
+        gen = self.reader.parse(GenerationRecord, kv) if kv is not None else None
+        if gen is not None and kv is not None and gen.number not in self.revisions:
+            self.revisions[gen.number] = kv.mod_revision
+            for old in [n for n in self.revisions if n < gen.number - 8]:
+                del self.revisions[old]
+        return gen
 
     def superseded(self, gen: GenerationRecord) -> bool:
         """Whether the store already holds a newer generation than ``gen`` (read again: workers that

@@ -108,6 +108,8 @@ class WorkerGroup:
         one, or with ``--no-python``, each worker is a new process."""
         self.spec = spec
         self.forkserver = forkserver
+        self.frozen = False
+        """SIGSTOPped by a fence (stop() continues them so that they take its signal)."""
         self.workers: list[_Worker] = []
         self.attempt_dir = attempt_dir
         self._filtered: dict[str, _FilteredLog] = {}
@@ -216,11 +218,21 @@ class WorkerGroup:
         worker.killed_because = why
         _signal_group(worker.proc, signal.SIGKILL)
 
+    def freeze(self, frozen: bool) -> None:
+        """SIGSTOP (or SIGCONT) every worker's process group: a fenced node's plain script stops
+        training without failing its peers' collectives (:mod:`etc_agent.agent.fence`)."""
+        self.frozen = frozen
+        for w in self.workers:
+            if w.proc.poll() is None:
+                _signal_group(w.proc, signal.SIGSTOP if frozen else signal.SIGCONT)
+
     def stop(self, timeout_s: float, sig: int = signal.SIGTERM) -> None:
         """Signal every worker's process group, wait up to ``timeout_s``, then SIGKILL what is left."""
         for w in self.workers:
             if w.proc.poll() is None:
                 _signal_group(w.proc, sig)
+                if self.frozen:
+                    _signal_group(w.proc, signal.SIGCONT)  # a stopped process takes the signal once continued
         deadline = time.monotonic() + timeout_s
         for w in self.workers:
             remaining = max(0.0, deadline - time.monotonic())

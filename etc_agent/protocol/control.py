@@ -209,6 +209,11 @@ class AssignmentReply(_Reply):
         default_factory=list,
         description="The newest generation's ``unreachable_hosts``: the worker shuts its sockets to them.",
     )
+    fenced: bool = Field(
+        False,
+        description="The agent lost the store while its peers reach it (etc_agent.agent.fence): the "
+        "worker trains no further step and commits no checkpoint until the agent says otherwise.",
+    )
 
 
 class Ack(_Reply):

@@ -206,6 +206,16 @@ class EmbeddedStore(MembershipStore):
         }
         return bool(self._request(req)["ok"])
 
+    def put_if_unchanged(self, key: str, value: str, guard_key: str, guard_revision: int) -> bool:
+        req = {
+            "op": "put_if",
+            "key": self.full_key(key),
+            "value": value,
+            "guard": self.full_key(guard_key),
+            "revision": guard_revision,
+        }
+        return bool(self._request(req)["ok"])
+
     def delete(self, key: str) -> bool:
         return bool(self._request({"op": "delete", "key": self.full_key(key)})["ok"])
 

@@ -47,6 +47,14 @@ class _Cas(_Op):
     lease: int | None = None
 
 
+class _PutIf(_Op):
+    op: Literal["put_if"]
+    key: str
+    value: str
+    guard: str
+    revision: int = Field(ge=0, description="The guard key's modification revision the caller saw.")
+
+
 class _Delete(_Op):
     op: Literal["delete"]
     key: str
@@ -80,7 +88,7 @@ class _Ping(_Op):
 
 STORE_REQUEST: TypeAdapter = TypeAdapter(
     Annotated[
-        _Get | _GetPrefix | _Put | _Cas | _Delete | _LeaseGrant | _LeaseRefresh | _LeaseRevoke | _Wait | _Ping,
+        _Get | _GetPrefix | _Put | _Cas | _PutIf | _Delete | _LeaseGrant | _LeaseRefresh | _LeaseRevoke | _Wait | _Ping,
         Field(discriminator="op"),
     ]
 )
@@ -106,6 +114,8 @@ def handle_request(state: StoreState, req: _Op) -> dict[str, Any]:
                 return {}
             case _Cas():
                 return {"ok": state.compare_and_set(req.key, req.value, req.expected, req.lease)}
+            case _PutIf():
+                return {"ok": state.put_if_unchanged(req.key, req.value, req.guard, req.revision)}
             case _Delete():
                 return {"ok": state.delete(req.key)}
             case _LeaseGrant():

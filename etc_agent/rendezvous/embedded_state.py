@@ -115,6 +115,13 @@ class StoreState:
         self.put(key, value, lease)
         return True
 
+    def put_if_unchanged(self, key: str, value: str, guard_key: str, guard_revision: int) -> bool:
+        guard = self.data.get(guard_key)
+        if (guard.mod_revision if guard else 0) != guard_revision:
+            return False
+        self.put(key, value, None)
+        return True
+
     def delete(self, key: str) -> bool:
         entry = self.data.pop(key, None)
         if entry is None:

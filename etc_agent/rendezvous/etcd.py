@@ -246,6 +246,17 @@ class EtcdStore(MembershipStore):
         )
         return bool(ok)
 
+    def put_if_unchanged(self, key: str, value: str, guard_key: str, guard_revision: int) -> bool:
+        tx = self.client.transactions
+        ok, _ = self._call(
+            "transaction",
+            self.client.transaction,
+            compare=[tx.mod(self.full_key(guard_key)) == guard_revision],
+            success=[tx.put(self.full_key(key), value)],
+            failure=[],
+        )
+        return bool(ok)
+
     def delete(self, key: str) -> bool:
         return bool(self._call("delete", self.client.delete, self.full_key(key)))
 

@@ -103,6 +103,11 @@ class GenerationRecord(Record):
         "sockets to them, which ends a collective blocked on a silent host.",
     )
     published_at: float = Field(0.0, description="Wall-clock time the leader published this generation.")
+    probe_addresses: list[str] = Field(
+        default_factory=list,
+        description="``host:port`` of each member's liveness port, same order as members (empty where "
+        "unknown): a member that loses the store asks its peers there whether they still reach it.",
+    )
     placement: list[str] | None = Field(
         None,
         description="Device (node:local) of each training rank, when the leader placed them "
@@ -138,6 +143,15 @@ class GenerationRecord(Record):
     def transport_devices(self, with_senders: bool) -> list[str]:
         """The migration group's devices by transport rank: the members', then (live) the senders'."""
         return self.member_devices() + (self.sender_device_names() if with_senders else [])
+
+    def peer_probes(self, node_id: str) -> list[tuple[str, str, int]]:
+        """(node id, host, liveness port) of every other member whose port is known, in member order."""
+        found = []
+        for member, address in zip(self.members, self.probe_addresses):
+            host, _, port = address.rpartition(":")
+            if member != node_id and host and port.isdigit():
+                found.append((member, host.strip("[]"), int(port)))
+        return found
 
     def role_of(self, node_id: str, with_senders: bool) -> Literal["member", "sender", "spare"]:
         """A node's part in this generation (``with_senders``: senders take part, i.e. live migration)."""

@@ -99,6 +99,12 @@ class MembershipStore(ABC):
     def compare_and_set(self, key: str, value: str, expected_version: int, lease: Lease | None = None) -> bool:
         """Write ``value`` only if the key's version is ``expected_version`` (0: only if absent)."""
 
+    @abstractmethod
+    def put_if_unchanged(self, key: str, value: str, guard_key: str, guard_revision: int) -> bool:
+        """Write ``value`` (no lease) only if ``guard_key`` was last modified at ``guard_revision``, in
+        one transaction: a fenced write (a checkpoint commit made in the generation published at
+        that revision is refused once a newer generation exists)."""
+
     def create(self, key: str, value: str, lease: Lease | None = None) -> bool:
         """Write ``value`` only if the key does not exist."""
         return self.compare_and_set(key, value, 0, lease)

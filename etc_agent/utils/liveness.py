@@ -2,8 +2,9 @@
 
 A SIGKILLed agent's lease expires only after ``--lease-ttl`` seconds, and until then the job waits
 for it. Each agent therefore listens on one more TCP port (all interfaces, an ephemeral port
-published in its node record) that accepts a connection and closes it at once: nothing is read,
-so nothing can be asked of it. When peers report a failure, the leader connects to each member's
+published in its node record) that accepts a connection, writes one status line (what the agent
+gives it: how long its store has been silent, the generation it serves; :mod:`etc_agent.agent.fence`
+asks peers for it) and closes it: nothing is read, so nothing can be asked of it. When peers report a failure, the leader connects to each member's
 port: a refused connection means no process listens there any more (the kernel answers for a
 process that died, at once), so the agent is gone; an accepted one means it lives; a timeout or
 any other error says nothing (a host that went away altogether, a firewall), and the lease decides
@@ -17,16 +18,17 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Literal
 
 Probe = Literal["alive", "gone", "unknown"]
 
 
 class LivenessPort:
-    """The listening side: accept, close, nothing else (a daemon thread)."""
+    """The listening side: accept, write ``status()``, close, nothing else (a daemon thread)."""
 
-    def __init__(self) -> None:
+    def __init__(self, status: Callable[[], bytes] | None = None) -> None:
+        self.status = status
         if socket.has_dualstack_ipv6():
             self._sock = socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True, backlog=64)
         else:
@@ -42,6 +44,12 @@ class LivenessPort:
                 conn, _ = self._sock.accept()
             except OSError:
                 return  # closed
+            if self.status is not None:
+                try:
+                    conn.setblocking(False)  # a line fits the socket buffer; a prober never reads it
+                    conn.send(self.status())
+                except Exception:  # noqa: BLE001 - a prober that already closed; a status that failed
+                    pass
             conn.close()
 
     def close(self) -> None:
@@ -100,3 +108,41 @@ def probe_many(targets: Mapping[str, tuple[str, int]], timeout_s: float) -> dict
         results[key] = "unknown"
         sock.close()
     return results
+
+
+def ask_many(targets: Mapping[str, tuple[str, int]], timeout_s: float) -> dict[str, bytes | None]:
+    """The status line of each liveness port of ``targets`` (None where none came within
+    ``timeout_s``: no answer, refused, or a port that writes nothing), all at once."""
+    answers: dict[str, bytes | None] = {key: None for key in targets}
+    pending: dict[socket.socket, tuple[str, bytearray]] = {}
+    for key, (host, port) in targets.items():
+        try:
+            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            continue
+        sock.setblocking(False)
+        if sock.connect_ex((host, port)) in (0, errno.EINPROGRESS):
+            pending[sock] = (key, bytearray())
+        else:
+            sock.close()
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        readable, _, _ = select.select(list(pending), [], [], left)
+        for sock in readable:
+            key, buf = pending[sock]
+            try:
+                chunk = sock.recv(512)
+            except OSError:
+                chunk = b""
+            buf.extend(chunk)
+            if not chunk or b"\n" in buf or len(buf) > 4096:
+                answers[key] = bytes(buf).split(b"\n", 1)[0] or None
+                del pending[sock]
+                sock.close()
+    for sock in pending:
+        sock.close()
+    return answers

@@ -25,15 +25,21 @@ class BoundaryVote:
     """Some rank lacks this step's snapshot: every rank takes a periodic checkpoint here."""
     writing: bool
     """Some rank's previous checkpoint write still runs."""
+    fenced: bool = False
+    """Some rank's agent is fenced (it lost the store while its peers reach it): no rank trains the
+    next step of this generation; they hold here until a newer generation or the fence lifts."""
 
 
-def boundary_vote(seen: int, checkpointer: PeriodicCheckpointer | None, step: int) -> BoundaryVote:
-    """All-reduce (MAX) the generation this rank has seen and its checkpoint flags at ``step``."""
+def boundary_vote(
+    seen: int, checkpointer: PeriodicCheckpointer | None, step: int, fenced: bool = False
+) -> BoundaryVote:
+    """All-reduce (MAX) the generation this rank has seen, its checkpoint flags at ``step`` and
+    whether its agent is fenced."""
     due = checkpointer is not None and checkpointer.due(step)
     busy = checkpointer is not None and checkpointer.writing()
-    flag = torch.tensor([seen, int(due), int(busy)], dtype=torch.int64)
+    flag = torch.tensor([seen, int(due), int(busy), int(fenced)], dtype=torch.int64)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return BoundaryVote(int(flag[0].item()), bool(flag[1].item()), bool(flag[2].item()))
+    return BoundaryVote(int(flag[0].item()), bool(flag[1].item()), bool(flag[2].item()), bool(flag[3].item()))
 
 
 def agree_on_checkpoint(checkpointer: PeriodicCheckpointer, timeout_s: float, rank: int, step: int) -> bool:

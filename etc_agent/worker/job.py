@@ -120,6 +120,8 @@ class Job:
         self._in_step = False
         self._finished = False
         self._trained_sent = False
+        self._held_at = -1
+        """The step boundary this rank last held at for a fenced agent (said once per boundary)."""
         self.migration = settings.migration
         """live, or checkpoint: at a switch save with DCP and exit; new workers load (the baseline)."""
         self.checkpoint_dir = settings.checkpoint_dir
@@ -277,10 +279,14 @@ class Job:
         assert self.link is not None  # only an elastic job switches, and it has its agent link
         while True:
             try:
-                vote = boundary_vote(max(self.link.latest, self.generation), self.checkpointer, self.next_step)
+                seen = max(self.link.latest, self.generation)
+                vote = boundary_vote(seen, self.checkpointer, self.next_step, self.link.fenced)
             except Exception as err:  # a peer died between steps
                 if not self.recover(err):
                     raise
+                continue
+            if vote.pending <= self.generation and vote.fenced:
+                self._hold_fenced()
                 continue
             if vote.pending <= self.generation:
                 if not (vote.checkpoint_due and vote.writing):
@@ -297,6 +303,19 @@ class Job:
             if self.migration == "checkpoint":
                 self._save_and_exit(vote.pending, time.time())
             self._switch(vote.pending, f"switch to generation {vote.pending}", stopped=Stopped.now(), failure=False)
+
+    def _hold_fenced(self) -> None:
+        """A rank's agent is fenced: every rank waits at this boundary (voting again) for a newer
+        generation or the fence to lift; none trains the next step in a generation that may be over."""
+        if self._held_at != self.next_step and self.ctx is not None and self.ctx.rank == 0:
+            print(
+                f"[etc_agent] generation {self.generation}: an agent lost the store while its peers reach it; "
+                f"every rank holds before step {self.next_step}",
+                file=sys.stderr,
+                flush=True,
+            )
+        self._held_at = self.next_step
+        time.sleep(0.1)
 
     def _save_and_exit(self, pending: int, stopped_at: float) -> None:
         """The checkpoint baseline: save with DCP and exit (:func:`etc_agent.worker.baseline.save_and_exit`)."""

@@ -67,6 +67,12 @@ class AgentLink:
         self._thread.start()
 
     @property
+    def fenced(self) -> bool:
+        """The agent lost the store while its peers reach it: train no step, commit nothing."""
+        reply = self.reply
+        return reply is not None and reply.fenced
+
+    @property
     def finished(self) -> bool:
         """Training rank 0 reported the last step done."""
         reply = self.reply
@@ -144,7 +150,7 @@ class AgentLink:
                         )
                     if reply.finished:
                         raise JobFinished()
-                    if reply.standby:
+                    if reply.standby or reply.fenced:
                         deadline = time.monotonic() + timeout_s  # a warm joiner waits as long as its node does
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:

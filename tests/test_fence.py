@@ -1,0 +1,134 @@
+"""The fence: a node cut off from the store stops; a store outage every node shares is ridden through."""
+
+from __future__ import annotations
+
+import pytest
+
+from etc_agent.agent.contact import SLOW_S, ContactedStore, StoreContact
+from etc_agent.agent.fence import REACH_WINDOW_S, Fence, PeerView, fence_after, fence_verdict
+from etc_agent.rendezvous.store import StoreError
+from etc_agent.utils.liveness import LivenessPort, ask_many
+
+
+def view(node: str, silence: float, generation: int | None = 4) -> PeerView:
+    return PeerView(node, silence, generation)
+
+
+AFTER = fence_after(5.0)
+
+
+@pytest.mark.parametrize(
+    "silence,peers,state,says",
+    [
+        (0.5, {"b": None}, "clear", ""),
+        (AFTER, {"b": view("b", 0.1), "c": view("c", 9.0)}, "fenced", "while b reach it"),
+        (AFTER, {"b": view("b", 9.0, generation=5)}, "fenced", "b serve a newer generation"),
+        (AFTER, {"b": None, "c": None}, "fenced", "no peer answers (b, c)"),
+        (AFTER, {}, "fenced", "no other member can vouch"),
+        (AFTER, {"b": view("b", 4.0), "c": None}, "shared_outage", "every peer asked (b) lost it too"),
+        (AFTER, {"b": view("b", REACH_WINDOW_S), "c": view("c", 3.5)}, "shared_outage", "(b, c)"),
+    ],
+)
+def test_the_verdict(silence, peers, state, says):
+    verdict = fence_verdict(silence, AFTER, 4, peers)
+    assert verdict.state == state and says in verdict.reason
+
+
+def test_the_fence_asks_the_peers_once_the_store_is_silent_and_says_each_change_once():
+    clock = [100.0]
+    contact = StoreContact(clock=lambda: clock[0])
+    events: list[tuple[str, dict]] = []
+    answers = {"b": view("b", 0.2).to_line()}
+    asked: list[dict] = []
+
+    def ask(targets, timeout_s):
+        asked.append(dict(targets))
+        return {k: answers.get(k) for k in targets}
+
+    fence = Fence("a", 5.0, contact, lambda e, f: events.append((e, f)), ask=ask)
+    peers = [("b", "10.0.0.2", 7001), ("c", "10.0.0.3", 7002)]
+    token, at = contact.sent()
+    contact.answered(token, at)
+    assert fence.check(4, peers) == "clear" and asked == []
+    token, _ = contact.sent()
+    clock[0] += AFTER - 0.1
+    contact.failed(token)
+    assert fence.check(4, peers) == "clear" and asked == []  # not silent long enough yet
+    clock[0] += 0.2
+    assert fence.check(4, peers) == "fenced" and fence.fenced
+    assert asked == [{"b": ("10.0.0.2", 7001), "c": ("10.0.0.3", 7002)}]
+    clock[0] += 1.0
+    assert fence.check(4, peers) == "fenced" and len(asked) == 1  # fenced until the store answers
+    token, at = contact.sent()
+    contact.answered(token, at)
+    assert fence.check(4, peers) == "clear"
+    assert [e for e, _ in events] == ["fenced", "unfenced"]
+    assert "while b reach it" in events[0][1]["reason"]
+
+
+def test_a_shared_outage_goes_on_and_turns_into_a_fence_when_a_peer_reaches_the_store_again():
+    clock = [0.0]
+    contact = StoreContact(clock=lambda: clock[0])
+    events: list[str] = []
+    answers = {"b": view("b", 5.0).to_line()}
+    fence = Fence("a", 5.0, contact, lambda e, f: events.append(e), ask=lambda t, s: dict(answers))
+    token, _ = contact.sent()
+    clock[0] = AFTER + 0.5
+    contact.failed(token)
+    assert fence.check(4, [("b", "h", 1)]) == "shared_outage"
+    clock[0] += 0.2
+    answers["b"] = view("b", 0.1).to_line()
+    assert fence.check(4, [("b", "h", 1)]) == "shared_outage"  # asked again only every ASK_INTERVAL_S
+    clock[0] += 0.5
+    assert fence.check(4, [("b", "h", 1)]) == "fenced"
+    assert events == ["store_outage_shared", "fenced"]
+
+
+def test_a_request_still_waiting_counts_as_silence_a_busy_caller_does_not():
+    clock = [0.0]
+    contact = StoreContact(clock=lambda: clock[0])
+    clock[0] = 10.0
+    assert contact.silence_s() == 0.0  # no request: nothing says the store is silent
+    contact.sent()
+    clock[0] += SLOW_S / 2
+    assert contact.silence_s() == 0.0
+    clock[0] += SLOW_S
+    assert contact.silence_s() == pytest.approx(10.0 + 1.5 * SLOW_S)  # since the last answer (at 0)
+
+
+def test_the_contacted_store_times_every_request():
+    from tests.test_decision import DictStore
+
+    class Flaky(DictStore):
+        broken = False
+
+        def get(self, key):
+            if self.broken:
+                raise StoreError("down")
+            return super().get(key)
+
+    clock = [0.0]
+    contact = StoreContact(clock=lambda: clock[0])
+    inner = Flaky()
+    store = ContactedStore(inner, contact)
+    store.put("k", "v")
+    inner.broken = True
+    clock[0] = 3.0
+    with pytest.raises(StoreError):
+        store.get("k")
+    assert contact.silence_s() == pytest.approx(3.0)
+    inner.broken = False
+    assert store.get("k").value == "v" and contact.silence_s() == 0.0
+
+
+def test_a_liveness_port_tells_a_peer_its_view_and_a_prober_still_gets_in():
+    contact = StoreContact()
+    fence = Fence("a", 5.0, contact, lambda e, f: None)
+    port = LivenessPort(lambda: fence.status_line(7))
+    try:
+        answers = ask_many({"a": ("127.0.0.1", port.port)}, 1.0)
+        seen = PeerView.from_line(answers["a"])
+        assert seen is not None and seen.node_id == "a" and seen.generation == 7 and seen.store_silence_s < 1.0
+    finally:
+        port.close()
+    assert ask_many({"a": ("127.0.0.1", port.port)}, 0.3) == {"a": None}  # closed: no answer
