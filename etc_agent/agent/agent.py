@@ -33,6 +33,7 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
+from etc_agent.agent.commits import Commits
 from etc_agent.agent.config import AgentConfig
 from etc_agent.agent.console import CONSOLE_ATTR, event_level
 from etc_agent.agent.contact import ContactedStore, StoreContact
@@ -112,7 +113,8 @@ class Agent:
             latest=lambda: self.node.latest,
         )
         self.supervision = Supervision(self.node)
-        self.channel = ControlChannel(self.node, self.leader.notify_peer_failure)
+        self.commits = Commits(self.node)
+        self.channel = ControlChannel(self.node, self.leader.notify_peer_failure, self.commits)
 
     @property
     def leaving(self) -> threading.Event:
@@ -302,6 +304,7 @@ class Agent:
             try:
                 gen = node.read_generation()
                 outage.over()
+                self.commits.retry()
             except StoreError as err:
                 # Keep the workers running through a store outage, say so, give up after join_timeout.
                 if outage.gives_up(now, err):

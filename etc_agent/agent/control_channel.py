@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from etc_agent.agent.commits import Commits
 from etc_agent.agent.controlauth import NotAllowed
 from etc_agent.agent.node import Node
 from etc_agent.agent.worker_env import node_env
@@ -24,6 +25,7 @@ from etc_agent.protocol.control import (
     AssignmentQuery,
     AssignmentReply,
     Attach,
+    CommitCheckpoint,
     ControlReply,
     ControlRequest,
     Exiting,
@@ -48,10 +50,11 @@ _SIDECAR_ENV_OMITS = ("LOCAL_RANK", "ETC_AGENT_LOCAL_RANK", "OMP_NUM_THREADS", a
 
 
 class ControlChannel:
-    def __init__(self, node: Node, notify_peer_failure: Callable[[], None]):
+    def __init__(self, node: Node, notify_peer_failure: Callable[[], None], commits: Commits):
         """``notify_peer_failure``: wakes this node's leader loop (the leader may be the node whose
-        worker died)."""
+        worker died); ``commits``: the node's checkpoint commits."""
         self.node = node
+        self.commits = commits
         self._notify_peer_failure = notify_peer_failure
         self._elastic_announced = False
         self._handlers: dict[type, Callable[[Any], ControlReply]] = {
@@ -67,6 +70,7 @@ class ControlChannel:
             Trained: self._on_trained,
             Migration: self._on_migration,
             GenerationQuery: self._on_generation_query,
+            CommitCheckpoint: self.commits.request,
         }
 
     def handle(self, req: ControlRequest, key_id: str) -> dict:

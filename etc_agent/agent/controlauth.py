@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
-from etc_agent.protocol.control import Finished, Hello, Migration, Trained
+from etc_agent.protocol.control import CommitCheckpoint, Finished, Hello, Migration, Trained
 from etc_agent.utils import auth
 from etc_agent.utils.auth import Key
 
@@ -88,7 +88,7 @@ class ControlKeys:
             started = started_pid(local_rank)
             if started is not None and not is_descendant(req.pid, started):
                 raise NotAllowed(f"pid {req.pid} is not the worker this agent started for local rank {local_rank}")
-        if isinstance(req, Finished | Migration | Trained):
+        if isinstance(req, Finished | Migration | Trained | CommitCheckpoint):
             with self._lock:
                 if isinstance(req, Trained):
                     # Rank 0 may commit its first step just as the node prepares the next generation.
@@ -101,7 +101,7 @@ class ControlKeys:
                         ),
                         serving,
                     )
-                elif isinstance(req, Finished):
+                elif isinstance(req, Finished | CommitCheckpoint):
                     generation = req.generation
                 else:
                     generation = req.record.generation

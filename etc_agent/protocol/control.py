@@ -120,6 +120,16 @@ class Migration(_Request):
     record: MigrationRecord
 
 
+class CommitCheckpoint(_Request):
+    """Training rank 0 wrote a periodic checkpoint (its state file still ``etc_state.json.pending``):
+    the agent commits it in the store, fenced on the revision of ``generation``."""
+
+    op: Literal["commit_checkpoint"] = "commit_checkpoint"
+    step: int = Field(ge=0)
+    generation: int = Field(ge=0)
+    path: str = Field(description="The checkpoint's directory (``<dir>/step<S>-g<generation>``).")
+
+
 ControlRequest = Annotated[
     Hello
     | Attach
@@ -132,7 +142,8 @@ ControlRequest = Annotated[
     | Fatal
     | Finished
     | Trained
-    | Migration,
+    | Migration
+    | CommitCheckpoint,
     Field(discriminator="op"),
 ]
 CONTROL_REQUEST: TypeAdapter[ControlRequest] = TypeAdapter(ControlRequest)
@@ -232,5 +243,16 @@ class GenerationReply(_Reply):
     leaving: bool
 
 
-ControlReply = Ack | HelloReply | AssignmentReply | GenerationReply
+class CommitReply(_Reply):
+    """What became of a checkpoint commit."""
+
+    outcome: Literal["committed", "refused", "pending"] = Field(
+        description="committed: the store took it and ``etc_state.json`` is in place; refused: its generation "
+        "is no longer current (the directory is removed); pending: the store does not answer (or this node "
+        "is fenced), the agent commits it once the store confirms the generation."
+    )
+    reason: str = ""
+
+
+ControlReply = Ack | HelloReply | AssignmentReply | GenerationReply | CommitReply
 """Every reply of the agent on the control channel."""

@@ -22,6 +22,9 @@ key                                 value                                       
                                                                                  told so
 ``trained``                         a training step has run (never start fresh)  rank 0's agent
 ``finished``                        the last step is done                        rank 0's agent
+``checkpoint``                      :class:`CheckpointRecord`: the newest        rank 0's agent
+                                    committed periodic checkpoint (written only
+                                    while ``generation`` is at its revision)
 ``parallel``                        a parallel config asked for by hand          ``etc-agent
                                                                                  reconfigure``
 =================================== ============================================ =================
@@ -39,6 +42,7 @@ LAST_MIGRATION = "last_migration"
 ELASTIC = "elastic"
 TRAINED = "trained"
 FINISHED = "finished"
+CHECKPOINT = "checkpoint"
 REQUESTED_PARALLEL = "parallel"
 
 

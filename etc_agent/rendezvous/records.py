@@ -174,6 +174,18 @@ class GenerationRecord(Record):
         return self.transport_rank(node_id, local_rank)
 
 
+class CheckpointRecord(Record):
+    """The newest committed periodic checkpoint (``checkpoint``): written in one transaction only
+    while the ``generation`` key is still at ``revision``, so an agent cut off from the job (its
+    generation replaced) never commits over the live job's checkpoint."""
+
+    step: int = Field(ge=0)
+    generation: int = Field(ge=0, description="The generation the checkpoint was made in.")
+    revision: int = Field(ge=0, description="The store revision that generation was published at.")
+    path: str
+    committed_at: float = Field(description="Wall-clock time of the commit.")
+
+
 class MasterRecord(Record):
     addr: str
     port: int

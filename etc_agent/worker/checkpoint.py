@@ -25,6 +25,7 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -36,6 +37,13 @@ import torch.distributed as dist
 from etc_agent.migrate.describe import BoxedTensor, describe_state
 from etc_agent.migrate.storage import save_shards_on
 from etc_agent.migrate.transport import GroupTransport
+from etc_agent.protocol.checkpoints import (
+    PENDING_FILE,
+    STATE_FILE,
+    complete_checkpoints,
+    prune_checkpoints,
+)
+from etc_agent.protocol.control import CommitReply
 from etc_agent.protocol.settings import WorkerSettings
 from etc_agent.worker.connect import gloo_group
 
@@ -50,10 +58,6 @@ def _fault_commit_pause_s() -> float:
     rank 0 pauses this long after every rank's data is written, before it marks the checkpoint
     complete (a slow storage, say)."""
     return WorkerSettings.from_env(os.environ).fault_checkpoint_commit_pause_s
-
-
-STATE_FILE = "etc_state.json"
-"""Written by rank 0 once every rank's data and DCP's metadata are on storage: marks a checkpoint complete."""
 
 
 @dataclass
@@ -71,28 +75,6 @@ class Snapshot:
     """This rank's write of it completed (every rank wrote its part; rank 0 then marks it complete)."""
     reusable: bool = True
     """False once a write of it was abandoned: that thread may still read the buffers."""
-
-
-@dataclass(frozen=True)
-class StoredCheckpoint:
-    step: int
-    generation: int
-    path: Path
-
-    def state(self) -> dict[str, Any]:
-        return json.loads((self.path / STATE_FILE).read_text())
-
-
-def complete_checkpoints(directory: Path) -> list[StoredCheckpoint]:
-    """Complete checkpoints under ``directory``, oldest first (by step, then generation)."""
-    found = []
-    for marker in directory.glob(f"step*-g*/{STATE_FILE}"):
-        step, _, generation = marker.parent.name[4:].partition("-g")
-        try:
-            found.append(StoredCheckpoint(int(step), int(generation), marker.parent))
-        except ValueError:
-            continue  # not ours
-    return sorted(found, key=lambda c: (c.step, c.generation))
 
 
 RESUME_KEYS = ("step", "config", "world_size", "app", "rng")
@@ -165,13 +147,23 @@ class _Write:
 class PeriodicCheckpointer:
     """One rank's periodic checkpoints (see the module docstring for the call sequence)."""
 
-    def __init__(self, directory: str | Path, interval: int, keep: int, timeout_s: float):
+    def __init__(
+        self,
+        directory: str | Path,
+        interval: int,
+        keep: int,
+        timeout_s: float,
+        commit: Callable[[int, int, str], CommitReply | None] | None = None,
+    ):
+        """``commit(step, generation, path)``: rank 0's request to its agent to commit a written
+        checkpoint (None: no agent; rank 0 commits it itself)."""
         if interval <= 0:
             raise ValueError(f"checkpoint interval must be a positive number of steps, got {interval}")
         self.directory = Path(directory)
         self.interval = interval
         self.keep = max(keep, 1)
         self.timeout_s = timeout_s
+        self.commit = commit
         self.snapshots: list[Snapshot] = []
         """At most two, oldest first: the newest written one and the one being written."""
         self._write: _Write | None = None
@@ -284,12 +276,13 @@ class PeriodicCheckpointer:
                 }
                 tmp = path / f"{STATE_FILE}.tmp"
                 tmp.write_text(json.dumps(state))
-                os.replace(tmp, path / STATE_FILE)
-                self._prune()
+                os.replace(tmp, path / PENDING_FILE)
+                outcome = self._commit(snapshot, path)
                 print(
                     json.dumps(
                         {
                             "event": "etc_checkpoint",
+                            "commit": outcome,
                             "step": snapshot.step,
                             "generation": snapshot.generation,
                             "path": str(path),
@@ -310,15 +303,24 @@ class PeriodicCheckpointer:
                 flush=True,
             )
 
-    def _prune(self) -> None:
-        complete = complete_checkpoints(self.directory)
-        kept = complete[-self.keep :]
-        for old in complete[: -self.keep]:
-            shutil.rmtree(old.path, ignore_errors=True)
-        oldest_kept = kept[0].step if kept else 0
-        for path in self.directory.glob("step*-g*"):
-            if not (path / STATE_FILE).exists() and path.name[4:12].isdigit() and int(path.name[4:12]) < oldest_kept:
-                shutil.rmtree(path, ignore_errors=True)  # an older write that never completed
+    def _commit(self, snapshot: Snapshot, path: Path) -> str:
+        """Rank 0: the written checkpoint committed by the agent, fenced on its generation
+        (:mod:`etc_agent.agent.commits`), or here where no agent runs the job; the outcome."""
+        if self.commit is None:
+            os.replace(path / PENDING_FILE, path / STATE_FILE)
+            prune_checkpoints(self.directory, self.keep)
+            return "committed"
+        reply = self.commit(snapshot.step, snapshot.generation, str(path))
+        if reply is None:
+            return "unanswered"
+        if reply.outcome != "committed":
+            print(
+                f"[etc_agent] checkpoint of step {snapshot.step} (generation {snapshot.generation}) written, "
+                f"{'commit refused' if reply.outcome == 'refused' else 'its commit waits'}: {reply.reason}",
+                file=sys.stderr,
+                flush=True,
+            )
+        return reply.outcome
 
     def settle(self, failure: bool, limit_s: float | None = None) -> bool:
         """Wait for the background write (bounded: ``limit_s``, by default the group timeout). True

@@ -40,7 +40,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -66,6 +66,9 @@ from etc_agent.worker.switch import Switch
 from etc_agent.worker.switch_view import JobView, Resumed
 
 __all__ = ["ArrivalTimeout", "Build", "Job", "JobError", "JobFinished", "StateLost", "current", "init"]
+
+if TYPE_CHECKING:
+    from etc_agent.worker.checkpoint import PeriodicCheckpointer
 
 log = logging.getLogger("etc_agent.worker")
 
@@ -127,16 +130,24 @@ class Job:
         self.checkpoint_dir = settings.checkpoint_dir
         self.fresh_start = settings.fresh_start
         """``etcrun --fresh-start``: never resume from the checkpoints in ``checkpoint_dir``."""
-        interval = settings.checkpoint_interval
-        self.checkpointer = None
+        self.checkpointer = self._periodic_checkpointer()
         """Periodic asynchronous checkpoints (``etcrun --checkpoint-interval``): restore what a failure
         leaves without any live copy; see :mod:`etc_agent.worker.checkpoint`."""
-        if interval > 0 and self.checkpoint_dir and self.elastic:
-            # Imported here: torch.distributed.checkpoint stays out of processes that never checkpoint.
-            from etc_agent.worker.checkpoint import PeriodicCheckpointer
 
-            keep = settings.checkpoint_keep
-            self.checkpointer = PeriodicCheckpointer(self.checkpoint_dir, interval, keep, self.timeout_s)
+    def _periodic_checkpointer(self) -> PeriodicCheckpointer | None:
+        if not (self.settings.checkpoint_interval > 0 and self.checkpoint_dir and self.elastic):
+            return None
+        # Imported here: torch.distributed.checkpoint stays out of processes that never checkpoint.
+        from etc_agent.worker.checkpoint import PeriodicCheckpointer
+
+        commit = self.link.commit if self.link is not None else None
+        return PeriodicCheckpointer(
+            self.checkpoint_dir,
+            self.settings.checkpoint_interval,
+            self.settings.checkpoint_keep,
+            self.timeout_s,
+            commit,
+        )
 
     # ---- public API ------------------------------------------------------------------------
     @property

@@ -19,6 +19,8 @@ from etc_agent.protocol.control import (
     AssignmentQuery,
     AssignmentReply,
     Attach,
+    CommitCheckpoint,
+    CommitReply,
     ControlRequest,
     Exiting,
     Hello,
@@ -165,6 +167,18 @@ class AgentLink:
             reply = self.reply
             current = reply.assignment if reply is not None else None
             return current if current is not None and current.generation > generation else None
+
+    def commit(self, step: int, generation: int, path: str) -> CommitReply | None:
+        """Ask the agent to commit a written checkpoint (:mod:`etc_agent.agent.commits`); None when
+        the agent did not answer (it keeps nothing then: the checkpoint stays uncommitted)."""
+        req = CommitCheckpoint(step=step, generation=generation, path=path)
+        try:
+            return CommitReply.model_validate(
+                request(self.address, req.model_dump(mode="json"), timeout=10, key=self.key)
+            )
+        except (OSError, JsonLineError, ValueError) as err:
+            log.warning("could not ask the agent to commit the checkpoint of step %d: %s", step, err)
+            return None
 
     def send(self, req: ControlRequest) -> None:
         """One request to the agent (a model of :mod:`etc_agent.protocol.control`); a failure is logged."""
