@@ -213,3 +213,124 @@ def shaped_join(work: Path, rate: str = "100mbit", steps: int = 120, model_args:
             outcome.stall_s = join.get("total_stall_s")
             outcome.extra.update(transfer_s=join.get("transfer_s"), rate=rate)
         return outcome
+
+
+def _agent_of_node(cluster: Cluster, node_id: str) -> int:
+    """The index of the agent whose events carry ``node_id``."""
+    for k, lines in enumerate(cluster.outputs):
+        if any(f'"node": "{node_id}"' in line for line in list(lines)):
+            return k
+    raise AssertionError(f"no agent logged node {node_id}\n{cluster.tail(20)}")
+
+
+def _agent_events(cluster: Cluster, k: int, name: str) -> list[dict]:
+    return [
+        e
+        for line in list(cluster.outputs[k])
+        if f'"{name}"' in line and (e := json_line_event(line)) is not None and e.get("event") == name
+    ]
+
+
+def etcd_cut(work: Path, cut_s: float = 10.0, steps: int = 260, checkpoint_interval: int = 5) -> Outcome:
+    """Three hosts in dp with periodic checkpoints; the host of training rank 0 is cut off from etcd
+    alone (it still reaches its peers) for ``cut_s``, then healed. It should fence itself before its
+    lease can expire, the others go on without it, the checkpoint it wrote meanwhile is refused when
+    it asks again after the heal (its generation was replaced), and it rejoins."""
+    checkpoints = work / "checkpoints"
+    with NetLab(num_hosts=3, num_etcd=1) as lab:
+        extra = ["--checkpoint-dir", str(checkpoints), "--checkpoint-interval", str(checkpoint_interval)]
+        run = _Run(lab, work, steps, ["h1", "h2", "h3"], lab.etcd_endpoints, extra)
+        outcome = Outcome("cut from etcd", [])
+        try:
+            run.start(3)
+            first = run.wait_steps_at(3, 5)[0]
+            target = _agent_of_node(run.cluster, first["node"])
+            cut_at = time.time()
+            lab.cut(f"h{target + 1}", only="etcd")
+            outcome.stall_s = run.wait_steps_at(2, 1, after=cut_at, timeout=60)[0]["wall"] - cut_at
+            _wait(lambda: time.time() - cut_at >= cut_s, cut_s + 5, "the end of the cut", run.cluster)
+            healed_at = time.time()
+            lab.heal()
+            back = run.wait_steps_at(3, 1, after=healed_at, timeout=60)[0]["wall"]
+            fenced = [e["ts"] for e in _agent_events(run.cluster, target, "fenced") if e["ts"] > cut_at]
+            answered = [e["ts"] for e in _agent_events(run.cluster, target, "unfenced") if e["ts"] > healed_at]
+            outcome.detect_s = fenced[0] - cut_at if fenced else None
+            outcome.rejoin_s = back - (answered[0] if answered else healed_at)
+            published = [
+                e["ts"]
+                for lines in run.cluster.outputs
+                for line in list(lines)
+                if '"generation_published"' in line
+                and (e := json_line_event(line)) is not None
+                and e.get("members") == 3
+                and e["ts"] > healed_at
+            ]
+            during = [r for r in run.records() if cut_at + outcome.stall_s < r["wall"] < healed_at]
+            outcome.steps_during_cut_at_old_size = sum("dp=3," in r["config"] for r in during)
+            refused = _agent_events(run.cluster, target, "checkpoint_commit_refused")
+            outcome.extra.update(
+                target=target,
+                fenced_after_s=outcome.detect_s,
+                republished_after_answer_s=(published[0] - answered[0]) if published and answered else None,
+                refused=[(e["step"], e["generation"]) for e in refused],
+                refused_after_heal=all(e["ts"] > healed_at for e in refused),
+            )
+        finally:
+            run.finish(outcome)
+        from etc_agent.protocol.checkpoints import checkpoint_path, complete_checkpoints
+
+        complete = complete_checkpoints(checkpoints)
+        outcome.extra.update(
+            refused_dirs_left=[
+                str(checkpoint_path(checkpoints, step, gen))
+                for step, gen in outcome.extra.get("refused", [])
+                if checkpoint_path(checkpoints, step, gen).exists()
+            ],
+            complete=[(c.step, c.generation) for c in complete],
+        )
+        return outcome
+
+
+def quorum_loss(work: Path, outage_s: float = 20.0, steps: int = 330, checkpoint_interval: int = 20) -> Outcome:
+    """Two hosts in dp with periodic checkpoints, a 3-member etcd, the agents given every member:
+    two members are cut off silently for ``outage_s`` (no quorum: nothing can be written, the member
+    left has no leader). Training should go on, the checkpoints due meanwhile are written but
+    committed only once etcd answers again, and nothing restarts."""
+    checkpoints = work / "checkpoints"
+    with NetLab(num_hosts=2, num_etcd=3) as lab:
+        lab.wait_etcd_healthy()
+        extra = ["--checkpoint-dir", str(checkpoints), "--checkpoint-interval", str(checkpoint_interval)]
+        run = _Run(lab, work, steps, ["h1", "h2"], lab.etcd_endpoints, extra)
+        outcome = Outcome("etcd quorum lost", [])
+        try:
+            run.start(2)
+            _wait(lambda: len(run.records()) >= 30, 120, "30 steps", run.cluster)
+            cut_at = time.time()
+            members = list(lab.etcd_members)
+            for member in members[1:]:
+                lab.cut(member)
+            _wait(lambda: time.time() - cut_at >= outage_s, outage_s + 5, "the end of the outage", run.cluster)
+            healed_at = time.time()
+            lab.heal()
+            _wait(
+                lambda: any(e["ts"] > healed_at for e in _events(run.cluster, "checkpoint_committed")),
+                60,
+                "a checkpoint committed after the outage",
+                run.cluster,
+            )
+        finally:
+            run.finish(outcome)
+        records = run.records()
+        gaps = [b["wall"] - a["wall"] for a, b in zip(records, records[1:]) if cut_at < b["wall"] < healed_at + 5]
+        outcome.stall_s = max(gaps) if gaps else None
+        committed = _events(run.cluster, "checkpoint_committed")
+        outcome.extra.update(
+            steps_during_outage=sum(cut_at < r["wall"] < healed_at for r in records),
+            commits_during_outage=[e["step"] for e in committed if cut_at + 1.0 < e["ts"] < healed_at],
+            commits_after=[(e["step"], round(e["waited_s"], 2)) for e in committed if e["ts"] >= healed_at],
+            waiting=[e["step"] for e in _events(run.cluster, "checkpoint_commit_waiting") if e["ts"] > cut_at],
+            shared=len(_events(run.cluster, "store_outage_shared")),
+            fenced=len(_events(run.cluster, "fenced")),
+            restarts=len([e for e in _events(run.cluster, "workers_started") if e["ts"] > cut_at]),
+        )
+        return outcome

@@ -267,10 +267,14 @@ class NetLab:
         return process
 
     # ---- faults --------------------------------------------------------------------------
+    def _node(self, name: str) -> _Node:
+        return self.hosts[name] if name in self.hosts else self.etcd_members[name]
+
     def cut(self, host: str, only: str = "all") -> None:
         """Drop ``host``'s packets silently, both ways: all of them (``only="all"``), or those to and
-        from the etcd members (``only="etcd"``). Loopback inside the host keeps working."""
-        namespace = self.hosts[host].namespace
+        from the etcd members (``only="etcd"``). Loopback inside the host keeps working. ``host``
+        may be an etcd member (cutting two of three loses the quorum)."""
+        namespace = self._node(host).namespace
         if only == "all":
             match_in, match_out = 'iifname "eth0"', 'oifname "eth0"'
         elif only == "etcd":
@@ -288,9 +292,9 @@ class NetLab:
         subprocess.run(["ip", "netns", "exec", namespace, "nft", "-f", "-"], input=rules, text=True, check=True)
 
     def heal(self, host: str | None = None) -> None:
-        """Remove the cut of ``host`` (every host's when ``None``)."""
-        for name in [host] if host else list(self.hosts):
-            namespace = self.hosts[name].namespace
+        """Remove the cut of ``host`` (every host's and etcd member's when ``None``)."""
+        for name in [host] if host else [*self.hosts, *self.etcd_members]:
+            namespace = self._node(name).namespace
             _run("ip", "netns", "exec", namespace, "nft", "delete", "table", "inet", _CUT_TABLE, check=False)
 
     def shape(self, host: str, rate: str, burst: str = "1mb", latency: str = "50ms") -> None:

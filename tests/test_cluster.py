@@ -10,7 +10,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from cluster_scenarios import etcd_leader_loss, shaped_join, silent_cut
+from cluster_scenarios import etcd_cut, etcd_leader_loss, quorum_loss, shaped_join, silent_cut
 from elastic_demo import compare_states, json_line_event, reference_losses, run_scenario
 from netlab import NetLab, unavailable
 
@@ -86,6 +86,53 @@ def test_losing_the_etcd_leader_costs_training_at_most_2_s_and_restarts_nothing(
     assert outcome.codes == [0, 0], f"agents exited {outcome.codes}\n{outcome.logs}"
     assert outcome.stall_s is not None and outcome.stall_s <= 2.0, f"a {outcome.stall_s} s gap\n{outcome.logs}"
     assert outcome.generations == 1, "a generation followed the loss of the etcd leader"
+    assert outcome.steps_trained_twice == 0 and outcome.steps_missing == 0, outcome.logs
+    assert outcome.state_matches, outcome.logs
+
+
+def test_a_host_cut_from_etcd_alone_fences_itself_its_checkpoint_commit_is_refused_and_it_rejoins(tmp_path):
+    """Three hosts in dp, a checkpoint every 5 steps; the host of training rank 0 loses etcd for 10 s
+    but still reaches its peers. It fences itself before its 5 s lease can expire (its workers hold,
+    and so does the whole old group, so no step runs at the old size once the others go on), the
+    checkpoint it wrote meanwhile is refused when it asks again after the heal (its generation was
+    replaced) and its directory removed, only the live job's checkpoints are complete, it rejoins
+    within 2 s of etcd answering, every agent exits 0 and the final state is the uninterrupted run's."""
+    outcome = etcd_cut(tmp_path, cut_s=10.0)
+    extra = outcome.extra
+    print(
+        f"cut from etcd: fenced after {outcome.detect_s} s, survivors' stall {outcome.stall_s} s, "
+        f"refused {extra.get('refused')}, first step with it {outcome.rejoin_s} s after etcd answered"
+    )
+    assert outcome.codes == [0, 0, 0], f"agents exited {outcome.codes}\n{outcome.logs}"
+    assert outcome.detect_s is not None and outcome.detect_s < 5.0, f"fenced after {outcome.detect_s} s\n{outcome.logs}"
+    assert outcome.steps_during_cut_at_old_size == 0, "a step at the old world size while a host was cut"
+    assert extra["refused"] and extra["refused_after_heal"], f"no commit refused after the heal\n{outcome.logs}"
+    assert extra["refused_dirs_left"] == [], extra
+    refused_generations = {generation for _, generation in extra["refused"]}
+    assert extra["complete"] and not refused_generations & {g for _, g in extra["complete"]}, extra
+    assert outcome.rejoin_s is not None and outcome.rejoin_s <= 2.0, f"rejoined {outcome.rejoin_s} s\n{outcome.logs}"
+    assert outcome.steps_trained_twice == 0, outcome.logs
+    assert outcome.state_matches, outcome.logs
+
+
+def test_losing_the_etcd_quorum_for_20_s_stops_no_training_commits_no_checkpoint_and_restarts_nothing(tmp_path):
+    """Two hosts in dp, a checkpoint every 20 steps, a 3-member etcd of which two are cut off for 20 s
+    (the member left has no leader). Both agents find the outage shared (each asks the other) and
+    training goes on; the checkpoints due meanwhile are written but none is committed until etcd
+    answers again, then the newest is; no generation follows, nothing restarts, every agent exits 0
+    and the final state is the uninterrupted run's."""
+    outcome = quorum_loss(tmp_path, outage_s=20.0)
+    extra = outcome.extra
+    print(
+        f"quorum lost 20 s: {extra['steps_during_outage']} steps meanwhile, longest gap {outcome.stall_s} s, "
+        f"commits waiting {extra['waiting']}, committed after {extra['commits_after'][:3]}"
+    )
+    assert outcome.codes == [0, 0], f"agents exited {outcome.codes}\n{outcome.logs}"
+    assert extra["shared"] == 2 and extra["fenced"] == 0, f"{extra}\n{outcome.logs}"
+    assert outcome.stall_s is not None and outcome.stall_s <= 2.0, f"a {outcome.stall_s} s gap\n{outcome.logs}"
+    assert extra["steps_during_outage"] >= 100, extra
+    assert extra["commits_during_outage"] == [] and extra["waiting"] and extra["commits_after"], extra
+    assert outcome.generations == 1 and extra["restarts"] == 0, f"{extra}\n{outcome.logs}"
     assert outcome.steps_trained_twice == 0 and outcome.steps_missing == 0, outcome.logs
     assert outcome.state_matches, outcome.logs
 

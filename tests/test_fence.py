@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from etc_agent.agent.contact import SLOW_S, ContactedStore, StoreContact
-from etc_agent.agent.fence import REACH_WINDOW_S, Fence, PeerView, fence_after, fence_verdict
+from etc_agent.agent.fence import CONFIRM_S, REACH_WINDOW_S, Fence, PeerView, fence_after, fence_verdict
 from etc_agent.rendezvous.store import StoreError
 from etc_agent.utils.liveness import LivenessPort, ask_many
 
 
-def view(node: str, silence: float, generation: int | None = 4) -> PeerView:
-    return PeerView(node, silence, generation)
+def view(node: str, heard: float, generation: int | None = 4, silent: bool | None = None) -> PeerView:
+    return PeerView(node, heard, heard > 1.0 if silent is None else silent, generation)
 
 
 AFTER = fence_after(5.0)
@@ -20,21 +20,30 @@ AFTER = fence_after(5.0)
 @pytest.mark.parametrize(
     "silence,peers,state,says",
     [
-        (0.5, {"b": None}, "clear", ""),
         (AFTER, {"b": view("b", 0.1), "c": view("c", 9.0)}, "fenced", "while b reach it"),
+        (AFTER, {"b": view("b", 0.1, silent=True)}, "shared_outage", "(b) lost it too"),
         (AFTER, {"b": view("b", 9.0, generation=5)}, "fenced", "b serve a newer generation"),
+        (AFTER, {"b": view("b", 9.0, generation=4)}, "shared_outage", "lost it too"),
         (AFTER, {"b": None, "c": None}, "fenced", "no peer answers (b, c)"),
         (AFTER, {}, "fenced", "no other member can vouch"),
         (AFTER, {"b": view("b", 4.0), "c": None}, "shared_outage", "every peer asked (b) lost it too"),
-        (AFTER, {"b": view("b", REACH_WINDOW_S), "c": view("c", 3.5)}, "shared_outage", "(b, c)"),
+        (AFTER, {"b": view("b", REACH_WINDOW_S, silent=False), "c": view("c", 3.5)}, "shared_outage", "(b, c)"),
     ],
 )
 def test_the_verdict(silence, peers, state, says):
-    verdict = fence_verdict(silence, AFTER, 4, peers)
+    verdict = fence_verdict(silence, 4, peers)
     assert verdict.state == state and says in verdict.reason
+    if state == "shared_outage":  # generation 0 is a generation like any other
+        renumbered = {n: v and PeerView(v.node_id, v.heard_s, v.silent, 0) for n, v in peers.items()}
+        assert fence_verdict(silence, 0, renumbered).state == "shared_outage"
 
 
-def test_the_fence_asks_the_peers_once_the_store_is_silent_and_says_each_change_once():
+def _lease_confirmed(contact: StoreContact) -> None:
+    token, at = contact.sent()
+    contact.answered(token, at, lease=True)
+
+
+def test_the_fence_asks_the_peers_once_the_lease_is_old_and_says_each_change_once():
     clock = [100.0]
     contact = StoreContact(clock=lambda: clock[0])
     events: list[tuple[str, dict]] = []
@@ -47,23 +56,38 @@ def test_the_fence_asks_the_peers_once_the_store_is_silent_and_says_each_change_
 
     fence = Fence("a", 5.0, contact, lambda e, f: events.append((e, f)), ask=ask)
     peers = [("b", "10.0.0.2", 7001), ("c", "10.0.0.3", 7002)]
-    token, at = contact.sent()
-    contact.answered(token, at)
+    _lease_confirmed(contact)
     assert fence.check(4, peers) == "clear" and asked == []
+    clock[0] += 1.0
     token, _ = contact.sent()
-    clock[0] += AFTER - 0.1
-    contact.failed(token)
-    assert fence.check(4, peers) == "clear" and asked == []  # not silent long enough yet
-    clock[0] += 0.2
+    contact.failed(token)  # silent from 101.0
+    clock[0] += CONFIRM_S + 0.1
+    assert fence.check(4, peers) == "clear" and asked == []  # the lease is not old enough yet
+    clock[0] = 100.0 + AFTER + 0.01
     assert fence.check(4, peers) == "fenced" and fence.fenced
     assert asked == [{"b": ("10.0.0.2", 7001), "c": ("10.0.0.3", 7002)}]
     clock[0] += 1.0
     assert fence.check(4, peers) == "fenced" and len(asked) == 1  # fenced until the store answers
-    token, at = contact.sent()
-    contact.answered(token, at)
+    _lease_confirmed(contact)
     assert fence.check(4, peers) == "clear"
     assert [e for e, _ in events] == ["fenced", "unfenced"]
     assert "while b reach it" in events[0][1]["reason"]
+
+
+def test_peers_are_asked_only_once_the_silence_is_known_for_a_while():
+    """Every agent learns of an outage at about the same time: asked at once, a peer whose request
+    has not failed yet would vouch for a store that no longer answers."""
+    clock = [0.0]
+    contact = StoreContact(clock=lambda: clock[0])
+    asked: list[dict] = []
+    fence = Fence("a", 5.0, contact, lambda e, f: None, ask=lambda t, s: asked.append(t) or {})
+    _lease_confirmed(contact)
+    clock[0] = AFTER + 1.0
+    token, _ = contact.sent()
+    contact.failed(token)
+    assert fence.check(4, [("b", "h", 1)]) == "clear" and asked == []
+    clock[0] += CONFIRM_S
+    assert fence.check(4, [("b", "h", 1)]) == "fenced" and len(asked) == 1  # nobody answered
 
 
 def test_a_shared_outage_goes_on_and_turns_into_a_fence_when_a_peer_reaches_the_store_again():
@@ -75,11 +99,17 @@ def test_a_shared_outage_goes_on_and_turns_into_a_fence_when_a_peer_reaches_the_
     token, _ = contact.sent()
     clock[0] = AFTER + 0.5
     contact.failed(token)
+    clock[0] += CONFIRM_S
     assert fence.check(4, [("b", "h", 1)]) == "shared_outage"
     clock[0] += 0.2
     answers["b"] = view("b", 0.1).to_line()
     assert fence.check(4, [("b", "h", 1)]) == "shared_outage"  # asked again only every ASK_INTERVAL_S
     clock[0] += 0.5
+    # The outage is ending and b heard the store first: a lease's grace before this node fences.
+    assert fence.check(4, [("b", "h", 1)]) == "shared_outage"
+    clock[0] += 0.5
+    assert fence.check(4, [("b", "h", 1)]) == "shared_outage"
+    clock[0] += 0.6
     assert fence.check(4, [("b", "h", 1)]) == "fenced"
     assert events == ["store_outage_shared", "fenced"]
 
@@ -128,7 +158,8 @@ def test_a_liveness_port_tells_a_peer_its_view_and_a_prober_still_gets_in():
     try:
         answers = ask_many({"a": ("127.0.0.1", port.port)}, 1.0)
         seen = PeerView.from_line(answers["a"])
-        assert seen is not None and seen.node_id == "a" and seen.generation == 7 and seen.store_silence_s < 1.0
+        assert seen is not None and seen.node_id == "a" and seen.generation == 7 and seen.heard_s < 1.0
+        assert not seen.silent and seen.reaches_store
     finally:
         port.close()
     assert ask_many({"a": ("127.0.0.1", port.port)}, 0.3) == {"a": None}  # closed: no answer

@@ -31,7 +31,9 @@ class StoreContact:
         self._clock = clock
         self._lock = threading.Lock()
         self._answered_at = clock()
-        self._failed = False
+        self._lease_confirmed_at = self._answered_at
+        self._failed_at: float | None = None
+        """The first failure since the last answer."""
         self._pending: dict[int, float] = {}
         self._tokens = itertools.count()
 
@@ -45,38 +47,57 @@ class StoreContact:
             self._pending[token] = at
             return token, at
 
-    def answered(self, token: int, sent_at: float) -> None:
+    def answered(self, token: int, sent_at: float, lease: bool = False) -> None:
+        """``lease``: the request kept the lease alive (it lives ``ttl`` from ``sent_at`` at least)."""
         with self._lock:
             self._pending.pop(token, None)
             self._answered_at = max(self._answered_at, sent_at)
-            self._failed = False
+            if lease:
+                self._lease_confirmed_at = max(self._lease_confirmed_at, sent_at)
+            self._failed_at = None
 
     def failed(self, token: int) -> None:
         with self._lock:
             self._pending.pop(token, None)
-            self._failed = True
+            if self._failed_at is None:
+                self._failed_at = self._clock()
+
+    def silent_since(self) -> float | None:
+        """When the store was first known silent (a request failed since the last answer, or one has
+        waited ``SLOW_S``); None while it answers."""
+        with self._lock:
+            return self._silent_since_locked()
+
+    def _silent_since_locked(self) -> float | None:
+        known = [at + SLOW_S for at in self._pending.values() if at + SLOW_S <= self._clock()]
+        if self._failed_at is not None:
+            known.append(self._failed_at)
+        return min(known) if known else None
 
     def silence_s(self) -> float:
-        """Seconds since the last answered request was sent, while the store is silent (a request
-        failed since, or one waits longer than ``SLOW_S``); 0 while it answers."""
+        """Seconds since the last answered request was sent, while the store is silent; 0 while it answers."""
         with self._lock:
-            now = self._clock()
-            slow = any(now - at > SLOW_S for at in self._pending.values())
-            return max(0.0, now - self._answered_at) if (self._failed or slow) else 0.0
+            silent = self._silent_since_locked() is not None
+            return max(0.0, self._clock() - self._answered_at) if silent else 0.0
+
+    def lease_age_s(self) -> float:
+        """Seconds since the request that last kept the lease alive was sent."""
+        with self._lock:
+            return max(0.0, self._clock() - self._lease_confirmed_at)
 
     def heard_s(self) -> float:
         """Seconds since the last answered request was sent, silent or not (what peers are told)."""
         with self._lock:
             return max(0.0, self._clock() - self._answered_at)
 
-    def call(self, fn: Callable[[], T]) -> T:
+    def call(self, fn: Callable[[], T], lease: bool = False) -> T:
         token, at = self.sent()
         try:
             result = fn()
         except StoreError:
             self.failed(token)
             raise
-        self.answered(token, at)
+        self.answered(token, at, lease)
         return result
 
 
@@ -86,7 +107,7 @@ class _ContactedLease(Lease):
         self.id, self.ttl = inner.id, inner.ttl
 
     def refresh(self) -> None:
-        self._contact.call(self._inner.refresh)
+        self._contact.call(self._inner.refresh, lease=True)
 
     def revoke(self) -> None:
         self._contact.call(self._inner.revoke)
@@ -118,7 +139,7 @@ class ContactedStore(MembershipStore):
         return self.contact.call(lambda: self.inner.delete(key))
 
     def grant_lease(self, ttl: float) -> Lease:
-        return _ContactedLease(self.contact.call(lambda: self.inner.grant_lease(ttl)), self.contact)
+        return _ContactedLease(self.contact.call(lambda: self.inner.grant_lease(ttl), lease=True), self.contact)
 
     def watch_prefix(
         self, prefix: str, callback: Callable[[WatchEvent], None], on_error: Callable[[Exception], None] | None = None

@@ -6,11 +6,12 @@ knows only that its own requests fail; what it cannot tell alone is whether the 
 the store (then its lease will expire, the leader will publish a generation without it, and its
 workers must not train or commit anything after that) or nobody does (quorum lost, every etcd
 member down: nobody can publish anything, the collectives prove the members alive, and training
-goes on). So, once the store has not answered it for :func:`fence_after` seconds, the agent asks its
-peers' liveness ports (:mod:`etc_agent.utils.liveness`, which answer with one status line):
+goes on). So, once the store has been silent to it for ``CONFIRM_S`` and its lease was last
+confirmed :func:`fence_after` seconds ago, the agent asks its peers' liveness ports
+(:mod:`etc_agent.utils.liveness`, which answer with one status line):
 
-- a peer that heard the store within the last ``REACH_WINDOW_S`` seconds, or that serves a newer
-  generation: this node is the one cut off; it **fences**;
+- a peer that is not in an outage and heard the store within the last ``REACH_WINDOW_S`` seconds,
+  or that serves a newer generation: this node is the one cut off; it **fences**;
 - no peer answers (this host is cut off from them too), or the job has no other member: it fences;
 - every peer that answers is in the outage too: a **shared outage**; the workers train on and their
   checkpoints wait for the store before they are committed (:mod:`etc_agent.agent.commits`).
@@ -37,12 +38,16 @@ from etc_agent.agent.contact import StoreContact
 from etc_agent.utils.liveness import ask_many
 
 REACH_WINDOW_S = 2.0
-"""A peer whose last store answer is younger than this reaches the store. A healthy agent hears the
-store every ``--monitor-interval`` (its main loop's read) and every third of a lease (its keepalive),
-so this is well above a healthy agent's silence and well below :func:`fence_after` (5 s leases)."""
+"""A peer not in an outage whose last store answer is younger than this reaches the store (a
+healthy agent hears it every ``--monitor-interval``, its main loop's read)."""
+
+CONFIRM_S = 0.5
+"""How long the store must have been known silent before the peers are asked: every agent learns of
+an outage within about the same time (a request that fails, or waits ``SLOW_S``), so by then the
+peers in the same outage know it too and do not vouch for a store that no longer answers."""
 
 MAX_PEERS_ASKED = 8
-"""Peers asked at once (the leader first, then the members in order): enough to tell a node cut off
+"""Peers asked at once (the first members in order): enough to tell a node cut off
 from a shared outage, few enough that a large job's outage does not flood every port."""
 
 CHECK_INTERVAL_S = 0.1
@@ -51,13 +56,17 @@ CHECK_INTERVAL_S = 0.1
 ASK_INTERVAL_S = 0.5
 """How often the peers are asked again while the store stays silent."""
 
+OUTAGE_END_GRACE_S = 1.0
+"""After a shared outage, how long peers may hear the store before this node does without it fencing
+(etcd renews every lease when a leader is elected, so this node's lease lives that long and more)."""
+
 FenceState = Literal["clear", "shared_outage", "fenced"]
 
 
 def fence_after(lease_ttl_s: float) -> float:
-    """Seconds of store silence after which an agent asks its peers: 60% of the lease, so that a
-    fenced node's workers reach their step boundary before the lease can expire (the lease was last
-    refreshed no later than the last answer)."""
+    """The lease's age (since the keepalive that last confirmed it was sent) after which a node in
+    an outage asks its peers: 60% of the lease, so that a fenced node's workers reach their step
+    boundary before the lease can expire."""
     return 0.6 * lease_ttl_s
 
 
@@ -66,22 +75,32 @@ class PeerView:
     """What one peer's liveness port said."""
 
     node_id: str
-    store_silence_s: float
+    heard_s: float
     """Seconds since that peer's store last answered it."""
+    silent: bool
+    """That peer's store is silent to it now (an outage it sees too)."""
     generation: int | None
     """The generation that peer serves."""
 
+    @property
+    def reaches_store(self) -> bool:
+        return not self.silent and self.heard_s < REACH_WINDOW_S
+
     def to_line(self) -> bytes:
-        return (
-            json.dumps({"node": self.node_id, "silence": self.store_silence_s, "gen": self.generation}) + "\n"
-        ).encode()
+        fields = {"node": self.node_id, "heard": self.heard_s, "silent": self.silent, "gen": self.generation}
+        return (json.dumps(fields) + "\n").encode()
 
     @classmethod
     def from_line(cls, line: bytes) -> PeerView | None:
         try:
             data = json.loads(line)
             generation = data["gen"]
-            return cls(str(data["node"]), float(data["silence"]), None if generation is None else int(generation))
+            return cls(
+                str(data["node"]),
+                float(data["heard"]),
+                bool(data["silent"]),
+                None if generation is None else int(generation),
+            )
         except (ValueError, KeyError, TypeError):
             return None
 
@@ -92,19 +111,15 @@ class FenceVerdict:
     reason: str
 
 
-def fence_verdict(
-    silence_s: float,
-    after_s: float,
-    generation: int | None,
-    peers: Mapping[str, PeerView | None],
-) -> FenceVerdict:
-    """Whether this node fences (see the module's docstring). ``peers``: the peers asked, by node
-    id, with what each said (None: no answer)."""
-    if silence_s < after_s:
-        return FenceVerdict("clear", "")
-    reaching = sorted(n for n, v in peers.items() if v is not None and v.store_silence_s < REACH_WINDOW_S)
+def fence_verdict(silence_s: float, generation: int | None, peers: Mapping[str, PeerView | None]) -> FenceVerdict:
+    """Whether a node whose store has been silent for ``silence_s`` (long enough to ask) fences (see
+    the module's docstring). ``peers``: the peers asked, by node id, with what each said (None: no
+    answer)."""
+    reaching = sorted(n for n, v in peers.items() if v is not None and v.reaches_store)
     newer = sorted(
-        n for n, v in peers.items() if v is not None and v.generation is not None and (generation or -1) < v.generation
+        n
+        for n, v in peers.items()
+        if v is not None and v.generation is not None and (generation is None or generation < v.generation)
     )
     silent = f"the store has not answered for {silence_s:.1f} s"
     if reaching:
@@ -142,6 +157,7 @@ class Fence:
         self.state: FenceState = "clear"
         self._since: float | None = None
         self._asked_at = float("-inf")
+        self._ending_since: float | None = None
 
     @property
     def fenced(self) -> bool:
@@ -149,22 +165,33 @@ class Fence:
 
     def status_line(self, generation: int | None) -> bytes:
         """What this node's liveness port tells a peer that asks."""
-        return PeerView(self.node_id, round(self.contact.heard_s(), 3), generation).to_line()
+        silent = self.contact.silent_since() is not None
+        return PeerView(self.node_id, round(self.contact.heard_s(), 3), silent, generation).to_line()
 
     def check(self, generation: int | None, peers: Sequence[tuple[str, str, int]]) -> FenceState:
-        """``peers``: (node id, host, liveness port) of the other members, the leader first."""
+        """``peers``: (node id, host, liveness port) of the other members, in member order."""
+        since = self.contact.silent_since()
         silence = self.contact.silence_s()
-        if silence < self.after_s:
+        if since is None:
             self._change("clear", "", silence)
             return self.state
         now = self.contact.now()
         if self.state == "fenced" or now - self._asked_at < ASK_INTERVAL_S:
             return self.state  # fenced stays fenced until the store answers
+        if now - since < CONFIRM_S or self.contact.lease_age_s() < self.after_s:
+            return self.state
         self._asked_at = now
         asked = {node: (host, port) for node, host, port in peers[:MAX_PEERS_ASKED]}
         answers = self._ask(asked, 0.3) if asked else {}
         views = {node: PeerView.from_line(line) if line else None for node, line in answers.items()}
-        verdict = fence_verdict(silence, self.after_s, generation, views)
+        verdict = fence_verdict(silence, generation, views)
+        if self.state == "shared_outage" and verdict.state == "fenced":
+            # The shared outage is ending and the peers hear the store first: the store's new leader
+            # renewed every lease, so this node has a whole lease to hear it too before it fences.
+            self._ending_since = now if self._ending_since is None else self._ending_since
+            if now - self._ending_since < OUTAGE_END_GRACE_S:
+                return self.state
+        self._ending_since = None
         self._change(verdict.state, verdict.reason, silence)
         return self.state
 

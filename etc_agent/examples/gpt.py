@@ -521,6 +521,7 @@ def report_step(job: etc_agent.Job, args: argparse.Namespace, step: int, loss: f
         "loss": loss,
         "config": job.ctx.config.short(),
         "generation": job.ctx.generation,
+        "node": job.node_id,
         "step_s": round(time.perf_counter() - started, 4),
         "wall": round(time.time(), 4),
     }

@@ -164,6 +164,7 @@ class PeriodicCheckpointer:
         self.keep = max(keep, 1)
         self.timeout_s = timeout_s
         self.commit = commit
+        self._committing: threading.Thread | None = None
         self.snapshots: list[Snapshot] = []
         """At most two, oldest first: the newest written one and the one being written."""
         self._write: _Write | None = None
@@ -277,23 +278,20 @@ class PeriodicCheckpointer:
                 tmp = path / f"{STATE_FILE}.tmp"
                 tmp.write_text(json.dumps(state))
                 os.replace(tmp, path / PENDING_FILE)
-                outcome = self._commit(snapshot, path)
-                print(
-                    json.dumps(
-                        {
-                            "event": "etc_checkpoint",
-                            "commit": outcome,
-                            "step": snapshot.step,
-                            "generation": snapshot.generation,
-                            "path": str(path),
-                            "bytes": sum(sizes),
-                            "staged_s": round(write.stats["staged_s"], 4),
-                            "write_s": round(write.stats["write_s"], 4),
-                        }
-                    ),
-                    file=sys.stderr,
-                    flush=True,
+                said = {
+                    "event": "etc_checkpoint",
+                    "step": snapshot.step,
+                    "generation": snapshot.generation,
+                    "path": str(path),
+                    "bytes": sum(sizes),
+                    "staged_s": round(write.stats["staged_s"], 4),
+                    "write_s": round(write.stats["write_s"], 4),
+                }
+                # In a thread of its own: a commit waits for the store, the next checkpoint must not.
+                self._committing = threading.Thread(
+                    target=self._commit, args=(snapshot, path, said), name="etc-agent-commit", daemon=True
                 )
+                self._committing.start()
             write.done = True
         except Exception as err:  # noqa: BLE001 - a peer failed or storage did: this checkpoint stays incomplete
             write.error = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
@@ -303,24 +301,31 @@ class PeriodicCheckpointer:
                 flush=True,
             )
 
-    def _commit(self, snapshot: Snapshot, path: Path) -> str:
+    def _commit(self, snapshot: Snapshot, path: Path, said: dict[str, Any]) -> None:
         """Rank 0: the written checkpoint committed by the agent, fenced on its generation
-        (:mod:`etc_agent.agent.commits`), or here where no agent runs the job; the outcome."""
+        (:mod:`etc_agent.agent.commits`), or here where no agent runs the job; said on stderr."""
+        reply = None
         if self.commit is None:
             os.replace(path / PENDING_FILE, path / STATE_FILE)
             prune_checkpoints(self.directory, self.keep)
-            return "committed"
-        reply = self.commit(snapshot.step, snapshot.generation, str(path))
-        if reply is None:
-            return "unanswered"
-        if reply.outcome != "committed":
+            outcome = "committed"
+        else:
+            reply = self.commit(snapshot.step, snapshot.generation, str(path))
+            outcome = reply.outcome if reply is not None else "unanswered"
+        print(json.dumps({**said, "commit": outcome}), file=sys.stderr, flush=True)
+        if reply is not None and reply.outcome != "committed":
             print(
                 f"[etc_agent] checkpoint of step {snapshot.step} (generation {snapshot.generation}) written, "
                 f"{'commit refused' if reply.outcome == 'refused' else 'its commit waits'}: {reply.reason}",
                 file=sys.stderr,
                 flush=True,
             )
-        return reply.outcome
+
+    def wait_commit(self, limit_s: float) -> None:
+        """Wait (bounded) for rank 0's last commit request to be answered (the job's end: a
+        daemon thread dies with the process)."""
+        if self._committing is not None:
+            self._committing.join(timeout=limit_s)
 
     def settle(self, failure: bool, limit_s: float | None = None) -> bool:
         """Wait for the background write (bounded: ``limit_s``, by default the group timeout). True

@@ -200,6 +200,7 @@ class Job:
             self.phase.to(Phase.FINISHED)
         if self.checkpointer is not None:
             self.checkpointer.settle(failure=False)
+            self.checkpointer.wait_commit(limit_s=10.0)
         if self.link is not None and self.ctx is not None and self.ctx.rank == 0:
             self.link.send(Finished(step=self.next_step, generation=self.generation))
         if dist.is_initialized():
