@@ -163,3 +163,55 @@ def test_a_liveness_port_tells_a_peer_its_view_and_a_prober_still_gets_in():
     finally:
         port.close()
     assert ask_many({"a": ("127.0.0.1", port.port)}, 0.3) == {"a": None}  # closed: no answer
+
+
+def _node(store, events):
+    from pathlib import Path
+
+    from etc_agent.agent.config import AgentConfig
+    from etc_agent.agent.controlauth import ControlKeys
+    from etc_agent.agent.node import Node
+    from etc_agent.agent.node_state import NodeStateMachine
+    from etc_agent.agent.records import RecordReader
+    from etc_agent.agent.workers import WorkerSpec
+
+    emit = lambda e, f: events.append((e, f))  # noqa: E731
+    return Node(
+        config=AgentConfig(run_id="fence", min_nodes=1, max_nodes=2, nproc_per_node=1),
+        spec=WorkerSpec(entrypoint=["train.py"]),
+        store=store,
+        node_id="a",
+        host="10.0.0.1",
+        emit=emit,
+        run_dir=Path("/nonexistent"),
+        state=NodeStateMachine("agent a"),
+        reader=RecordReader(emit),
+        control_keys=ControlKeys(1, False),
+    )
+
+
+def test_a_job_that_finished_through_a_store_outage_is_marked_finished_once_the_store_answers():
+    """Rank 0 reports the last step while the store is down: the marker waits and is written on the
+    next pass that finds the store answering, so the job is reported finished, never failed."""
+    from tests.test_decision import DictStore
+
+    class Down(DictStore):
+        down = True
+
+        def put(self, key, value, lease=None):
+            if self.down:
+                raise StoreError("etcd put failed: no leader")
+            super().put(key, value, lease)
+
+    store, events = Down(), []
+    node = _node(store, events)
+    node.mark_finished(step=200, generation=3)
+    assert store.get("finished") is None and node.job_finished()  # this node knows; the store does not yet
+    assert [e for e, _ in events] == ["store_unreachable"]
+    node.report_pending()
+    assert store.get("finished") is None
+    store.down = False
+    node.report_pending()
+    assert store.get("finished").value == '{"step": 200, "generation": 3}'
+    node.report_pending()  # written once
+    assert store.get("finished").version == 1

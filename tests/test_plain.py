@@ -318,6 +318,29 @@ def test_console_levels():
     assert event_level("generation_seen") == NOTICE
     assert event_level("workers_failed") == logging.WARNING
     assert event_level("workers_started") == logging.INFO
+    assert event_level("fenced") == logging.WARNING and event_level("unfenced") == NOTICE
+
+
+@pytest.mark.unit
+def test_json_console_lines_stay_json_for_library_warnings(capsys):
+    """Under ``--log-format json`` a warning that is no agent event (the etcd client's "watch
+    failed", say) is a JSON line too."""
+    import json
+
+    from etc_agent.agent.console import configure_logging
+
+    root = logging.getLogger()
+    before = list(root.handlers)
+    configure_logging(logging.WARNING, "json")
+    try:
+        logging.getLogger("etc_agent.rendezvous.etcd").warning("etcd watch on %s failed: %s", "/etc-agent/x/", "gone")
+    finally:
+        for handler in [h for h in root.handlers if h not in before]:
+            root.removeHandler(handler)
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    record = json.loads(line)
+    assert record["event"] == "agent_log" and record["level"] == "WARNING"
+    assert record["message"] == "etcd watch on /etc-agent/x/ failed: gone"
 
 
 @pytest.mark.unit

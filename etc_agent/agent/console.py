@@ -16,6 +16,8 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from etc_agent.utils.structlog import json_line
+
 NOTICE = 25
 """Between INFO and WARNING: what a quiet console still says (one line per generation)."""
 logging.addLevelName(NOTICE, "NOTICE")
@@ -114,12 +116,24 @@ class _ConsoleFilter(logging.Filter):
 FORMAT = "%(asctime)s etcrun %(levelname)s %(message)s"
 
 
-def configure_logging(level: int) -> None:
-    """The etcrun process's console: stderr at ``level`` (records marked file-only left out)."""
+class _JsonLogFormatter(logging.Formatter):
+    """A log record that is no agent event (a library's warning, the store client's) as one JSON
+    line, so that ``--log-format json`` output stays machine-readable throughout."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        fields = {"level": record.levelname, "logger": record.name, "message": record.getMessage()}
+        if record.exc_info:
+            fields["exception"] = self.formatException(record.exc_info)
+        return json_line("agent_log", "", fields, ts=record.created).rstrip("\n")
+
+
+def configure_logging(level: int, log_format: str = "text") -> None:
+    """The etcrun process's console: stderr at ``level`` (records marked file-only left out); with
+    ``log_format="json"`` each line is a JSON object (events themselves go to stdout then)."""
     console = logging.StreamHandler(sys.stderr)
     console.setLevel(level)
     console.addFilter(_ConsoleFilter())
-    console.setFormatter(logging.Formatter(FORMAT))
+    console.setFormatter(_JsonLogFormatter() if log_format == "json" else logging.Formatter(FORMAT))
     root = logging.getLogger()
     root.addHandler(console)
     root.setLevel(min(level, logging.INFO))

@@ -98,6 +98,8 @@ class Node:
     """Crashed workers this node restarted in a live job (bounded by ``--max-restarts``)."""
     _reported: tuple[int, str] | None = None
     _unreported: tuple[GenerationRecord, NodeStatus] | None = None
+    _finished_unsaid: str | None = None
+    """The finished marker a store outage kept from the store."""
     _finished_cache: tuple[float, bool] = (0.0, False)
     """(when checked, whether the store's ``finished`` marker exists), read at most every 0.5 s."""
 
@@ -172,6 +174,12 @@ class Node:
         self.report(gen, status)
 
     def report_pending(self) -> None:
+        """What a store outage kept from the store, written once it answers: the finished marker and
+        this node's status in the generation it serves."""
+        if self._finished_unsaid is not None and self.put_or_say(
+            keys.FINISHED, self._finished_unsaid, "finished marker"
+        ):
+            self._finished_unsaid = None
         pending = self._unreported
         if pending is not None and self.generation is not None and pending[0].number == self.generation.number:
             self.report(*pending)
@@ -196,7 +204,11 @@ class Node:
             return False
 
     def mark_finished(self, step: int, generation: int) -> None:
-        self.put_or_say(keys.FINISHED, json.dumps({"step": step, "generation": generation}), "finished marker")
+        """The last step is done; through a store outage the marker waits for :meth:`report_pending`
+        (a finished job is reported finished once the store answers, never as failed)."""
+        value = json.dumps({"step": step, "generation": generation})
+        if not self.put_or_say(keys.FINISHED, value, "finished marker"):
+            self._finished_unsaid = value
         self._finished_cache = (time.monotonic(), True)
 
     def job_finished(self) -> bool:

@@ -30,7 +30,7 @@ def run_agent(
     config: AgentConfig, spec: WorkerSpec, rdzv: Rendezvous, f: EtcrunFlags, handled_signals: list[signal.Signals]
 ) -> int:
     """Open the stores, run the agent until the job ends for this node; its exit code."""
-    configure_logging(console_level(f.log_level, os.environ))
+    configure_logging(console_level(f.log_level, os.environ), f.log_format)
     if config.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = "1"
         log.warning(OMP_BANNER)
