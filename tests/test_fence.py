@@ -127,7 +127,7 @@ def test_a_request_still_waiting_counts_as_silence_a_busy_caller_does_not():
 
 
 def test_the_contacted_store_times_every_request():
-    from tests.test_decision import DictStore
+    from test_decision import DictStore
 
     class Flaky(DictStore):
         broken = False
@@ -193,7 +193,7 @@ def _node(store, events):
 def test_a_job_that_finished_through_a_store_outage_is_marked_finished_once_the_store_answers():
     """Rank 0 reports the last step while the store is down: the marker waits and is written on the
     next pass that finds the store answering, so the job is reported finished, never failed."""
-    from tests.test_decision import DictStore
+    from test_decision import DictStore
 
     class Down(DictStore):
         down = True

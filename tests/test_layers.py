@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "etc_agent.sim": 3,  # the real planner on model specs, priced under a cost model
     "etc_agent.migrate": 3,  # executes a plan inside live workers (torch.distributed)
     "etc_agent.integrations": 4,  # Megatron adapter the worker calls: migrate and below only
+    "etc_agent.data": 4,  # sample order, data position, shares, token dataset, loader; below the worker
     "etc_agent.rendezvous": 5,  # membership store (etcd, embedded), torchrun handler
     "etc_agent.protocol": 5,  # the generation protocol's messages and phases, below agent and worker
     "etc_agent.agent": 6,  # the agent: leader, generations, worker processes
