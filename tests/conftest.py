@@ -97,6 +97,7 @@ TEST_LAYERS: dict[str, tuple[str, dict[str, list[str]]]] = {
     "test_reach.py": ("unit", {}),
     "test_fence.py": ("unit", {}),
     "test_data.py": ("unit", {}),
+    "test_data_elastic.py": ("e2e", {}),
     "test_restore.py": ("multiproc", {}),
     "test_sever.py": ("unit", {}),  # real sockets of this process, no other process
     "test_sim.py": (

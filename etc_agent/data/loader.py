@@ -22,6 +22,8 @@ position once, on its first :meth:`~ElasticData.batch`.
 
 from __future__ import annotations
 
+import logging
+import multiprocessing
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -30,6 +32,8 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 from etc_agent.data.order import DataPosition, SampleOrder, dp_share, share_weight
+
+log = logging.getLogger("etc_agent.data")
 
 
 class StepSampler(Sampler[list[int]]):
@@ -148,12 +152,17 @@ class ElasticData:
 
         self._close()
         started = time.perf_counter()
+        num_workers = self.num_workers
+        if num_workers > 0 and multiprocessing.current_process().daemon:
+            # A daemonic process (a multiprocessing pool's) may not start loader workers: read inline.
+            log.warning("data loader workers off: this process is daemonic and may not have children")
+            num_workers = self.num_workers = 0
         sampler = StepSampler(self.order, self.position, step, self.dp, self.dp_rank)
         loader = StatefulDataLoader(
             self.dataset,
             batch_sampler=sampler,
-            num_workers=self.num_workers,
-            prefetch_factor=self.prefetch_factor if self.num_workers > 0 else None,
+            num_workers=num_workers,
+            prefetch_factor=self.prefetch_factor if num_workers > 0 else None,
             collate_fn=self.collate_fn,
         )
         self._iterator = iter(loader)

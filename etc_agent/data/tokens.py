@@ -24,7 +24,7 @@ import torch
 
 FORMAT = "etc-tokens"
 VERSION = 1
-DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+DTYPES: dict[str, np.dtype] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
 
 class DataError(ValueError):

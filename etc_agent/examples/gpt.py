@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 import etc_agent
+from etc_agent.data import ElasticData, TokenDataset
 from etc_agent.layout.boxes import balanced_range
 
 
@@ -244,7 +245,7 @@ def etc_agent_boxed(tensor: torch.Tensor, param: nn.Parameter, flat_range: tuple
 
 
 # ---- build ---------------------------------------------------------------------------------
-def make_build(args: argparse.Namespace):
+def make_build(args: argparse.Namespace, dataset: TokenDataset | None = None):
     def build(ctx: etc_agent.ParallelContext) -> dict:
         cfg = ctx.config
         if args.heads % cfg.tp or args.ffn % cfg.tp or args.vocab % cfg.tp:
@@ -290,7 +291,13 @@ def make_build(args: argparse.Namespace):
                 ctx=ctx if cfg.zero else None,
                 zero_state=not ctx.restoring,
             )
-        return {"model": model, "optim": optim, "sched": lr_schedule(optim, args.steps)}
+        state: dict[str, object] = {"model": model, "optim": optim, "sched": lr_schedule(optim, args.steps)}
+        if dataset is not None:
+            # Its position travels with the state: every sample of an epoch once, through any switch.
+            state["data"] = ElasticData(
+                dataset, args.global_batch, cfg.dp, ctx.dp_rank, seed=args.seed, num_workers=args.data_workers
+            )
+        return state
 
     return build
 
@@ -327,7 +334,11 @@ def train_step(job: etc_agent.Job, args: argparse.Namespace, step: int) -> float
     # (the same gradient up to rounding, and a third of the tensor-parallel collectives at dp=2).
     micro = args.micro_batch if cfg.pp > 1 else per_replica
     optim.zero_grad(set_to_none=True)
-    loss_sum = pipeline_step(ctx, args, step, lambda x: model(x, cfg.tp), micro, args.seq, micro / args.global_batch)
+    data = job.state.get("data")
+    local = data.batch(step) if data is not None else None
+    loss_sum = pipeline_step(
+        ctx, args, step, lambda x: model(x, cfg.tp), micro, args.seq, micro / args.global_batch, local
+    )
     if cfg.dp > 1:
         reduce_gradients(model, ctx.dp_group)
     return optimizer_step(ctx, optim, sched, loss_sum, replicas_average=False)
@@ -364,12 +375,14 @@ def pipeline_step(
     micro: int,
     seq: int,
     loss_scale: float,
+    local: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Forward and backward of this data-parallel rank's share of the global batch, ``micro``
     sequences at a time through the pipeline: a stage receives its input activations from the
     previous one and sends them on, the last computes the loss (times ``loss_scale``), gradients of
     the activations go back the same way (``seq`` positions each; fewer than ``--seq`` where a stage
-    hands on its rank's part of the sequence). Returns the summed scaled loss (zero off the last stage)."""
+    hands on its rank's part of the sequence). ``local``: this rank's share of the global batch from
+    the dataset (None: the synthetic sequences). Returns the summed scaled loss (zero off the last stage)."""
     cfg = ctx.config
     per_replica = args.global_batch // cfg.dp
     first, last = ctx.pp_rank == 0, ctx.pp_rank == cfg.pp - 1
@@ -377,7 +390,10 @@ def pipeline_step(
     loss_sum = torch.zeros(())
     for mb in range(per_replica // micro):
         lo = ctx.dp_rank * per_replica + mb * micro
-        data = torch.stack([batch(args, step, i) for i in range(lo, lo + micro)])
+        if local is not None:
+            data = local[mb * micro : (mb + 1) * micro]
+        else:
+            data = torch.stack([batch(args, step, i) for i in range(lo, lo + micro)])
         inputs, targets = data[:, :-1], data[:, 1:]
         if first:
             x = inputs
@@ -473,6 +489,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--slow-step-delay", type=float, default=4.0)
     ap.add_argument("--loss-log", default=None, help="Append {step, loss, ...} JSON lines here.")
+    ap.add_argument(
+        "--data",
+        default=None,
+        metavar="PATH",
+        help="Train on this token dataset (scripts/prepare_data.py) with exactly-once sampling; without it, "
+        "synthetic sequences made from the step number.",
+    )
+    ap.add_argument("--data-workers", type=int, default=2, help="Loader worker processes per rank (with --data).")
+    ap.add_argument(
+        "--sample-log",
+        default=None,
+        metavar="FILE",
+        help='With --data: one JSON line per step and data-parallel rank, {"step", "generation", "dp_rank", '
+        '"samples"} (the global sample indices it trained on).',
+    )
     ap.add_argument("--dump-state", default=None, help="At the end, save the full unsharded state here (torch.save).")
     return ap.parse_args(argv)
 
@@ -497,8 +528,12 @@ def main(argv: list[str] | None = None) -> None:
     micro_total = args.global_batch // args.micro_batch
     if args.global_batch % args.micro_batch:
         raise ValueError("--global-batch must be a multiple of --micro-batch")
+    dataset = None
+    if args.data:
+        dataset = TokenDataset(args.data, seq_len=args.seq)  # checked before any state is built
+        args.vocab = dataset.vocab_size
     job = etc_agent.init(parallel=args.parallel)
-    job.start(make_build(args))
+    job.start(make_build(args, dataset))
     for step in job.steps(args.steps if args.stop_at is None else min(args.stop_at, args.steps)):
         if micro_total % job.ctx.config.dp:
             raise ValueError(f"dp={job.ctx.config.dp} does not divide the {micro_total} micro-batches of a step")
@@ -508,10 +543,23 @@ def main(argv: list[str] | None = None) -> None:
             loss = 0.0 if job.ctx.rank == 0 else None  # progress marker; the check is on the final state
         else:
             loss = train_step(job, args, step)
+            log_samples(job, args, step)
         if loss is not None:
             report_step(job, args, step, loss, started)
         pace(args, step)
     finish(job, args)
+
+
+def log_samples(job: etc_agent.Job, args: argparse.Namespace, step: int) -> None:
+    """``--sample-log``: the samples this data-parallel rank trained on at ``step`` (one line per
+    replica: its first tensor- and pipeline-parallel rank writes it)."""
+    data = job.state.get("data")
+    ctx = job.ctx
+    if not args.sample_log or data is None or ctx.tp_rank != 0 or ctx.pp_rank != 0:
+        return
+    line = {"step": step, "generation": ctx.generation, "dp_rank": ctx.dp_rank, "samples": data.samples(step)}
+    with open(args.sample_log, "a") as f:
+        f.write(json.dumps(line) + "\n")
 
 
 def report_step(job: etc_agent.Job, args: argparse.Namespace, step: int, loss: float, started: float) -> None:

@@ -244,6 +244,10 @@ class Job:
         state = self._build(ctx)
         if not isinstance(state, dict):
             raise TypeError(f"build() must return a dict (the app state), got {type(state).__name__}")
+        for entry in state.values():
+            bind_step = getattr(entry, "bind_step", None)
+            if callable(bind_step):
+                bind_step(lambda: self.next_step)  # etc_agent.data.ElasticData: its position is this step's
         barrier = self.elastic and self.commit_barrier
         before_step = self._before_optimizer_step if barrier else None
         hook_optimizers(state, not ctx.restoring, before_step, self._on_optimizer_step)
