@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import Dataset, Sampler, default_collate
 
 from etc_agent.data.order import DataPosition, SampleOrder, dp_share, share_weight
 
@@ -92,7 +92,8 @@ class ElasticData:
         self._next_step: int | None = None
         self.num_loader_starts = 0
         self.last_start_s = 0.0
-        """Seconds the last loader start took (its worker processes; not their first batch)."""
+        """Seconds the last (re)start took: its first batch read in this process and the loader's
+        worker processes started (not their first batch, which comes while that step trains)."""
 
     # ---- the job's side --------------------------------------------------------------------
     def bind_step(self, step_now: Callable[[], int]) -> None:
@@ -139,10 +140,18 @@ class ElasticData:
         return self.order.epoch_of(self.position.at(step))
 
     def batch(self, step: int) -> Any:
-        """This rank's share of ``step``'s global batch, collated (prefetched by the loader's workers;
-        a step other than the one after the last starts the loader anew there)."""
+        """This rank's share of ``step``'s global batch, collated (prefetched by the loader's workers).
+        The first step after a (re)start, or a step other than the one after the last, is read here
+        in this process while the loader's workers start on the steps after it: the switch does not
+        wait for worker processes to come up."""
         if self._iterator is None or step != self._next_step:
-            self._start(step)
+            started = time.perf_counter()
+            collate = self.collate_fn or default_collate
+            inline = collate([self.dataset[i] for i in self.samples(step)])
+            self._start(step + 1)
+            self._next_step = step + 1
+            self.last_start_s = time.perf_counter() - started
+            return inline
         assert self._iterator is not None
         self._next_step = step + 1
         return next(self._iterator)
@@ -151,7 +160,6 @@ class ElasticData:
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         self._close()
-        started = time.perf_counter()
         num_workers = self.num_workers
         if num_workers > 0 and multiprocessing.current_process().daemon:
             # A daemonic process (a multiprocessing pool's) may not start loader workers: read inline.
@@ -167,7 +175,6 @@ class ElasticData:
         )
         self._iterator = iter(loader)
         self.num_loader_starts += 1
-        self.last_start_s = time.perf_counter() - started
 
     def _close(self) -> None:
         """Drop the loader and its prefetched batches (its worker processes end)."""
