@@ -293,10 +293,7 @@ def make_build(args: argparse.Namespace, dataset: TokenDataset | None = None):
             )
         state: dict[str, object] = {"model": model, "optim": optim, "sched": lr_schedule(optim, args.steps)}
         if dataset is not None:
-            # Its position travels with the state: every sample of an epoch once, through any switch.
-            state["data"] = ElasticData(
-                dataset, args.global_batch, cfg.dp, ctx.dp_rank, seed=args.seed, num_workers=args.data_workers
-            )
+            state["data"] = data_entry(args, dataset, ctx)
         return state
 
     return build
@@ -489,6 +486,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--slow-step-delay", type=float, default=4.0)
     ap.add_argument("--loss-log", default=None, help="Append {step, loss, ...} JSON lines here.")
+    add_data_args(ap)
+    ap.add_argument("--dump-state", default=None, help="At the end, save the full unsharded state here (torch.save).")
+    return ap.parse_args(argv)
+
+
+def add_data_args(ap: argparse.ArgumentParser) -> None:
+    """``--data``, ``--data-workers``, ``--sample-log`` (every example takes them)."""
     ap.add_argument(
         "--data",
         default=None,
@@ -504,8 +508,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help='With --data: one JSON line per step and data-parallel rank, {"step", "generation", "dp_rank", '
         '"samples"} (the global sample indices it trained on).',
     )
-    ap.add_argument("--dump-state", default=None, help="At the end, save the full unsharded state here (torch.save).")
-    return ap.parse_args(argv)
+
+
+def open_dataset(args: argparse.Namespace) -> TokenDataset | None:
+    """``--data``'s dataset, checked before any state is built; the model's vocabulary becomes its."""
+    if not args.data:
+        return None
+    dataset = TokenDataset(args.data, seq_len=args.seq)
+    args.vocab = dataset.vocab_size
+    return dataset
+
+
+def data_entry(args: argparse.Namespace, dataset: TokenDataset, ctx: etc_agent.ParallelContext) -> ElasticData:
+    """The app state's ``data``: this data-parallel rank's exactly-once batches; its position
+    travels with the state through every switch."""
+    return ElasticData(
+        dataset, args.global_batch, ctx.config.dp, ctx.dp_rank, seed=args.seed, num_workers=args.data_workers
+    )
 
 
 def pace(args: argparse.Namespace, step: int) -> None:
@@ -528,10 +547,7 @@ def main(argv: list[str] | None = None) -> None:
     micro_total = args.global_batch // args.micro_batch
     if args.global_batch % args.micro_batch:
         raise ValueError("--global-batch must be a multiple of --micro-batch")
-    dataset = None
-    if args.data:
-        dataset = TokenDataset(args.data, seq_len=args.seq)  # checked before any state is built
-        args.vocab = dataset.vocab_size
+    dataset = open_dataset(args)
     job = etc_agent.init(parallel=args.parallel)
     job.start(make_build(args, dataset))
     for step in job.steps(args.steps if args.stop_at is None else min(args.stop_at, args.steps)):

@@ -35,11 +35,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 import etc_agent
+from etc_agent.data import TokenDataset
 from etc_agent.examples.gpt import (
+    add_data_args,
     batch,
+    data_entry,
     finish,
     init_weights,
+    log_samples,
     lr_schedule,
+    open_dataset,
     optimizer_step,
     pace,
     pipeline_step,
@@ -199,7 +204,7 @@ def tensor_parallel(model: Stage, tp_mesh, sequence_parallel: bool) -> None:
             norm.weight = nn.Parameter(distribute_tensor(norm.weight.data, tp_mesh, [Replicate()], src_data_rank=None))
 
 
-def make_build(args: argparse.Namespace):
+def make_build(args: argparse.Namespace, dataset: TokenDataset | None = None):
     def build(ctx: etc_agent.ParallelContext) -> dict:
         cfg = ctx.config
         if args.heads % cfg.tp or args.kv_heads % cfg.tp or args.ffn % cfg.tp or args.vocab % cfg.tp:
@@ -227,7 +232,10 @@ def make_build(args: argparse.Namespace):
         optim = torch.optim.AdamW(
             model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, foreach=False
         )
-        return {"model": model, "optim": optim, "sched": lr_schedule(optim, args.steps)}
+        state: dict[str, object] = {"model": model, "optim": optim, "sched": lr_schedule(optim, args.steps)}
+        if dataset is not None:
+            state["data"] = data_entry(args, dataset, ctx)
+        return state
 
     return build
 
@@ -244,10 +252,12 @@ def train_step(job: etc_agent.Job, args: argparse.Namespace, step: int) -> float
     # With sequence parallel a stage hands on its rank's part of the sequence.
     seq = args.seq // cfg.tp if args.sequence_parallel else args.seq
     optim.zero_grad(set_to_none=True)
+    data = job.state.get("data")
+    local = data.batch(step) if data is not None else None
     if cfg.pp > 1 and args.pipeline_schedule != "send-recv":
-        loss_sum = scheduled_step(ctx, args, step, model, micro, seq, scale)
+        loss_sum = scheduled_step(ctx, args, step, model, micro, seq, scale, local)
     else:
-        loss_sum = pipeline_step(ctx, args, step, model, micro, seq, scale)
+        loss_sum = pipeline_step(ctx, args, step, model, micro, seq, scale, local)
     if cfg.dp > 1 and not fsdp:
         reduce_gradients(model, ctx.dp_group)
     return optimizer_step(ctx, optim, sched, loss_sum, replicas_average=fsdp)
@@ -261,6 +271,7 @@ def scheduled_step(
     micro: int,
     seq: int,
     loss_scale: float,
+    local: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`pipeline_step` through ``torch.distributed.pipelining`` (``--pipeline-schedule``):
     this stage as a ``PipelineStage`` on the pp group, GPipe or 1F1B over the replica's micro-batches."""
@@ -285,7 +296,7 @@ def scheduled_step(
         schedule = kind(stage, num_micro, loss_fn=loss_fn)
         setattr(model, "_pipeline_schedule", schedule)  # noqa: B010 - kept on the module: a switch drops it
     lo = ctx.dp_rank * per_replica
-    data = torch.stack([batch(args, step, i) for i in range(lo, lo + per_replica)])
+    data = local if local is not None else torch.stack([batch(args, step, i) for i in range(lo, lo + per_replica)])
     inputs, targets = data[:, :-1], data[:, 1:]
     losses: list[torch.Tensor] = []
     if first:
@@ -337,6 +348,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--slow-while", default=None, metavar="FILE", help="As in etc_agent.examples.gpt.")
     ap.add_argument("--slow-step-delay", type=float, default=4.0)
     ap.add_argument("--loss-log", default=None, help="Append {step, loss, ...} JSON lines here.")
+    add_data_args(ap)
     ap.add_argument("--dump-state", default=None, help="At the end, save the full unsharded state here (torch.save).")
     return ap.parse_args(argv)
 
@@ -345,8 +357,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.global_batch % args.micro_batch:
         raise ValueError("--global-batch must be a multiple of --micro-batch")
+    dataset = open_dataset(args)
     job = etc_agent.init(parallel=args.parallel)
-    job.start(make_build(args))
+    job.start(make_build(args, dataset))
     for step in job.steps(args.steps):
         cfg = job.ctx.config
         if args.global_batch % cfg.dp or (args.global_batch // cfg.dp) % (args.micro_batch if cfg.pp > 1 else 1):
@@ -357,6 +370,7 @@ def main(argv: list[str] | None = None) -> None:
             loss = 0.0 if job.ctx.rank == 0 else None  # progress marker; the check is on the final state
         else:
             loss = train_step(job, args, step)
+            log_samples(job, args, step)
         if loss is not None:
             report_step(job, args, step, loss, started)
         pace(args, step)
