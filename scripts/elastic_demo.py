@@ -604,6 +604,12 @@ def main() -> None:
     ap.add_argument(
         "--elementwise", action="store_true", help="Layout-independent update; check the final state bit for bit."
     )
+    ap.add_argument(
+        "--data",
+        default="pydoc",
+        help="pydoc: prepare the default token dataset (scripts/prepare_data.py) and train on it with exactly-once "
+        "sampling; a dataset directory; or synthetic: the example's generated sequences.",
+    )
     args = ap.parse_args()
     from rich.console import Console
     from rich.table import Table
@@ -615,6 +621,17 @@ def main() -> None:
             f"[bold]ETC demo[/]: {args.parallel}, agents of {args.nproc} workers; join, SIGTERM leave, SIGKILL of a worker"
         )
         extra = ["--elementwise"] if args.elementwise else []
+        if args.data != "synthetic":
+            data = Path(args.data)
+            if args.data == "pydoc":
+                data = work / "pydoc"
+                subprocess.run(
+                    [sys.executable, str(ROOT / "scripts/prepare_data.py"), "--out", str(data), "--seq-len", "64"],
+                    check=True,
+                    capture_output=True,
+                )
+            extra += ["--data", str(data), "--seq", "64"]
+            console.print(f"training on {data} (real tokens, every sample once through every change)")
         events = tuple(e for e in args.events.split(";") if e)
         unknown = {
             e
