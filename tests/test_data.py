@@ -211,3 +211,26 @@ def test_data_loader_reads_a_step_again_after_a_failure_as_it_was_first_read():
     assert again == first[1] and data.num_loader_starts == 2
     with pytest.raises(ValueError, match="for 30 samples with seed 1; this dataset has 31"):
         ElasticData(_Indexed(31), 4, 2, 1, seed=1).load_state_dict(data.state_dict())
+
+
+def test_data_position_rides_the_app_state_as_switches_and_checkpoints_carry_it():
+    """What a live switch carries and a periodic checkpoint stores (``etc_state.json``'s ``app``):
+    the plain part of the app state, as JSON. Loaded into the new layout's ElasticData (another dp),
+    the next step's samples are the global order's from the saved step on."""
+    from etc_agent.worker.appstate import load_state, split_state
+
+    dataset, global_batch = _Indexed(50), 8
+    step_now = [0]
+    old = ElasticData(dataset, global_batch, 4, 1, seed=2, num_workers=0)
+    old.bind_step(lambda: step_now[0])
+    for step in range(7):
+        old.batch(step)
+    step_now[0] = 7
+    tensors, plain = split_state({"data": old})
+    assert tensors == {}
+    carried = json.loads(json.dumps(plain))  # what travels: JSON, never pickled
+    new_layout = [ElasticData(dataset, global_batch, 3, r, seed=2, num_workers=0) for r in range(3)]
+    for data in new_layout:
+        load_state({"data": data}, carried, {})
+    seen = [i for data in new_layout for i in data.batch(7).tolist()]
+    assert seen == SampleOrder(50, 2).span(7 * global_batch, global_batch)
