@@ -97,7 +97,7 @@ def test_a_host_cut_from_etcd_alone_fences_itself_its_checkpoint_commit_is_refus
     checkpoint it wrote meanwhile is refused when it asks again after the heal (its generation was
     replaced) and its directory removed, only the live job's checkpoints are complete, it rejoins
     within 2 s of etcd answering, every agent exits 0 and the final state is the uninterrupted run's."""
-    outcome = etcd_cut(tmp_path, cut_s=10.0)
+    outcome = etcd_cut(tmp_path, cut_s=10.0, steps=170)
     extra = outcome.extra
     print(
         f"cut from etcd: fenced after {outcome.detect_s} s, survivors' stall {outcome.stall_s} s, "
@@ -121,7 +121,7 @@ def test_losing_the_etcd_quorum_for_20_s_stops_no_training_commits_no_checkpoint
     training goes on; the checkpoints due meanwhile are written but none is committed until etcd
     answers again, then the newest is; no generation follows, nothing restarts, every agent exits 0
     and the final state is the uninterrupted run's."""
-    outcome = quorum_loss(tmp_path, outage_s=20.0)
+    outcome = quorum_loss(tmp_path, outage_s=20.0, steps=260)
     extra = outcome.extra
     print(
         f"quorum lost 20 s: {extra['steps_during_outage']} steps meanwhile, longest gap {outcome.stall_s} s, "

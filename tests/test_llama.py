@@ -26,12 +26,20 @@ def _worst_relative(losses: dict[int, float], reference: dict[int, float]) -> fl
     return max(abs(losses[s] - reference[s]) / abs(reference[s]) for s in reference)
 
 
-def test_reconfigure_moves_fsdp2_state_between_fsdp_tp_and_hsdp_layouts(etcd_server, tmp_path):
-    """`etc-agent reconfigure` on the same 4 workers: FSDP over 4 -> FSDP 2 x TP 2 (``_StridedShard``,
-    sequence parallel) -> HSDP 2 x 2 -> pipeline 2 x FSDP 2 -> pipeline 2 x TP 2 (sequence-parallel
-    activations between the stages; both pipelines under ``torch.distributed.pipelining``'s 1F1B);
-    every step's loss within 1e-4 of the reference."""
+def test_reconfigure_moves_fsdp2_state_and_the_data_position_between_fsdp_tp_and_hsdp_layouts(etcd_server, tmp_path):
+    """`etc-agent reconfigure` on the same 4 workers, training on real tokens: FSDP over 4 -> FSDP 2
+    x TP 2 (``_StridedShard``, sequence parallel) -> HSDP 2 x 2 -> pipeline 2 x FSDP 2 -> pipeline 2
+    x TP 2 (sequence-parallel activations between the stages; both pipelines under
+    ``torch.distributed.pipelining``'s 1F1B); every step's samples the global order's, none twice,
+    and every step's loss within 1e-4 of the reference."""
+    from test_data_elastic import check_samples, prepare_pydoc
+
+    from etc_agent.data import TokenDataset
+
     steps = 40
+    dataset = prepare_pydoc(tmp_path / "pydoc", 32)
+    sample_log = tmp_path / "samples.jsonl"
+    data = ["--data", str(dataset), "--seq", "32"]
     events = (
         "reconfigure:tp=2,dp_shard=auto",
         "reconfigure:dp_replicate=2,dp_shard=auto",
@@ -48,9 +56,10 @@ def test_reconfigure_moves_fsdp2_state_between_fsdp_tp_and_hsdp_layouts(etcd_ser
         rdzv=_rdzv(etcd_server, "llama-reconf"),
         events=events,
         module=LLAMA,
-        extra_script_args=["--pipeline-schedule", "1f1b"],
+        extra_script_args=["--pipeline-schedule", "1f1b", *data, "--sample-log", str(sample_log)],
     )
     assert result["codes"] == [0, 0], result["cluster"].tail(40)
+    check_samples(sample_log, len(TokenDataset(dataset, seq_len=32)), 12, steps, result["cluster"].tail(40))
     records = sorted(result["migrations"], key=lambda m: m["generation"])
     assert [(r["old_config"], r["new_config"]) for r in records] == [
         ("tp=1,pp=1,dp_replicate=1,dp_shard=4", "tp=2,pp=1,dp_replicate=1,dp_shard=2"),
@@ -61,7 +70,7 @@ def test_reconfigure_moves_fsdp2_state_between_fsdp_tp_and_hsdp_layouts(etcd_ser
     # HSDP 2 x 2 -> pp 2 x FSDP 2: every rank's new shards are a subset of what it held (its stage's
     # layers, the same dim-0 chunk): nothing moves. The others reshard.
     assert [r["bytes_moved"] > 0 for r in records] == [True, True, False, True], [r["bytes_moved"] for r in records]
-    reference, _ = reference_losses(steps, tmp_path, module=LLAMA)
+    reference, _ = reference_losses(steps, tmp_path, data, module=LLAMA)
     assert sorted(result["losses"]) == list(range(steps))
     assert _worst_relative(result["losses"], reference) <= 1e-4
 
