@@ -23,15 +23,17 @@ GLOBAL_BATCH = 24  # 12 micro-batches of 2: dp 2, 3, 4 and 6 all divide them
 STEPS = 40  # 960 samples: the whole first epoch (876) and part of the second
 
 
-def check_samples(sample_log: Path, num_samples: int, global_batch: int, steps: int, logs: str) -> list[int]:
+def check_samples(
+    sample_log: Path, num_samples: int, global_batch: int, steps: int, logs: str, seed: int = 0
+) -> list[int]:
     """Each step's samples, over the data-parallel ranks of the generation that completed it (a
-    crash's step is trained again in the next one), are the next global batch of the (seed 0,
-    epoch) order, and no sample comes twice within an epoch; returns them in training order."""
+    crash's step is trained again in the next one), are the next global batch of the (seed, epoch)
+    order, and no sample comes twice within an epoch; returns them in training order."""
     entries: dict[int, dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for line in sample_log.read_text().splitlines():
         entry = json.loads(line)
         entries[entry["step"]][entry["generation"]].append(entry)
-    order = SampleOrder(num_samples, seed=0)
+    order = SampleOrder(num_samples, seed=seed)
     trained: list[int] = []
     for step in range(steps):
         assert entries[step], f"no samples logged for step {step}\n{logs}"

@@ -298,13 +298,14 @@ def test_megatron_state_migrates_bitwise_through_the_executor():
         assert any(r["loss"] is not None for r in results), label  # the last stage computed a loss
 
 
-def test_megatron_gpt_trains_through_join_leave_reconfigure_and_crash_under_etcrun(etcd_server, tmp_path):
+def test_megatron_gpt_trains_through_join_leave_reconfigure_and_crash_under_etcrun_on_data_once(etcd_server, tmp_path):
     """Megatron's GPTModel, DDP and distributed optimizer under ``etcrun`` over a real etcd, 2 agents x 2
-    workers: a node joins (dp 2 -> 3), leaves (3 -> 2), the job is reconfigured on the same devices
-    (tp=2,pp=1 -> tp=1,pp=2) and a worker is SIGKILLed (its distributed-optimizer range has no live
-    copy: read from the periodic checkpoint, the steps since trained again). Across every event the
-    whole state before a step is bitwise the state after the previous one, and the losses match an
-    uninterrupted single-process run."""
+    workers, on real tokens: a node joins (dp 2 -> 3), leaves (3 -> 2), the job is reconfigured on the
+    same devices (tp=2,pp=1 -> tp=1,pp=2) and a worker is SIGKILLed (its distributed-optimizer range
+    has no live copy: read from the periodic checkpoint, the steps since trained again, on the same
+    samples: the position comes back with the checkpoint). Across every event the whole state before
+    a step is bitwise the state after the previous one, every step's samples are the global order's,
+    and the losses match an uninterrupted single-process run."""
     import sys
     import uuid
 
@@ -318,7 +319,15 @@ def test_megatron_gpt_trains_through_join_leave_reconfigure_and_crash_under_etcr
     work = tmp_path / "elastic"
     work.mkdir()
     digests = work / "digests.jsonl"
-    script = ["--global-batch", "12", "--micro-batch", "2", "--digest-log", str(digests)]
+    from test_data_elastic import check_samples, prepare_pydoc
+
+    from etc_agent.data import TokenDataset
+
+    dataset = prepare_pydoc(tmp_path / "pydoc", 16)
+    sample_log = work / "samples.jsonl"
+    data = ["--data", str(dataset), "--seq", "16"]
+    script = ["--global-batch", "12", "--micro-batch", "2", "--digest-log", str(digests), *data]
+    script += ["--sample-log", str(sample_log)]
     rdzv = [
         "--rdzv-backend",
         "etcd-v3",
@@ -377,7 +386,9 @@ def test_megatron_gpt_trains_through_join_leave_reconfigure_and_crash_under_etcr
     ]
     assert list(dict.fromkeys(crossings)) == changes and len(crossings) <= len(changes) + 1, crossings
 
-    reference, _ = reference_losses(steps, work, ["--global-batch", "12", "--micro-batch", "2"], module=module)
+    check_samples(sample_log, len(TokenDataset(dataset, seq_len=16)), 12, steps, logs, seed=1234)  # the example's
+
+    reference, _ = reference_losses(steps, work, ["--global-batch", "12", "--micro-batch", "2", *data], module=module)
     worst = max(abs(result["losses"][s] - reference[s]) / abs(reference[s]) for s in range(steps))
     assert worst < 1e-5, f"worst relative loss difference {worst:.2e} against the uninterrupted run"
 

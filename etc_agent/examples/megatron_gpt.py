@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 import etc_agent
-from etc_agent.examples.gpt import slowed
+from etc_agent.data import TokenDataset
+from etc_agent.examples.gpt import add_data_args, data_entry, log_samples, open_dataset, slowed
 from etc_agent.integrations import megatron as etc_megatron
 
 
@@ -67,6 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--slow-step-delay", type=float, default=4.0)
     parser.add_argument("--loss-log", default=None, help="rank 0 appends {step, loss, layout} JSON lines here")
+    add_data_args(parser)
     parser.add_argument(
         "--dump-state", default=None, help="rank 0 saves the whole state, unsharded, here after the last step"
     )
@@ -79,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def make_build(args: argparse.Namespace):
+def make_build(args: argparse.Namespace, dataset: TokenDataset | None = None):
     def build(ctx) -> dict:
         from megatron.core.distributed import (
             DistributedDataParallel,
@@ -140,7 +142,10 @@ def make_build(args: argparse.Namespace):
             ),
             chunks,
         )
-        return {"model": chunks, "optimizer": optimizer}
+        state: dict[str, object] = {"model": chunks, "optimizer": optimizer}
+        if dataset is not None:
+            state["data"] = data_entry(args, dataset, ctx)
+        return state
 
     return build
 
@@ -197,7 +202,9 @@ def train_step(args: argparse.Namespace, job, step: int) -> float | None:
     chunks, optimizer = state["model"], state["optimizer"]
     per_replica = args.global_batch // ctx.dp
     num_micro = per_replica // args.micro_batch
-    tokens = batch(args, step, ctx.dp_rank * per_replica, per_replica).to(ctx.device)
+    data = state.get("data")
+    local = data.batch(step) if data is not None else batch(args, step, ctx.dp_rank * per_replica, per_replica)
+    tokens = local.to(ctx.device)
     micro = iter(tokens.split(args.micro_batch))
     positions = torch.arange(args.seq, device=ctx.device).unsqueeze(0).expand(args.micro_batch, -1)
 
@@ -284,13 +291,15 @@ def main(argv: list[str] | None = None) -> None:
         from etc_agent.integrations import megatron_cpu
 
         megatron_cpu.enable()
+    dataset = open_dataset(args)
     job = etc_agent.init(parallel=args.parallel or "tp=1,pp=1,dp=auto")
-    job.start(make_build(args))
+    job.start(make_build(args, dataset))
     for step in job.steps(args.steps):
         ctx = job.ctx
         if args.digest_log:
             _log_digest(args, job, step, "before")
         loss = train_step(args, job, step)
+        log_samples(job, args, step)
         value = torch.tensor([loss if loss is not None else 0.0], dtype=torch.float64)
         dist.broadcast(value, src=ctx.config.rank(ctx.pp - 1, 0, 0))
         record = {"step": step, "loss": float(value.item()), "layout": ctx.config.short()}
