@@ -215,3 +215,72 @@ def test_a_job_that_finished_through_a_store_outage_is_marked_finished_once_the_
     assert store.get("finished").value == '{"step": 200, "generation": 3}'
     node.report_pending()  # written once
     assert store.get("finished").version == 1
+
+
+def test_a_checkpoint_commit_is_fenced_on_its_generations_revision(tmp_path):
+    """Rank 0's commit: committed while the generation key is at the revision its generation was
+    published at (the state file renamed, the record in the store); kept waiting while the node is
+    fenced or the store silent, and tried again on the next pass; refused, atomically and with its
+    directory removed, once a newer generation replaced its own; a path outside the checkpoint
+    directory is never touched."""
+    from test_decision import DictStore
+
+    from etc_agent.agent.commits import Commits
+    from etc_agent.protocol.checkpoints import PENDING_FILE, STATE_FILE, checkpoint_path
+    from etc_agent.protocol.control import CommitCheckpoint
+    from etc_agent.rendezvous.records import CheckpointRecord, GenerationRecord
+
+    class Flaky(DictStore):
+        down = False
+
+        def put_if_unchanged(self, key, value, guard_key, guard_revision):
+            if self.down:
+                raise StoreError("etcd transaction failed: no leader")
+            return super().put_if_unchanged(key, value, guard_key, guard_revision)
+
+    store, events = Flaky(), []
+    node = _node(store, events)
+    node.config = node.config.model_copy(update={"checkpoint_dir": str(tmp_path), "checkpoint_keep": 2})
+    store.write("generation", GenerationRecord(number=4, status="running", members=["a"], num_devices=[1]).dumps())
+    node.generation = node.read_generation()
+    commits = Commits(node)
+
+    def written(step: int, generation: int) -> CommitCheckpoint:
+        path = checkpoint_path(tmp_path, step, generation)
+        path.mkdir(parents=True)
+        (path / PENDING_FILE).write_text("{}")
+        return CommitCheckpoint(step=step, generation=generation, path=str(path))
+
+    first = written(10, 4)
+    assert commits.request(first).outcome == "committed"
+    assert (checkpoint_path(tmp_path, 10, 4) / STATE_FILE).exists()
+    record = CheckpointRecord.loads(store.get("checkpoint").value)
+    assert (record.step, record.generation, record.revision) == (10, 4, store.get("generation").mod_revision)
+
+    node.fenced = True
+    assert commits.request(written(15, 4)).outcome == "pending"  # fenced: nothing is committed
+    node.fenced, store.down = False, True
+    commits.retry()  # the store is silent: still waiting
+    assert CheckpointRecord.loads(store.get("checkpoint").value).step == 10
+    store.down = False
+    commits.retry()
+    assert CheckpointRecord.loads(store.get("checkpoint").value).step == 15
+
+    store.down = True
+    stale = written(20, 4)
+    assert commits.request(stale).outcome == "pending"
+    store.write("generation", GenerationRecord(number=5, status="running", members=["b"], num_devices=[1]).dumps())
+    store.down = False
+    commits.retry()  # generation 4 was replaced meanwhile: refused, directory removed
+    assert CheckpointRecord.loads(store.get("checkpoint").value).step == 15
+    assert not checkpoint_path(tmp_path, 20, 4).exists()
+    assert [e for e, _ in events if e.startswith("checkpoint_")] == [
+        "checkpoint_committed",
+        "checkpoint_commit_waiting",
+        "checkpoint_committed",
+        "checkpoint_commit_waiting",
+        "checkpoint_commit_refused",
+    ]
+    outside = tmp_path.parent / "elsewhere"
+    with pytest.raises(ValueError, match="is not step 30 of generation 4 under --checkpoint-dir"):
+        commits.request(CommitCheckpoint(step=30, generation=4, path=str(outside)))
