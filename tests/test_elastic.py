@@ -524,15 +524,24 @@ def test_a_checkpoint_still_committing_on_one_rank_is_skipped_by_every_rank(etcd
     assert compare_states(result["state_file"], reference_state) == []
 
 
-def test_a_full_restart_resumes_from_the_newest_usable_checkpoint_in_the_new_layout(etcd_server, tmp_path):
+def test_a_full_restart_resumes_from_the_newest_usable_checkpoint_and_its_data_position_in_the_new_layout(
+    etcd_server, tmp_path
+):
     """Every agent SIGKILLed mid-run (2 agents x 2, tp=2,dp=2), then the job started again on one agent
     (tp=2,dp=1) with the same --checkpoint-dir and no --checkpoint-interval (the restore reads storage
     without a checkpointer): it resumes from the newest complete checkpoint (the
     newest one made unusable here, so from the one before, with a log line), each rank reading only its
-    regions, at the saved step with the carried state; every step from there trained once and the final
-    state bitwise the uninterrupted run's."""
+    regions, at the saved step with the carried state (the data position included: every step's
+    samples, over both runs, are the global order's); every step from there trained once and the
+    final state bitwise the uninterrupted run's."""
+    from test_data_elastic import check_samples, prepare_pydoc
+
+    from etc_agent.data import TokenDataset
+
+    dataset = prepare_pydoc(tmp_path / "pydoc", 16)
     checkpoints = tmp_path / "checkpoints"
-    extra, steps = ["--micro-batch", "1", "--elementwise"], 30
+    data = ["--data", str(dataset), "--seq", "16"]
+    extra, steps = ["--micro-batch", "1", "--elementwise", *data], 30
     agent_args = ["--checkpoint-dir", str(checkpoints), "--checkpoint-interval", "4"]
 
     first_dir, second_dir = tmp_path / "first", tmp_path / "second"
@@ -548,7 +557,7 @@ def test_a_full_restart_resumes_from_the_newest_usable_checkpoint_in_the_new_lay
         rdzv=etcd_rdzv(etcd_server, "resume"),
         events=(),
         agent_args=agent_args,
-        extra_script_args=extra,
+        extra_script_args=[*extra, "--sample-log", str(first_dir / "samples.jsonl")],
         stop_after=14,
         slow_during_events=None,
     )
@@ -570,7 +579,7 @@ def test_a_full_restart_resumes_from_the_newest_usable_checkpoint_in_the_new_lay
         rdzv=etcd_rdzv(etcd_server, "resume"),
         events=(),
         agent_args=["--checkpoint-dir", str(checkpoints)],
-        extra_script_args=extra,
+        extra_script_args=[*extra, "--sample-log", str(second_dir / "samples.jsonl")],
         initial_agents=1,
     )
     logs = second["cluster"].tail(60)
@@ -585,6 +594,14 @@ def test_a_full_restart_resumes_from_the_newest_usable_checkpoint_in_the_new_lay
     differ = [s for s in range(steps) if not math.isclose(losses[s], reference[s], rel_tol=1e-4, abs_tol=1e-9)]
     assert differ == [], f"losses differ from the uninterrupted run at steps {differ}"
     assert compare_states(second["state_file"], reference_state) == []
+    # The steps kept from the first run and those of the second, on another node count, read the order.
+    kept = [
+        line for line in (first_dir / "samples.jsonl").read_text().splitlines() if json.loads(line)["step"] < older.step
+    ]
+    (tmp_path / "samples.jsonl").write_text(
+        "".join(f"{line}\n" for line in kept) + (second_dir / "samples.jsonl").read_text()
+    )
+    check_samples(tmp_path / "samples.jsonl", len(TokenDataset(dataset, seq_len=16)), 12, steps, logs)
 
 
 def test_a_replacement_killed_while_it_joins_costs_the_survivor_one_more_switch(etcd_server, tmp_path):

@@ -559,7 +559,7 @@ def main(argv: list[str] | None = None) -> None:
             loss = 0.0 if job.ctx.rank == 0 else None  # progress marker; the check is on the final state
         else:
             loss = train_step(job, args, step)
-            log_samples(job, args, step)
+        log_samples(job, args, step)  # the samples of this step's position (the elementwise update reads none)
         if loss is not None:
             report_step(job, args, step, loss, started)
         pace(args, step)
