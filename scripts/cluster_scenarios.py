@@ -68,10 +68,12 @@ def _wait(predicate: Callable[[], object], timeout: float, what: str, cluster: C
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{cluster.tail(40)}")
 
 
-def _events(cluster: Cluster, name: str) -> list[dict]:
+def _events(cluster: Cluster, name: str, agent: int | None = None) -> list[dict]:
+    """Every agent's ``name`` events (``agent``: that agent's only)."""
+    outputs = cluster.outputs if agent is None else [cluster.outputs[agent]]
     return [
         e
-        for lines in cluster.outputs
+        for lines in outputs
         for line in list(lines)
         if f'"{name}"' in line and (e := json_line_event(line)) is not None and e.get("event") == name
     ]
@@ -223,14 +225,6 @@ def _agent_of_node(cluster: Cluster, node_id: str) -> int:
     raise AssertionError(f"no agent logged node {node_id}\n{cluster.tail(20)}")
 
 
-def _agent_events(cluster: Cluster, k: int, name: str) -> list[dict]:
-    return [
-        e
-        for line in list(cluster.outputs[k])
-        if f'"{name}"' in line and (e := json_line_event(line)) is not None and e.get("event") == name
-    ]
-
-
 def etcd_cut(work: Path, cut_s: float = 10.0, steps: int = 260, checkpoint_interval: int = 5) -> Outcome:
     """Three hosts in dp with periodic checkpoints; the host of training rank 0 is cut off from etcd
     alone (it still reaches its peers) for ``cut_s``, then healed. It should fence itself before its
@@ -252,22 +246,18 @@ def etcd_cut(work: Path, cut_s: float = 10.0, steps: int = 260, checkpoint_inter
             healed_at = time.time()
             lab.heal()
             back = run.wait_steps_at(3, 1, after=healed_at, timeout=60)[0]["wall"]
-            fenced = [e["ts"] for e in _agent_events(run.cluster, target, "fenced") if e["ts"] > cut_at]
-            answered = [e["ts"] for e in _agent_events(run.cluster, target, "unfenced") if e["ts"] > healed_at]
+            fenced = [e["ts"] for e in _events(run.cluster, "fenced", target) if e["ts"] > cut_at]
+            answered = [e["ts"] for e in _events(run.cluster, "unfenced", target) if e["ts"] > healed_at]
             outcome.detect_s = fenced[0] - cut_at if fenced else None
             outcome.rejoin_s = back - (answered[0] if answered else healed_at)
             published = [
                 e["ts"]
-                for lines in run.cluster.outputs
-                for line in list(lines)
-                if '"generation_published"' in line
-                and (e := json_line_event(line)) is not None
-                and e.get("members") == 3
-                and e["ts"] > healed_at
+                for e in _events(run.cluster, "generation_published")
+                if e.get("members") == 3 and e["ts"] > healed_at
             ]
             during = [r for r in run.records() if cut_at + outcome.stall_s < r["wall"] < healed_at]
             outcome.steps_during_cut_at_old_size = sum("dp=3," in r["config"] for r in during)
-            refused = _agent_events(run.cluster, target, "checkpoint_commit_refused")
+            refused = _events(run.cluster, "checkpoint_commit_refused", target)
             outcome.extra.update(
                 target=target,
                 fenced_after_s=outcome.detect_s,

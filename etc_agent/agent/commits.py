@@ -94,12 +94,7 @@ class Commits:
         try:
             os.replace(path / PENDING_FILE, path / STATE_FILE)
         except OSError as err:
-            self._waiting = None
-            node.emit(
-                "checkpoint_commit_refused",
-                {"step": req.step, "generation": req.generation, "reason": f"its state file is gone ({err})"},
-            )
-            return CommitReply(outcome="refused", reason=f"its state file is gone ({err})")
+            return self._refuse(req, f"its state file is gone ({err})", remove=False)
         assert node.config.checkpoint_dir is not None  # request() checked it
         prune_checkpoints(Path(node.config.checkpoint_dir), node.config.checkpoint_keep)
         self._waiting = None
@@ -120,13 +115,14 @@ class Commits:
             self.node.emit("checkpoint_commit_waiting", {"step": req.step, "generation": req.generation, "why": why})
         return CommitReply(outcome="pending", reason=why)
 
-    def _refuse(self, req: CommitCheckpoint, why: str) -> CommitReply:
+    def _refuse(self, req: CommitCheckpoint, why: str, remove: bool = True) -> CommitReply:
+        """``remove``: the uncommitted directory goes too (a commit of a replaced generation)."""
         self._waiting = None
-        shutil.rmtree(req.path, ignore_errors=True)
-        self.node.emit(
-            "checkpoint_commit_refused",
-            {"step": req.step, "generation": req.generation, "reason": why, "action": f"removed {req.path}"},
-        )
+        said = {"step": req.step, "generation": req.generation, "reason": why}
+        if remove:
+            shutil.rmtree(req.path, ignore_errors=True)
+            said["action"] = f"removed {req.path}"
+        self.node.emit("checkpoint_commit_refused", said)
         return CommitReply(outcome="refused", reason=why)
 
     def _leave_uncommitted(self, req: CommitCheckpoint, why: str) -> None:

@@ -138,8 +138,8 @@ Ask = Callable[[Mapping[str, tuple[str, int]], float], dict[str, bytes | None]]
 
 
 class Fence:
-    """This node's fence (see the module's docstring). :meth:`check` runs in the main loop; it
-    returns the state and, when it changed, says so once."""
+    """This node's fence (see the module's docstring). :meth:`check` runs in the fence's own thread
+    (:meth:`watch`); it returns the state and, when it changed, says so once."""
 
     def __init__(
         self,

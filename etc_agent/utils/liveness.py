@@ -72,25 +72,32 @@ def probe(host: str, port: int, timeout_s: float = 0.5) -> Probe:
         return "unknown"
 
 
-def probe_many(targets: Mapping[str, tuple[str, int]], timeout_s: float) -> dict[str, Probe]:
-    """:func:`probe` for many ports at once (non-blocking connects, one wait of at most ``timeout_s``):
-    a leader probing every member each fraction of a second must not wait for them one by one."""
-    results: dict[str, Probe] = {}
+def _connect_all(targets: Mapping[str, tuple[str, int]]) -> tuple[dict[socket.socket, str], dict[str, Probe]]:
+    """Non-blocking connects to every target: (the sockets still connecting, by target; the targets
+    settled at once: ``gone`` for a refused connection, ``unknown`` for any other failure)."""
     pending: dict[socket.socket, str] = {}
+    settled: dict[str, Probe] = {}
     for key, (host, port) in targets.items():
         try:
             family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
             sock = socket.socket(family, socket.SOCK_STREAM)
         except OSError:
-            results[key] = "unknown"
+            settled[key] = "unknown"
             continue
         sock.setblocking(False)
         code = sock.connect_ex((host, port))
         if code in (0, errno.EINPROGRESS):
             pending[sock] = key
         else:
-            results[key] = "gone" if code == errno.ECONNREFUSED else "unknown"
+            settled[key] = "gone" if code == errno.ECONNREFUSED else "unknown"
             sock.close()
+    return pending, settled
+
+
+def probe_many(targets: Mapping[str, tuple[str, int]], timeout_s: float) -> dict[str, Probe]:
+    """:func:`probe` for many ports at once (non-blocking connects, one wait of at most ``timeout_s``):
+    a leader probing every member each fraction of a second must not wait for them one by one."""
+    pending, results = _connect_all(targets)
     deadline = time.monotonic() + timeout_s
     last_look = False
     while pending and not last_look:
@@ -114,18 +121,8 @@ def ask_many(targets: Mapping[str, tuple[str, int]], timeout_s: float) -> dict[s
     """The status line of each liveness port of ``targets`` (None where none came within
     ``timeout_s``: no answer, refused, or a port that writes nothing), all at once."""
     answers: dict[str, bytes | None] = {key: None for key in targets}
-    pending: dict[socket.socket, tuple[str, bytearray]] = {}
-    for key, (host, port) in targets.items():
-        try:
-            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-            sock = socket.socket(family, socket.SOCK_STREAM)
-        except OSError:
-            continue
-        sock.setblocking(False)
-        if sock.connect_ex((host, port)) in (0, errno.EINPROGRESS):
-            pending[sock] = (key, bytearray())
-        else:
-            sock.close()
+    connecting, _ = _connect_all(targets)
+    pending = {sock: (key, bytearray()) for sock, key in connecting.items()}
     deadline = time.monotonic() + timeout_s
     while pending:
         left = deadline - time.monotonic()

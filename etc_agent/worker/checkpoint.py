@@ -40,6 +40,7 @@ from etc_agent.migrate.transport import GroupTransport
 from etc_agent.protocol.checkpoints import (
     PENDING_FILE,
     STATE_FILE,
+    checkpoint_path,
     complete_checkpoints,
     prune_checkpoints,
 )
@@ -239,7 +240,7 @@ class PeriodicCheckpointer:
                 timedelta(seconds=self.timeout_s),
             )
             self._group = (generation, group)
-        path = self.directory / f"step{step:08d}-g{generation}"
+        path = checkpoint_path(self.directory, step, generation)
         write = _Write(thread=None, step=step, started=time.time(), snapshot=snapshot)  # type: ignore[arg-type]
         write.stats["staged_s"] = staged_s
         # GroupTransport's hint says ProcessGroup; it uses only rank/size/allgather/send/recv, which gloo has.
