@@ -28,7 +28,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
 from torch.utils.data import Dataset, Sampler, default_collate
 
 from etc_agent.data.order import DataPosition, SampleOrder, dp_share, share_weight
@@ -38,30 +37,17 @@ log = logging.getLogger("etc_agent.data")
 
 class StepSampler(Sampler[list[int]]):
     """The batch sampler of one data-parallel rank: its share of each step's global batch, from
-    ``first_step`` on (for ``num_steps`` steps, or without end)."""
+    ``first_step`` on, without end (the training loop decides when to stop asking)."""
 
-    def __init__(
-        self,
-        order: SampleOrder,
-        position: DataPosition,
-        first_step: int,
-        dp: int,
-        dp_rank: int,
-        num_steps: int | None = None,
-    ):
+    def __init__(self, order: SampleOrder, position: DataPosition, first_step: int, dp: int, dp_rank: int):
         self.order, self.position = order, position
-        self.first_step, self.dp, self.dp_rank, self.num_steps = first_step, dp, dp_rank, num_steps
+        self.first_step, self.dp, self.dp_rank = first_step, dp, dp_rank
 
     def __iter__(self) -> Iterator[list[int]]:
         step = self.first_step
-        while self.num_steps is None or step < self.first_step + self.num_steps:
+        while True:
             yield self.order.share(self.position.at(step), self.position.global_batch, self.dp, self.dp_rank)
             step += 1
-
-    def __len__(self) -> int:
-        if self.num_steps is None:
-            raise TypeError("an endless step sampler has no length")
-        return self.num_steps
 
 
 class ElasticData:
@@ -103,7 +89,10 @@ class ElasticData:
 
     def state_dict(self) -> dict[str, int]:
         """The position at the job's next step: what the completed steps consumed."""
-        step = self.step_now() if self.step_now is not None else (self._next_step or self.position.step)
+        if self.step_now is not None:
+            step = self.step_now()
+        else:
+            step = self._next_step if self._next_step is not None else self.position.step
         return {
             "consumed": self.position.at(step),
             "step": step,
@@ -135,9 +124,6 @@ class ElasticData:
     def samples(self, step: int) -> list[int]:
         """The global sample indices of this rank's share of ``step``."""
         return self.order.share(self.position.at(step), self.global_batch, self.dp, self.dp_rank)
-
-    def epoch(self, step: int) -> int:
-        return self.order.epoch_of(self.position.at(step))
 
     def batch(self, step: int) -> Any:
         """This rank's share of ``step``'s global batch, collated (prefetched by the loader's workers).
@@ -193,8 +179,4 @@ class ElasticData:
             pass
 
 
-def default_collate_tokens(samples: list[torch.Tensor]) -> torch.Tensor:
-    return torch.stack(samples)
-
-
-__all__ = ["ElasticData", "StepSampler", "default_collate_tokens"]
+__all__ = ["ElasticData", "StepSampler"]

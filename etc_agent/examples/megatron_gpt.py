@@ -90,30 +90,10 @@ def make_build(args: argparse.Namespace, dataset: TokenDataset | None = None):
         )
         from megatron.core.models.gpt import GPTModel
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.transformer import TransformerConfig
 
         etc_megatron.initialize_model_parallel(ctx, seed=args.seed)
         on_cpu = ctx.device.type == "cpu"
-        dtype = torch.bfloat16 if args.bf16 else torch.float32
-        config = TransformerConfig(
-            num_layers=args.layers,
-            hidden_size=args.hidden,
-            num_attention_heads=args.heads,
-            num_query_groups=args.query_groups,
-            ffn_hidden_size=args.ffn,
-            gated_linear_unit=True,
-            add_bias_linear=False,
-            normalization="RMSNorm",
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-            tensor_model_parallel_size=ctx.tp,
-            pipeline_model_parallel_size=ctx.pp,
-            pipeline_dtype=dtype,
-            params_dtype=dtype,
-            bf16=args.bf16,
-            use_cpu_initialization=on_cpu,
-            perform_initialization=not ctx.restoring,
-        )
+        config = transformer_config(args, ctx)
         model = GPTModel(
             config,
             _layer_spec(on_cpu),
@@ -148,6 +128,32 @@ def make_build(args: argparse.Namespace, dataset: TokenDataset | None = None):
         return state
 
     return build
+
+
+def transformer_config(args: argparse.Namespace, ctx):
+    """The model's shape and this layout's degrees as Megatron's ``TransformerConfig``."""
+    from megatron.core.transformer import TransformerConfig
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    return TransformerConfig(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        num_query_groups=args.query_groups,
+        ffn_hidden_size=args.ffn,
+        gated_linear_unit=True,
+        add_bias_linear=False,
+        normalization="RMSNorm",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=ctx.tp,
+        pipeline_model_parallel_size=ctx.pp,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=args.bf16,
+        use_cpu_initialization=ctx.device.type == "cpu",
+        perform_initialization=not ctx.restoring,
+    )
 
 
 def _layer_spec(on_cpu: bool):
