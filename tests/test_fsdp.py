@@ -290,6 +290,42 @@ def test_a_strided_shard_that_is_not_fsdp_over_tp_is_refused_by_name():
         _check_fsdp_over_tp("layers.0.up.weight", fake, 0, fake.placements[0])
 
 
+def cut_step_worker(rank: int, world: int) -> dict:
+    """A root-wrapped FSDP2 model after one optimizer step, then a forward with no backward (as a
+    peer's failure leaves it): the root unit keeps its parameters unsharded."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from etc_agent.worker.appstate import param_names, split_state
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(16, HIDDEN), nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, 16, bias=False))
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(model[1], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.arange(8).reshape(2, 4)
+    model(tokens).sum().backward()
+    optim.step()
+    optim.zero_grad()
+    model(tokens)  # the backward never comes
+    app = {"model": model, "optim": optim}
+    names = param_names(app)
+    named_before = sorted(names[id(p)] for p in optim.param_groups[0]["params"] if id(p) in names)
+    tensors, _ = split_state(app)
+    return {"named_before": named_before, "keys": sorted(k for k in tensors if k.startswith("optim.state."))}
+
+
+def test_a_step_cut_between_forward_and_backward_still_names_the_root_units_optimizer_state():
+    """The root's parameters (embedding, head) are unsharded after forward; the state to migrate is
+    taken from the sharded ones, so the optimizer state of every parameter keeps its name."""
+    for result in run_workers(2, cut_step_worker, timeout_s=120):
+        assert "model.0.weight" not in result["named_before"]  # the cut step's unsharded root
+        params = ["model.0.weight", "model.1.weight", "model.1.bias", "model.2.weight"]
+        expected = sorted(f"optim.state.{p}.{k}" for p in params for k in ("exp_avg", "exp_avg_sq", "step"))
+        assert result["keys"] == expected
+
+
 def context_worker(rank: int, world: int, config_text: str) -> dict:
     from datetime import timedelta
 

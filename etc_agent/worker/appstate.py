@@ -37,6 +37,7 @@ __all__ = [
     "load_state",
     "materialize_optimizer_state",
     "param_names",
+    "reshard_fsdp",
     "split_state",
     "to_json",
 ]
@@ -74,8 +75,28 @@ def hook_optimizers(
             megatron.wrap_step(obj, before_step, after_step)
 
 
+def reshard_fsdp(app: Mapping[str, Any]) -> None:
+    """Put every FSDP2 unit of the app state's modules back to its sharded parameters.
+
+    A step a peer's failure cut short can stop between forward and backward, where ``fully_shard``
+    leaves units unsharded (the root keeps its parameters unsharded after forward): the module then
+    holds plain full tensors, not the sharded parameters the optimizer's state is keyed by, and that
+    state would lose its names. ``reshard`` is local (no collective) and a no-op on a sharded unit."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for obj in app.values():
+        modules = obj if isinstance(obj, list | tuple) else [obj]
+        for module in modules:
+            if isinstance(module, nn.Module):
+                for sub in module.modules():
+                    if isinstance(sub, FSDPModule):
+                        sub.reshard()
+
+
 def split_state(app: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(tensors to migrate by key, plain values by entry name)`` of an app state."""
+    """``(tensors to migrate by key, plain values by entry name)`` of an app state; FSDP2 units are
+    resharded first (:func:`reshard_fsdp`)."""
+    reshard_fsdp(app)
     tensors: dict[str, Any] = {}
     plain: dict[str, Any] = {}
     names = param_names(app)
