@@ -63,7 +63,7 @@ class Cluster:
         self.module = module
         """The training script every worker runs (``python -m``)."""
         self.rdzv, self.nproc, self.parallel = rdzv, nproc, parallel
-        self.script_args, self.log_dir, self.echo = script_args, log_dir, echo
+        self.script_args, self.log_dir, self.echo = with_data(script_args), log_dir, echo
         self.max_nodes, self.min_nodes = max_nodes, min_nodes
         self.extra = extra or []
         self.agents: list[subprocess.Popen] = []
@@ -517,12 +517,20 @@ def run_scenario(
     }
 
 
+def with_data(script_args: list[str]) -> list[str]:
+    """The example's arguments with ``--data synthetic`` unless they name a dataset: the scenarios
+    test migrations, and the examples' own default (the pydoc dataset, with loader processes) is for
+    users; the data tests pass ``--data``."""
+    return list(script_args) if "--data" in script_args else [*script_args, "--data", "synthetic"]
+
+
 def reference_losses(
     parallel_steps: int, work: Path, extra_script_args: list[str] | None = None, module: str = "etc_agent.examples.gpt"
 ) -> tuple[dict[int, float], Path]:
     """The same training in one process (world of 1), uninterrupted. The run is deterministic: one
     with the same arguments earlier in this process (its files still there) is reused."""
-    key = (parallel_steps, tuple(extra_script_args or []), module)
+    extra_script_args = with_data(extra_script_args or [])
+    key = (parallel_steps, tuple(extra_script_args), module)
     if key in _REFERENCES and all(p.exists() for p in _REFERENCES[key]):
         loss_log, state_file = _REFERENCES[key]
         return read_losses(loss_log), state_file
@@ -607,8 +615,8 @@ def main() -> None:
     ap.add_argument(
         "--data",
         default="pydoc",
-        help="pydoc: prepare the default token dataset (scripts/prepare_data.py) and train on it with exactly-once "
-        "sampling; a dataset directory; or synthetic: the example's generated sequences.",
+        help="pydoc: the default token dataset (etc_agent.data.prepare; built once per machine), trained on with "
+        "exactly-once sampling; a dataset directory; or synthetic: the example's generated sequences.",
     )
     args = ap.parse_args()
     from rich.console import Console
@@ -622,14 +630,9 @@ def main() -> None:
         )
         extra = ["--elementwise"] if args.elementwise else []
         if args.data != "synthetic":
-            data = Path(args.data)
-            if args.data == "pydoc":
-                data = work / "pydoc"
-                subprocess.run(
-                    [sys.executable, str(ROOT / "scripts/prepare_data.py"), "--out", str(data), "--seq-len", "64"],
-                    check=True,
-                    capture_output=True,
-                )
+            from etc_agent.data.prepare import default_dataset
+
+            data = default_dataset() if args.data == "pydoc" else Path(args.data)
             extra += ["--data", str(data), "--seq", "64"]
             console.print(f"training on {data} (real tokens, every sample once through every change)")
         events = tuple(e for e in args.events.split(";") if e)

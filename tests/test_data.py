@@ -154,6 +154,28 @@ def test_data_prepare_script_builds_the_default_dataset_from_a_real_corpus(tmp_p
     assert len(text) > 50 and text.isprintable() or "\n" in text
 
 
+def _default_dataset_in(root: str) -> str:
+    from etc_agent.data.prepare import default_dataset
+
+    return str(default_dataset(Path(root)))
+
+
+def test_data_default_dataset_is_built_once_by_concurrent_callers(tmp_path):
+    """Three processes ask for the default dataset at once (a node's workers starting): one builds it
+    under the lock, the others wait and read it; a directory a killed build left (no meta.json) is
+    replaced, and nothing of the builds is left beside it."""
+    import multiprocessing
+
+    stale = tmp_path / "pydoc-bpe4096"
+    stale.mkdir()
+    (stale / "tokens.bin").write_bytes(b"\0" * 10)
+    with multiprocessing.get_context("spawn").Pool(3) as pool:
+        paths = pool.map(_default_dataset_in, [str(tmp_path)] * 3)
+    assert paths == [str(stale)] * 3
+    assert len(TokenDataset(stale)) > 1000
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".pydoc-bpe4096.lock", "pydoc-bpe4096"]
+
+
 # ---- the loader ----------------------------------------------------------------------------
 class _Indexed(torch.utils.data.Dataset):
     """Sample ``i`` is ``i``: what a batch holds is the indices it was built from."""

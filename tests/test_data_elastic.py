@@ -127,3 +127,53 @@ def test_data_every_sample_once_through_changes_with_losses_of_the_uninterrupted
     worst = max(abs(losses[s] - reference[s]) for s in range(STEPS))
     assert worst <= 1e-4, f"largest loss difference {worst:.2e}"
     assert reference[STEPS - 1] < reference[0] - 0.5, "the loss does not go down on real tokens"
+
+
+UNEVEN = {
+    # name: (example module, layout, loss tolerance); 1 worker per agent: dp 2 -> 3 (a join) -> 2 (a leave)
+    "gpt-dp": ("etc_agent.examples.gpt", "tp=1,pp=1,dp=auto"),
+    "llama-fsdp": ("etc_agent.examples.llama", "dp_shard=auto"),
+}
+
+
+@pytest.mark.parametrize("name", list(UNEVEN))
+def test_data_uneven_shares_when_dp_does_not_divide_the_global_batch_follow_the_uninterrupted_run(
+    name, pydoc_dataset, etcd_server, tmp_path
+):
+    """A global batch of 8 over dp 2, then 3 (a join: shares of 3, 3 and 2, each rank's loss
+    weighted by its share; FSDP2's average over the ranks undone), then 2 again (a leave): every
+    step's samples the global order's and every loss within 1e-4 of the one-process run's."""
+    module, parallel = UNEVEN[name]
+    global_batch, steps = 8, 14
+    num_samples = len(TokenDataset(pydoc_dataset, seq_len=32))
+    sample_log = tmp_path / "samples.jsonl"
+    model = ["--data", str(pydoc_dataset), "--seq", "32", "--global-batch", str(global_batch), "--data-workers", "1"]
+    run_id = f"uneven-{uuid.uuid4().hex[:6]}"
+    rdzv = ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id]
+    work = tmp_path / "run"
+    work.mkdir()
+    result = run_scenario(
+        parallel,
+        1,
+        steps,
+        0.05,
+        work,
+        echo=False,
+        rdzv=rdzv,
+        events=("join", "leave"),
+        extra_script_args=[*model, "--sample-log", str(sample_log)],
+        event_steps=[2, 6],
+        module=module,
+    )
+    logs = result["cluster"].tail(60)
+    assert result["codes"] == [0] * len(result["codes"]), f"agents exited {result['codes']}\n{logs}"
+    dps = [m["new_config"] for m in sorted(result["migrations"], key=lambda m: m["generation"])]
+    assert any("dp=3" in c or "dp_shard=3" in c for c in dps), dps
+    check_samples(sample_log, num_samples, global_batch, steps, logs)
+    three = [json.loads(line) for line in sample_log.read_text().splitlines()]
+    assert any(len(e["samples"]) == 2 for e in three) and any(len(e["samples"]) == 3 for e in three)
+    reference, _ = reference_losses(steps, work, model, module=module)
+    losses = result["losses"]
+    assert sorted(losses) == list(range(steps)), logs
+    worst = max(abs(losses[s] - reference[s]) for s in range(steps))
+    assert worst <= 1e-4, f"largest loss difference {worst:.2e}"

@@ -316,7 +316,7 @@ def test_sigterm_after_a_store_timeout_ends_within_30_s_with_a_clear_exit_code(t
         *("--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "etcd-v3"),
         *("--rdzv-endpoint", server.endpoint, "--rdzv-id", "sigterm", "--local-addr", "127.0.0.1"),
         *("--lease-ttl", "2", "--reconfig-delay", "0.5", "--log-format", "json"),
-        *("-m", "etc_agent.examples.gpt", "--steps", "100000", "--step-delay", "0.05"),
+        *("-m", "etc_agent.examples.gpt", "--steps", "100000", "--step-delay", "0.05", "--data", "synthetic"),
         *("--loss-log", str(losses)),
     )
     try:

@@ -4,6 +4,7 @@ optimizer state creation, and a world-of-1 run of the example through the public
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -202,17 +203,23 @@ def test_other_optimizers_get_zeroed_state_without_moving_parameters():
     assert all(not optim.state[p]["momentum_buffer"].any() for p in model.parameters())
 
 
-def test_plain_python_runs_the_example_as_a_world_of_one(tmp_path):
-    """No etcrun: `python -m etc_agent.examples.gpt` trains as one process; the loss goes down."""
-    log = tmp_path / "loss.jsonl"
+def test_plain_python_runs_the_example_on_the_default_data_as_a_world_of_one(tmp_path):
+    """No etcrun, no flags: `python -m etc_agent.examples.gpt` builds the default dataset (the pydoc
+    one, under $ETC_DATA_DIR), trains on it as one process, and the loss goes down."""
+    log, samples = tmp_path / "loss.jsonl", tmp_path / "samples.jsonl"
     proc = subprocess.run(
-        [sys.executable, "-m", "etc_agent.examples.gpt", "--steps", "12", "--loss-log", str(log)],
+        [sys.executable, "-m", "etc_agent.examples.gpt", "--steps", "12", "--loss-log", str(log)]
+        + ["--sample-log", str(samples)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
+        env={**os.environ, "ETC_DATA_DIR": str(tmp_path / "data")},
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "data" / "pydoc-bpe4096" / "meta.json").exists()
+    logged = [json.loads(line)["samples"] for line in samples.read_text().splitlines()]
+    assert len(logged) == 12 and len({i for step in logged for i in step}) == sum(map(len, logged))
     losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
     assert len(losses) == 12 and losses[-1] < losses[0]
     assert all(json.loads(line)["config"] == "tp=1,pp=1,dp=1,zero=0" for line in log.read_text().splitlines())

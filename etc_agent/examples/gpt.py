@@ -11,7 +11,10 @@
   all-gathered);
 - the global batch stays fixed when dp changes (with pp > 1 each replica accumulates
   ``global/(dp*micro)`` micro-batches; with pp = 1 its ``global/dp`` sequences are one batch), the
-  data position is the global step, the LR schedule is a carried LambdaLR.
+  LR schedule is a carried LambdaLR;
+- data: a token dataset (``--data``; by default the Python documentation, tokenized once per machine)
+  read through :class:`etc_agent.data.ElasticData`, every sample once through every change, its
+  position in the state; ``--data synthetic`` makes each step's sequences from the step number.
 
 Run it with ``etcrun --parallel tp=2,dp=auto ... -m etc_agent.examples.gpt`` or, as a world of 1,
 ``python -m etc_agent.examples.gpt``. ``--elementwise`` replaces the gradient by an elementwise
@@ -36,7 +39,8 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 import etc_agent
-from etc_agent.data import ElasticData, TokenDataset
+from etc_agent.data import ElasticData, Share, TokenDataset, dp_share
+from etc_agent.data.prepare import default_dataset
 from etc_agent.layout.boxes import balanced_range
 
 
@@ -322,17 +326,37 @@ def batch(args: argparse.Namespace, step: int, index: int) -> torch.Tensor:
     return torch.where(noise, torch.randint(args.vocab, (args.seq + 1,), generator=g), tokens)
 
 
+def replica_share(args: argparse.Namespace, config: etc_agent.ParallelConfig, dp_rank: int) -> Share:
+    """This data-parallel rank's part of the global batch. Without a pipeline a replica's part is one
+    batch, so any dp up to the global batch goes (as-even-as-possible parts, :func:`dp_share`;
+    the loss scale weights each by its size); a pipeline feeds whole micro-batches, so there dp must
+    divide the global batch's micro-batches (``ValueError`` otherwise)."""
+    if config.pp == 1:
+        return dp_share(args.global_batch, config.dp, dp_rank)
+    num_micro = args.global_batch // args.micro_batch
+    if num_micro % config.dp:
+        raise ValueError(
+            f"{config.short()}: dp={config.dp} does not divide the {num_micro} micro-batches of a step "
+            f"(--global-batch {args.global_batch}, --micro-batch {args.micro_batch}); without a pipeline any dp "
+            f"up to {args.global_batch} does"
+        )
+    per_replica = args.global_batch // config.dp
+    return Share(dp_rank * per_replica, per_replica)
+
+
 def train_step(job: etc_agent.Job, args: argparse.Namespace, step: int) -> float | None:
     """One optimizer step over the global batch; returns the global mean loss on the reporting rank."""
     ctx, model, optim, sched = job.ctx, job.state["model"], job.state["optim"], job.state["sched"]
     cfg = ctx.config
-    per_replica = args.global_batch // cfg.dp
+    share = replica_share(args, cfg, ctx.dp_rank)
     # Micro-batches feed the pipeline; without one, a replica's batch is one forward and backward
     # (the same gradient up to rounding, and a third of the tensor-parallel collectives at dp=2).
-    micro = args.micro_batch if cfg.pp > 1 else per_replica
+    micro = args.micro_batch if cfg.pp > 1 else share.count
     optim.zero_grad(set_to_none=True)
     data = job.state.get("data")
     local = data.batch(step) if data is not None else None
+    # Each sample's loss over the global batch: the dp sum of the gradients is the global batch's
+    # mean whatever each rank's share.
     loss_sum = pipeline_step(
         ctx, args, step, lambda x: model(x, cfg.tp), micro, args.seq, micro / args.global_batch, local
     )
@@ -381,12 +405,12 @@ def pipeline_step(
     hands on its rank's part of the sequence). ``local``: this rank's share of the global batch from
     the dataset (None: the synthetic sequences). Returns the summed scaled loss (zero off the last stage)."""
     cfg = ctx.config
-    per_replica = args.global_batch // cfg.dp
+    share = replica_share(args, cfg, ctx.dp_rank)
     first, last = ctx.pp_rank == 0, ctx.pp_rank == cfg.pp - 1
     shape = (micro, seq, args.hidden)
     loss_sum = torch.zeros(())
-    for mb in range(per_replica // micro):
-        lo = ctx.dp_rank * per_replica + mb * micro
+    for mb in range(share.count // micro):
+        lo = share.start + mb * micro
         if local is not None:
             data = local[mb * micro : (mb + 1) * micro]
         else:
@@ -495,26 +519,29 @@ def add_data_args(ap: argparse.ArgumentParser) -> None:
     """``--data``, ``--data-workers``, ``--sample-log`` (every example takes them)."""
     ap.add_argument(
         "--data",
-        default=None,
-        metavar="PATH",
-        help="Train on this token dataset (scripts/prepare_data.py) with exactly-once sampling; without it, "
-        "synthetic sequences made from the step number.",
+        default="pydoc",
+        metavar="PATH|pydoc|synthetic",
+        help="The token dataset to train on with exactly-once sampling: a directory scripts/prepare_data.py "
+        "wrote, or pydoc (the default: the Python documentation, tokenized once per machine under "
+        "$ETC_DATA_DIR or ~/.cache/etc_agent); synthetic: sequences made from the step number, no dataset.",
     )
-    ap.add_argument("--data-workers", type=int, default=2, help="Loader worker processes per rank (with --data).")
+    ap.add_argument("--data-workers", type=int, default=2, help="Loader worker processes per rank (with a dataset).")
     ap.add_argument(
         "--sample-log",
         default=None,
         metavar="FILE",
-        help='With --data: one JSON line per step and data-parallel rank, {"step", "generation", "dp_rank", '
+        help='With a dataset: one JSON line per step and data-parallel rank, {"step", "generation", "dp_rank", '
         '"samples"} (the global sample indices it trained on).',
     )
 
 
 def open_dataset(args: argparse.Namespace) -> TokenDataset | None:
-    """``--data``'s dataset, checked before any state is built; the model's vocabulary becomes its."""
-    if not args.data:
+    """``--data``'s dataset (None: synthetic), checked before any state is built; the model's
+    vocabulary becomes its."""
+    if args.data == "synthetic":
         return None
-    dataset = TokenDataset(args.data, seq_len=args.seq)
+    path = default_dataset() if args.data == "pydoc" else args.data
+    dataset = TokenDataset(path, seq_len=args.seq)
     args.vocab = dataset.vocab_size
     return dataset
 
@@ -544,15 +571,13 @@ def slowed(slow_file: str | None, step: int) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    micro_total = args.global_batch // args.micro_batch
     if args.global_batch % args.micro_batch:
         raise ValueError("--global-batch must be a multiple of --micro-batch")
     dataset = open_dataset(args)
     job = etc_agent.init(parallel=args.parallel)
     job.start(make_build(args, dataset))
     for step in job.steps(args.steps if args.stop_at is None else min(args.stop_at, args.steps)):
-        if micro_total % job.ctx.config.dp:
-            raise ValueError(f"dp={job.ctx.config.dp} does not divide the {micro_total} micro-batches of a step")
+        replica_share(args, job.ctx.config, job.ctx.dp_rank)  # a layout that cannot share the batch: one line
         started = time.perf_counter()
         if args.elementwise:
             elementwise_step(job)

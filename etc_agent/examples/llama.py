@@ -14,8 +14,9 @@ API with PyTorch's own parallelism, structured as torchtitan parallelises its Ll
 - pipeline parallel: layers split into ``pp`` contiguous stages, activations and their gradients
   sent between stages one micro-batch at a time (as in :mod:`etc_agent.examples.gpt`), or with
   ``--pipeline-schedule gpipe|1f1b`` under ``torch.distributed.pipelining``'s schedules;
-- the global batch is fixed whatever the layout, the data position is the global step, the LR
-  schedule (warmup + cosine) is a carried ``LambdaLR``, the optimizer ``torch.optim.AdamW``.
+- the global batch is fixed whatever the layout; the data a token dataset read exactly once through
+  every change (``--data``, as in :mod:`etc_agent.examples.gpt`); the LR schedule (warmup + cosine)
+  is a carried ``LambdaLR``, the optimizer ``torch.optim.AdamW``.
 
 ``etcrun --nproc-per-node 4 --parallel dp_shard=auto -m etc_agent.examples.llama`` trains it with
 FSDP2 over 4 workers; membership changes and ``etc-agent reconfigure`` move the sharded parameters
@@ -49,6 +50,7 @@ from etc_agent.examples.gpt import (
     pace,
     pipeline_step,
     reduce_gradients,
+    replica_share,
     report_step,
     stage_layers,
 )
@@ -244,11 +246,13 @@ def train_step(job: etc_agent.Job, args: argparse.Namespace, step: int) -> float
     """One optimizer step over the global batch; the global mean loss on the reporting rank."""
     ctx, model, optim, sched = job.ctx, job.state["model"], job.state["optim"], job.state["sched"]
     cfg = ctx.config
-    per_replica = args.global_batch // cfg.dp
-    micro = args.micro_batch if cfg.pp > 1 else per_replica
+    share = replica_share(args, cfg, ctx.dp_rank)
+    micro = args.micro_batch if cfg.pp > 1 else share.count
     fsdp = cfg.dp_shard > 1
-    # FSDP2 averages gradients over the data-parallel ranks; the flat all-reduce below sums them.
-    scale = micro / per_replica if fsdp else micro / args.global_batch
+    # Each sample's loss over the global batch; FSDP2 averages gradients over the data-parallel
+    # ranks (times dp undoes it), the flat all-reduce below sums them. Either way the gradient is
+    # the global batch's mean whatever each rank's share.
+    scale = micro * cfg.dp / args.global_batch if fsdp else micro / args.global_batch
     # With sequence parallel a stage hands on its rank's part of the sequence.
     seq = args.seq // cfg.tp if args.sequence_parallel else args.seq
     optim.zero_grad(set_to_none=True)
@@ -278,8 +282,8 @@ def scheduled_step(
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     cfg = ctx.config
-    per_replica = args.global_batch // cfg.dp
-    num_micro = per_replica // micro
+    share = replica_share(args, cfg, ctx.dp_rank)
+    num_micro = share.count // micro
     first, last = ctx.pp_rank == 0, ctx.pp_rank == cfg.pp - 1
     # Made at the stage's first step and kept on it: the schedule goes (with its hold on the pp
     # group) when a switch drops the module, as a new layout builds a new one.
@@ -295,8 +299,8 @@ def scheduled_step(
         kind = ScheduleGPipe if args.pipeline_schedule == "gpipe" else Schedule1F1B
         schedule = kind(stage, num_micro, loss_fn=loss_fn)
         setattr(model, "_pipeline_schedule", schedule)  # noqa: B010 - kept on the module: a switch drops it
-    lo = ctx.dp_rank * per_replica
-    data = local if local is not None else torch.stack([batch(args, step, i) for i in range(lo, lo + per_replica)])
+    lo, count = share.start, share.count
+    data = local if local is not None else torch.stack([batch(args, step, i) for i in range(lo, lo + count)])
     inputs, targets = data[:, :-1], data[:, 1:]
     losses: list[torch.Tensor] = []
     if first:
@@ -305,7 +309,7 @@ def scheduled_step(
         schedule.step(target=targets, losses=losses)
     else:
         schedule.step()
-    return (sum(loss.detach() for loss in losses) / num_micro) if losses else torch.zeros(())
+    return torch.stack([loss.detach() for loss in losses]).sum() / num_micro if losses else torch.zeros(())
 
 
 def elementwise_step(job: etc_agent.Job) -> None:
@@ -361,9 +365,7 @@ def main(argv: list[str] | None = None) -> None:
     job = etc_agent.init(parallel=args.parallel)
     job.start(make_build(args, dataset))
     for step in job.steps(args.steps):
-        cfg = job.ctx.config
-        if args.global_batch % cfg.dp or (args.global_batch // cfg.dp) % (args.micro_batch if cfg.pp > 1 else 1):
-            raise ValueError(f"{cfg.short()} does not divide the global batch of {args.global_batch}")
+        replica_share(args, job.ctx.config, job.ctx.dp_rank)  # a layout that cannot share the batch: one line
         started = time.perf_counter()
         if args.elementwise:
             elementwise_step(job)

@@ -6,7 +6,8 @@ layout it is given and returns the model chunks and the Megatron optimizer in th
 ``etc_agent`` describes them through their ``sharded_state_dict`` and the optimizer's ranges.
 
 The global batch stays fixed when dp changes (``global_batch / (dp * micro_batch)`` micro-batches per
-replica through Megatron's pipeline schedule), the data of a step depends on the global step only.
+replica through Megatron's pipeline schedule); the data is a token dataset read exactly once through
+every change (``--data``, as in :mod:`etc_agent.examples.gpt`).
 
 Run with ``etcrun --parallel tp=2,pp=1,dp=auto ... -m etc_agent.examples.megatron_gpt`` (a world of 1:
 ``python -m etc_agent.examples.megatron_gpt``). Without CUDA it runs Megatron on the CPU
