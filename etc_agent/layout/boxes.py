@@ -131,3 +131,61 @@ def overlap_volumes(a_off: np.ndarray, a_len: np.ndarray, b_off: np.ndarray, b_l
     hi = np.minimum((a_off + a_len)[:, None, :], (b_off + b_len)[None, :, :])
     volumes: np.ndarray = np.clip(hi - lo, 0, None).prod(axis=-1, dtype=np.int64)
     return volumes
+
+
+DENSE_OVERLAP_CELLS = 1 << 16
+"""Below this many box pairs, :func:`overlapping_pairs` compares every pair (cheaper than sorting)."""
+
+
+def overlapping_pairs(
+    a_off: np.ndarray, a_len: np.ndarray, b_off: np.ndarray, b_len: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The pairs of boxes that intersect, ``(i, j, volume)`` with ``volume > 0``, ordered by ``(i, j)``.
+
+    Near-linear in the boxes and the pairs found, for the boxes layouts make: along the dimension
+    where ``b``'s boxes start at the most distinct offsets, ``b`` sorted by start also ends in order
+    (a partition of that dimension, or copies of one), so each box of ``a`` meets a contiguous run
+    of ``b``, found by binary search; only those candidates are compared in every dimension. Boxes
+    that nest along that dimension fall back to comparing blocks of pairs."""
+    num_a, num_b = len(a_off), len(b_off)
+    empty = np.empty(0, dtype=np.int64)
+    if not num_a or not num_b:
+        return empty, empty, empty
+    if num_a * num_b <= DENSE_OVERLAP_CELLS or a_off.shape[1] == 0:
+        volumes = overlap_volumes(a_off, a_len, b_off, b_len)
+        i, j = np.nonzero(volumes)
+        return i.astype(np.int64), j.astype(np.int64), volumes[i, j]
+    dim = int(np.argmax([len(np.unique(b_off[:, k])) for k in range(b_off.shape[1])]))
+    order = np.lexsort((b_off[:, dim] + b_len[:, dim], b_off[:, dim]))
+    lo, hi = b_off[order, dim], (b_off + b_len)[order, dim]
+    if len(hi) > 1 and (np.diff(hi) < 0).any():
+        return _overlapping_pairs_blocked(a_off, a_len, b_off, b_len)
+    a_lo, a_hi = a_off[:, dim], a_off[:, dim] + a_len[:, dim]
+    first = np.searchsorted(hi, a_lo, side="right")
+    stop = np.searchsorted(lo, a_hi, side="left")
+    counts = np.clip(stop - first, 0, None)
+    i = np.repeat(np.arange(num_a, dtype=np.int64), counts)
+    within = np.arange(len(i), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    j = order[np.repeat(first, counts) + within]
+    inter_lo = np.maximum(a_off[i], b_off[j])
+    inter_hi = np.minimum(a_off[i] + a_len[i], b_off[j] + b_len[j])
+    volumes = np.clip(inter_hi - inter_lo, 0, None).prod(axis=1, dtype=np.int64)
+    keep = volumes > 0
+    i, j, volumes = i[keep], j[keep], volumes[keep]
+    by_pair = np.lexsort((j, i))
+    return i[by_pair], j[by_pair], volumes[by_pair]
+
+
+def _overlapping_pairs_blocked(
+    a_off: np.ndarray, a_len: np.ndarray, b_off: np.ndarray, b_len: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`overlapping_pairs` by comparing every pair, a block of ``a`` at a time (bounded memory)."""
+    step = max(1, DENSE_OVERLAP_CELLS * 16 // max(1, len(b_off)))
+    parts_i, parts_j, parts_v = [], [], []
+    for start in range(0, len(a_off), step):
+        volumes = overlap_volumes(a_off[start : start + step], a_len[start : start + step], b_off, b_len)
+        i, j = np.nonzero(volumes)
+        parts_i.append(i.astype(np.int64) + start)
+        parts_j.append(j.astype(np.int64))
+        parts_v.append(volumes[i, j])
+    return np.concatenate(parts_i), np.concatenate(parts_j), np.concatenate(parts_v)

@@ -20,7 +20,7 @@ from math import prod
 
 import numpy as np
 
-from etc_agent.layout.boxes import Box, flat_range_pieces, overlap_volumes
+from etc_agent.layout.boxes import Box, flat_range_pieces, overlap_volumes, overlapping_pairs
 from etc_agent.layout.model import DTYPE_BYTES, canonical_dtype
 
 
@@ -124,9 +124,8 @@ class Geometry:
     @property
     def disjoint(self) -> bool:
         if self._disjoint is None:
-            ov = overlap_volumes(self.piece_off, self.piece_len, self.piece_off, self.piece_len)
-            np.fill_diagonal(ov, 0)
-            self._disjoint = not ov.any()
+            i, j, _ = overlapping_pairs(self.piece_off, self.piece_len, self.piece_off, self.piece_len)
+            self._disjoint = bool((i == j).all())
         return self._disjoint
 
     def pieces_of(self, shard: int) -> list[Box]:

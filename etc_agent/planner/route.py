@@ -91,14 +91,14 @@ class _Router:
             return
         po = self.old.placements[g.old_placement]
         geo_old, geo_new = po.geometry, pn.geometry
-        overlap = self.overlaps.between(geo_old, geo_new)
+        overlap = self.overlaps.pairs(geo_old, geo_new).old_of_new
         held: dict[int, list[int]] = defaultdict(list)
         holders: dict[int, list[int]] = defaultdict(list)
         for r, a in zip(po.entry_rank.tolist(), po.entry_shard.tolist()):
             held[r].append(a)
             if self.universe.old_rank_alive[r]:
                 holders[a].append(int(self.universe.old_rank_dev[r]))
-        available = tuple(sorted(holders))
+        available = frozenset(holders)
         for j, b in zip(pn.entry_rank.tolist(), pn.entry_shard.tolist()):
             d = int(self.assignment[j])
             old_rank = self.rank_at_dev.get(d)
@@ -110,23 +110,27 @@ class _Router:
         self,
         geo_old: Geometry,
         geo_new: Geometry,
-        overlap: np.ndarray,
+        overlap: list[frozenset[int]],
         b: int,
         d: int,
         resident: tuple[int, ...],
-        available: tuple[int, ...],
+        available: frozenset[int],
         holders: dict[int, list[int]],
     ) -> Partition:
-        """New shard ``b`` on device ``d``, split by where its boxes come from."""
+        """New shard ``b`` on device ``d``, split by where its boxes come from. Only the old shards
+        that share elements with ``b`` and have a live holder are candidates."""
+        candidates = overlap[b] & available
         if geo_old.disjoint:
             # Disjoint old shards: each box has one possible old shard, so the split does not depend
             # on the device and is shared by every device with the same resident shards.
-            key = (geo_old.fingerprint, geo_new.fingerprint, b, resident, available)
+            key = (geo_old.fingerprint, geo_new.fingerprint, b, resident, candidates)
             part = self.partitions.get(key)
             if part is None:
-                part = self.partitions[key] = _partition(geo_old, geo_new, overlap, b, resident, available)
+                part = self.partitions[key] = _partition(
+                    geo_old, geo_new, overlap, b, resident, tuple(sorted(candidates))
+                )
             return part
-        order = sorted(available, key=lambda a: (min(self.universe.distance(h, d) for h in holders[a]), a))
+        order = sorted(candidates, key=lambda a: (min(self.universe.distance(h, d) for h in holders[a]), a))
         return _partition(geo_old, geo_new, overlap, b, resident, tuple(order))
 
     def _record(self, gi: int, g: KeyGroup, d: int, part: Partition, holders: dict[int, list[int]]) -> None:
@@ -153,18 +157,20 @@ class _Router:
 def _partition(
     geo_old: Geometry,
     geo_new: Geometry,
-    overlap: np.ndarray,
+    overlap: list[frozenset[int]],
     b: int,
     resident: tuple[int, ...],
     candidates: tuple[int, ...],
 ) -> Partition:
-    """Split new shard ``b`` into resident boxes, ``(old shard, box)`` to fetch, and boxes nobody has."""
+    """Split new shard ``b`` into resident boxes, ``(old shard, box)`` to fetch, and boxes nobody has.
+    ``overlap[b]``: the old shards that share elements with ``b``."""
+    sharing = overlap[b]
     local: list[Box] = []
     remaining: list[Box] = []
     for piece in geo_new.pieces_of(b):
         rest = [piece]
         for a in resident:
-            if not overlap[a, b]:
+            if a not in sharing:
                 continue
             for held in geo_old.pieces_of(a):
                 rest = _carve(rest, held, lambda box: local.append(box))
@@ -174,7 +180,7 @@ def _partition(
     for a in candidates:
         if not remaining:
             break
-        if a in resident_set or not overlap[a, b]:
+        if a in resident_set or a not in sharing:
             continue
 
         def take(box: Box, a: int = a) -> None:

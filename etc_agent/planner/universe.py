@@ -7,8 +7,12 @@ memoises how many elements each old shard shares with each new shard of a pair o
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import numpy as np
 
+from etc_agent.layout.boxes import overlapping_pairs
 from etc_agent.layout.devices import Device
 from etc_agent.layout.shards import Geometry
 
@@ -40,35 +44,58 @@ class Universe:
         return 1 if self.node_of[src] == self.node_of[dst] else 2
 
 
+@dataclasses.dataclass(frozen=True)
+class OverlapPairs:
+    """The (old distinct shard, new distinct shard) pairs of two geometries that share elements, as
+    columns ordered by ``(old, new)``: ``old[k]`` and ``new[k]`` share ``numel[k] > 0`` elements."""
+
+    old: np.ndarray
+    new: np.ndarray
+    numel: np.ndarray
+    num_old: int
+    num_new: int
+
+    def dense(self) -> np.ndarray:
+        """``out[i, j]``: elements old shard ``i`` shares with new shard ``j`` (small geometries only)."""
+        out = np.zeros((self.num_old, self.num_new), dtype=np.int64)
+        out[self.old, self.new] = self.numel
+        return out
+
+    @functools.cached_property
+    def old_of_new(self) -> list[frozenset[int]]:
+        """For each new shard, the old shards it shares elements with."""
+        by_new: list[set[int]] = [set() for _ in range(self.num_new)]
+        for i, j in zip(self.old.tolist(), self.new.tolist()):
+            by_new[j].add(i)
+        return [frozenset(s) for s in by_new]
+
+
 class ShardOverlaps:
     """Elements shared by every (old distinct shard, new distinct shard) pair, per pair of geometries."""
 
     def __init__(self) -> None:
-        self._cache: dict[tuple[str, str], np.ndarray] = {}
+        self._pairs: dict[tuple[str, str], OverlapPairs] = {}
+        self._dense: dict[tuple[str, str], np.ndarray] = {}
+
+    def pairs(self, a: Geometry, b: Geometry) -> OverlapPairs:
+        """The overlapping (old, new) shard pairs of ``a`` and ``b``: near-linear in the pieces and the
+        pairs (:func:`etc_agent.layout.boxes.overlapping_pairs`)."""
+        key = (a.fingerprint, b.fingerprint)
+        if key not in self._pairs:
+            pi, pj, volume = overlapping_pairs(a.piece_off, a.piece_len, b.piece_off, b.piece_len)
+            si, sj = a.piece_shard[pi], b.piece_shard[pj]
+            combined = si * b.num_shards + sj
+            unique, inverse = np.unique(combined, return_inverse=True)
+            numel = np.bincount(inverse, weights=volume, minlength=len(unique)).astype(np.int64)
+            self._pairs[key] = OverlapPairs(
+                unique // max(1, b.num_shards), unique % max(1, b.num_shards), numel, a.num_shards, b.num_shards
+            )
+        return self._pairs[key]
 
     def between(self, a: Geometry, b: Geometry) -> np.ndarray:
-        """``out[i, j]``: elements old shard ``i`` of ``a`` shares with new shard ``j`` of ``b``."""
+        """``out[i, j]``: elements old shard ``i`` of ``a`` shares with new shard ``j`` of ``b`` (dense:
+        for the planner's exact placement on small layouts)."""
         key = (a.fingerprint, b.fingerprint)
-        if key not in self._cache:
-            out = np.zeros((a.num_shards, b.num_shards), dtype=np.int64)
-            if len(a.piece_shard) and len(b.piece_shard):
-                lo = np.maximum(a.piece_off[:, None, :], b.piece_off[None, :, :])
-                hi = np.minimum((a.piece_off + a.piece_len)[:, None, :], (b.piece_off + b.piece_len)[None, :, :])
-                ov = np.clip(hi - lo, 0, None).prod(axis=-1, dtype=np.int64)
-                rows = _reduce_sorted(ov, a.piece_shard, a.num_shards, axis=0)
-                out = _reduce_sorted(rows, b.piece_shard, b.num_shards, axis=1)
-            self._cache[key] = out
-        return self._cache[key]
-
-
-def _reduce_sorted(values: np.ndarray, owner: np.ndarray, num: int, axis: int) -> np.ndarray:
-    """Sum ``values`` along ``axis`` by ``owner`` (sorted ascending) into ``num`` buckets."""
-    starts = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]])
-    summed = np.add.reduceat(values, starts, axis=axis)
-    shape = list(values.shape)
-    shape[axis] = num
-    out = np.zeros(shape, dtype=np.int64)
-    index: list[slice | np.ndarray] = [slice(None)] * values.ndim
-    index[axis] = owner[starts]
-    out[tuple(index)] = summed
-    return out
+        if key not in self._dense:
+            self._dense[key] = self.pairs(a, b).dense()
+        return self._dense[key]
