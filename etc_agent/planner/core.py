@@ -40,7 +40,9 @@ from etc_agent.planner.assign import assign_ranks, lsa
 from etc_agent.planner.bandwidth import BandwidthModel
 from etc_agent.planner.cost import cost_matrices
 from etc_agent.planner.domains import failure_domains, replica_sets, single_domain_weight
+from etc_agent.planner.matching import assign_sparse
 from etc_agent.planner.plan import KeyGroup, LocalCopy, MigrationPlan, Restore, Transfer
+from etc_agent.planner.residency import Residency, residency
 from etc_agent.planner.route import Routes, route
 from etc_agent.planner.schedule import ScheduledMessage, schedule
 from etc_agent.planner.universe import ShardOverlaps, Universe
@@ -70,6 +72,13 @@ class PlannerOptions(BaseModel):
         description="fast: fewest bytes moved first, failure domains (bytes whose every copy sits in one node) only break "
         "ties (the default of etcrun and `etc-agent plan`); resilient: fewest single-domain bytes first, then fewest bytes "
         "moved (--placement resilient).",
+    )
+    exact_placement_max_cells: int = Field(
+        1 << 22,
+        ge=0,
+        description="Where new devices x new ranks is at most this, placement builds the dense cost matrices and "
+        "solves exactly (steps 2-3); above it, it works on the sparse residency and a matching over candidate pairs "
+        "(residency.py, matching.py: near-linear in the devices), and the plan's lower_bound_bytes shows the gap.",
     )
     restore_lost: bool = Field(
         False,
@@ -230,8 +239,13 @@ class _Planner:
         from etc_agent.planner.validate import validate_plan
 
         groups, dropped = self._groups()
-        need, not_on_device, not_on_node = cost_matrices(self.old, self.new, groups, self.universe, self.overlaps)
-        placement = self._place(need, not_on_device, not_on_node, fixed_assignment)
+        if self._exact():
+            need, not_on_device, not_on_node = cost_matrices(self.old, self.new, groups, self.universe, self.overlaps)
+            placement = self._place(need, not_on_device, not_on_node, fixed_assignment)
+        else:
+            res = residency(self.old, self.new, groups, self.universe, self.overlaps)
+            need = res.need
+            placement = self._place_at_scale(res, fixed_assignment)
         routes = route(
             self.old,
             self.new,
@@ -290,6 +304,30 @@ class _Planner:
         return groups, dropped
 
     # ---- step 3: placement -----------------------------------------------------------
+    def _exact(self) -> bool:
+        """Dense and exact, or sparse (see :class:`PlannerOptions`); the resilient placement is dense only."""
+        cells = self.universe.num_dev * self.new.num_ranks
+        return cells <= self.options.exact_placement_max_cells or self.options.placement == "resilient"
+
+    def _place_at_scale(self, res: Residency, fixed_assignment: Sequence[Device] | None) -> _Placement:
+        if fixed_assignment is not None:
+            assignment = self._fixed_placement(fixed_assignment)
+        else:
+            assignment = assign_sparse(res, self.universe.node_of[: self.universe.num_dev], self.tp)
+        ranks = np.arange(self.new.num_ranks)
+        need_total = int(res.need.sum())
+        moved = need_total - int(res.resident(assignment, ranks).sum())
+        naive = need_total - int(res.resident(ranks, ranks).sum())
+        naive_nodes = self.universe.node_of[: self.new.num_ranks].reshape(-1, self.tp)
+        if fixed_assignment is None and naive < moved and (naive_nodes == naive_nodes[:, :1]).all():
+            assignment, moved = ranks.copy(), naive
+        return _Placement(
+            assignment=assignment,
+            predicted_moved=moved,
+            naive_moved=naive,
+            lower_bound=None if fixed_assignment is not None else need_total - res.best_bytes_bound(),
+        )
+
     def _place(
         self,
         need: np.ndarray,

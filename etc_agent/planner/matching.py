@@ -1,0 +1,376 @@
+"""Step 3 of the planner at scale: new ranks onto devices by a maximum-weight matching over the
+candidate pairs of a :class:`Residency`, every TP group inside one node.
+
+Units are the new TP groups (``tp`` consecutive ranks; a rank alone when ``tp == 1``), bins the nodes
+(a device each when ``tp == 1``), a bin holding ``devices // tp`` units. A candidate (unit, bin) pair
+is worth the bytes the unit's ranks find in place when placed on the bin's devices at their best
+(a small exact assignment per pair, skipped where each rank's best device differs). A sparse
+maximum-weight matching of units onto bin slots (``scipy.sparse.csgraph``; each unit may also take
+a slot worth nothing) chooses; the units left over fill the free slots in order. Bins that took
+several units place their ranks jointly. Work and memory grow with the candidates, not with
+devices x ranks; the result is exact where the candidates hold an optimal placement (a class block
+offers each rank several devices of the class, see :meth:`Residency.candidates`), and the plan
+reports its gap to a bound otherwise (``MigrationPlan.lower_bound_bytes``).
+
+Deterministic: the same input gives the same placement in every process.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from etc_agent.planner.residency import Residency
+
+COMPONENT_CELLS = 1 << 22
+"""The largest units x slots matrix one component is solved exactly with; above it, candidates."""
+MAX_IMPROVE_PASSES = 4
+"""Passes of :func:`_improve_shared_bins` over the bins that hold several units."""
+MAX_ROUNDS = 3
+"""Matchings after the first, each offering short ranks more devices (see :func:`assign_sparse`)."""
+SHORT_RANK_DEVICES = 64
+"""Devices of each class block offered to a short rank in the first extra round."""
+UNMATCHED_WEIGHT = 1e-3
+"""The weight of a unit's own "nothing in place" column: below any byte kept, above no edge at all."""
+
+
+def assign_sparse(res: Residency, node_of_dev: np.ndarray, tp: int) -> np.ndarray:
+    """Device index of every new rank, maximising the bytes kept in place (``ValueError`` when the
+    TP groups do not fit in the nodes).
+
+    A rank may end short of a class block it could have had because the few devices of the class
+    it was offered went to ranks with pairs of their own: then the short ranks are offered many
+    more devices of their classes (:data:`SHORT_RANK_DEVICES`, doubling each round) and the
+    matching runs again (kept only if it keeps more bytes), up to :data:`MAX_ROUNDS` times."""
+    num_dev, num_ranks = len(node_of_dev), res.num_ranks
+    if num_ranks > num_dev:
+        raise ValueError(f"{num_ranks} ranks do not fit on {num_dev} devices")
+    by_components = _solve_by_components(res, node_of_dev, tp)
+    if by_components is not None:
+        return by_components
+    ranks = np.arange(num_ranks)
+    dev, rank = res.candidates()
+    assignment = _solve(res, dev, rank, node_of_dev, tp)
+    kept = res.resident(assignment, ranks)
+    best_block = res.best_block_bytes()
+    for round_ in range(MAX_ROUNDS):
+        short = kept < best_block
+        if not short.any():
+            break
+        more_dev, more_rank = res.candidates(per_block=SHORT_RANK_DEVICES << round_, ranks=short)
+        merged = np.unique(np.concatenate([dev * num_ranks + rank, more_dev * num_ranks + more_rank]))
+        if len(merged) == len(dev):
+            break
+        dev, rank = merged // num_ranks, merged % num_ranks
+        candidate = _solve(res, dev, rank, node_of_dev, tp)
+        candidate_kept = res.resident(candidate, ranks)
+        if candidate_kept.sum() <= kept.sum():
+            break
+        assignment, kept = candidate, candidate_kept
+    return assignment
+
+
+def _solve(res: Residency, dev: np.ndarray, rank: np.ndarray, node_of_dev: np.ndarray, tp: int) -> np.ndarray:
+    """One matching over the candidate pairs ``(dev, rank)``."""
+    num_dev, num_ranks = len(node_of_dev), res.num_ranks
+    gain = res.resident(dev, rank)
+    keep = gain > 0
+    dev, rank, gain = dev[keep], rank[keep], gain[keep]
+    if tp == 1:
+        slot_of_unit = _match(rank, dev, gain.astype(np.float64), num_ranks, num_dev)
+        return _fill(slot_of_unit, np.arange(num_dev), num_dev)
+    nodes, node_index = np.unique(node_of_dev, return_inverse=True)
+    node_devices = [np.flatnonzero(node_index == n) for n in range(len(nodes))]
+    capacity = np.array([len(d) // tp for d in node_devices], dtype=np.int64)
+    num_units = num_ranks // tp
+    if capacity.sum() < num_units:
+        sizes = ", ".join(str(len(d)) for d in node_devices)
+        raise ValueError(
+            f"{num_units} TP groups of {tp} devices do not fit in nodes of {sizes} devices (a TP group must stay in one node)"
+        )
+    pairs = np.unique((rank // tp) * len(nodes) + node_index[dev])
+    unit, node = pairs // len(nodes), pairs % len(nodes)
+    pair_gain = _pair_gains(res, unit, node, node_devices, tp)
+    slot_start = np.cumsum(capacity) - capacity
+    # Each (unit, node) pair may take any of the node's slots.
+    per = capacity[node]
+    row = np.repeat(np.arange(len(unit)), per)
+    slot = slot_start[node[row]] + (np.arange(len(row)) - np.repeat(np.cumsum(per) - per, per))
+    slot_of_unit = _match(unit[row], slot, pair_gain[row], num_units, int(capacity.sum()))
+    slot_node = np.repeat(np.arange(len(nodes)), capacity)
+    node_of_unit = slot_node[_fill(slot_of_unit, np.arange(len(slot_node)), len(slot_node))]
+    assignment = np.full(num_ranks, -1, dtype=np.int64)
+    for n in np.unique(node_of_unit).tolist():
+        units = np.flatnonzero(node_of_unit == n)
+        ranks = (units[:, None] * tp + np.arange(tp)[None, :]).ravel()
+        assignment[ranks] = _place_in_node(res, ranks, node_devices[n])
+    assert (assignment >= 0).all() and len(np.unique(assignment)) == num_ranks
+    return assignment
+
+
+def _bins(node_of_dev: np.ndarray, tp: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """The devices of each bin (a node; a device when ``tp == 1``) and how many units each takes;
+    ``ValueError`` when the TP groups do not fit."""
+    if tp == 1:
+        return [np.array([d]) for d in range(len(node_of_dev))], np.ones(len(node_of_dev), dtype=np.int64)
+    _, node_index = np.unique(node_of_dev, return_inverse=True)
+    devices = [np.flatnonzero(node_index == n) for n in range(int(node_index.max()) + 1)]
+    return devices, np.array([len(d) // tp for d in devices], dtype=np.int64)
+
+
+def _solve_by_components(res: Residency, node_of_dev: np.ndarray, tp: int) -> np.ndarray | None:
+    """The exact placement of the units onto the bins, one connected component at a time.
+
+    Units (bins) whose ranks (devices) have the same classes in the same order (as a multiset) are
+    worth the same to each other wherever no sparse pair touches them, so a component's matrix is
+    filled from a small matrix of class values (each an exact in-node assignment of one
+    representative pair) and the cells sparse pairs touch are worked out alone. Components link
+    the classes that share bytes. None when a component's matrix would exceed
+    :data:`COMPONENT_CELLS` (the candidate matching takes over)."""
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import connected_components
+
+    num_ranks = res.num_ranks
+    bin_devices, capacity = _bins(node_of_dev, tp)
+    num_units = num_ranks // tp
+    if capacity.sum() < num_units:
+        sizes = ", ".join(str(len(d)) for d in bin_devices)
+        raise ValueError(
+            f"{num_units} TP groups of {tp} devices do not fit in nodes of {sizes} devices (a TP group must stay in one node)"
+        )
+    width = max(len(d) for d in bin_devices)
+    bin_sig = np.full((len(bin_devices), width + 1), -2, dtype=np.int64)
+    for b, devices in enumerate(bin_devices):
+        bin_sig[b, : len(devices)] = np.sort(res.dev_class[devices])
+        bin_sig[b, width] = len(devices)
+    bin_classes, bin_class = np.unique(bin_sig, axis=0, return_inverse=True)
+    unit_ranks = np.arange(num_ranks).reshape(num_units, tp)
+    unit_classes, unit_class = np.unique(res.rank_class[unit_ranks], axis=0, return_inverse=True)
+    bin_class, unit_class = bin_class.ravel(), unit_class.ravel()
+    first_bin = np.unique(bin_class, return_index=True)[1]
+    # Class pairs that share a block, valued by one representative pair each.
+    holds = {(bc, int(c)) for bc in range(len(bin_classes)) for c in set(bin_classes[bc, :width].tolist()) if c >= 0}
+    wants = {(uc, int(k)) for uc in range(len(unit_classes)) for k in set(unit_classes[uc].tolist())}
+    blocks = set(
+        zip(
+            (res.block_key // max(1, res.num_rank_classes)).tolist(),
+            (res.block_key % max(1, res.num_rank_classes)).tolist(),
+        )
+    )
+    bins_of_class: dict[int, list[int]] = {}
+    for bc, c in holds:
+        bins_of_class.setdefault(c, []).append(bc)
+    units_of_class: dict[int, list[int]] = {}
+    for uc, k in wants:
+        units_of_class.setdefault(k, []).append(uc)
+    class_pairs = sorted(
+        {(uc, bc) for c, k in blocks for bc in bins_of_class.get(c, ()) for uc in units_of_class.get(k, ())}
+    )
+    value = np.zeros((len(unit_classes), len(bin_classes)), dtype=np.float64)
+    for uc, bc in class_pairs:
+        devices = bin_devices[int(first_bin[bc])]
+        block = res.block_resident(
+            np.tile(res.dev_class[devices], tp), np.repeat(unit_classes[uc], len(devices))
+        ).reshape(tp, len(devices))
+        value[uc, bc] = _best_in_node(block)
+    # The cells sparse pairs touch, each worked out alone.
+    pair_dev, pair_rank = res.pair_key // max(1, num_ranks), res.pair_key % max(1, num_ranks)
+    bin_of_dev = np.empty(len(node_of_dev), dtype=np.int64)
+    for b, devices in enumerate(bin_devices):
+        bin_of_dev[devices] = b
+    touched = np.unique((pair_rank // tp) * len(bin_devices) + bin_of_dev[pair_dev])
+    touched_unit, touched_bin = touched // len(bin_devices), touched % len(bin_devices)
+    touched_gain = np.array(
+        [
+            _best_in_node(_block(res, unit_ranks[u], bin_devices[b]))
+            for u, b in zip(touched_unit.tolist(), touched_bin.tolist())
+        ]
+    )
+    # Components over the classes (units first, then bins).
+    num_uc = len(unit_classes)
+    edges = [(uc, num_uc + bc) for uc, bc in class_pairs if value[uc, bc] > 0]
+    edges += list(zip(unit_class[touched_unit].tolist(), (num_uc + bin_class[touched_bin]).tolist()))
+    size = num_uc + len(bin_classes)
+    if edges:
+        a, b = np.array(edges).T
+        graph = coo_matrix((np.ones(len(a)), (a, b)), shape=(size, size))
+    else:
+        graph = coo_matrix((size, size))
+    _, component = connected_components(graph, directed=False)
+    unit_comp, bin_comp = component[unit_class], component[num_uc + bin_class]
+    slot_bin = np.repeat(np.arange(len(bin_devices)), capacity)
+    slot_of_unit = np.full(num_units, -1, dtype=np.int64)
+    touched_by_pair = dict(zip(zip(touched_unit.tolist(), touched_bin.tolist()), touched_gain.tolist()))
+    for comp in np.unique(unit_comp).tolist():
+        units = np.flatnonzero(unit_comp == comp)
+        slots = np.flatnonzero(bin_comp[slot_bin] == comp)
+        if not len(slots) or not value[unit_class[units]][:, bin_class[slot_bin[slots]]].any() and not touched_by_pair:
+            continue
+        if len(units) * len(slots) > COMPONENT_CELLS:
+            return None
+        matrix = value[unit_class[units]][:, bin_class[slot_bin[slots]]]
+        unit_pos = {int(u): i for i, u in enumerate(units)}
+        slot_pos: dict[int, list[int]] = {}
+        for i, b in enumerate(slot_bin[slots].tolist()):
+            slot_pos.setdefault(b, []).append(i)
+        for (u, b), gain in touched_by_pair.items():
+            if u in unit_pos and b in slot_pos:
+                matrix[unit_pos[u], slot_pos[b]] = gain
+        rows, cols = _assign(matrix)
+        good = matrix[rows, cols] > 0
+        slot_of_unit[units[rows[good]]] = slots[cols[good]]
+    node_of_unit = slot_bin[_fill(slot_of_unit, np.arange(len(slot_bin)), len(slot_bin))]
+    if capacity.max() > 1:
+        partners: dict[int, list[int]] = {}
+        for u, b in zip(touched_unit.tolist(), touched_bin.tolist()):
+            partners.setdefault(u, []).append(b)
+        node_of_unit = _improve_shared_bins(res, node_of_unit, unit_ranks, bin_devices, capacity, partners)
+    assignment = np.full(num_ranks, -1, dtype=np.int64)
+    for b in np.unique(node_of_unit).tolist():
+        ranks = unit_ranks[np.flatnonzero(node_of_unit == b)].ravel()
+        assignment[ranks] = _place_in_node(res, ranks, bin_devices[b])
+    assert (assignment >= 0).all() and len(np.unique(assignment)) == num_ranks
+    return assignment
+
+
+def _improve_shared_bins(
+    res: Residency,
+    bin_of_unit: np.ndarray,
+    unit_ranks: np.ndarray,
+    bin_devices: list[np.ndarray],
+    capacity: np.ndarray,
+    partners: dict[int, list[int]],
+) -> np.ndarray:
+    """Where bins take several units, the units' values alone may count the same devices twice:
+    move or swap a unit of such a bin into a bin its sparse pairs touch while that keeps more
+    bytes (first improvement, :data:`MAX_IMPROVE_PASSES` passes over the bins that lose)."""
+    bin_of_unit = bin_of_unit.copy()
+    units_in: dict[int, list[int]] = {}
+    for u, b in enumerate(bin_of_unit.tolist()):
+        units_in.setdefault(b, []).append(u)
+
+    def worth(b: int, units: list[int]) -> float:
+        if not units:
+            return 0.0
+        return _best_in_node(_block(res, unit_ranks[sorted(units)].ravel(), bin_devices[b]))
+
+    for _ in range(MAX_IMPROVE_PASSES):
+        improved = False
+        for a in sorted(b for b, units in units_in.items() if len(units) > 1):
+            for u in list(units_in[a]):
+                before_a = worth(a, units_in[a])
+                best: tuple[float, int, int | None] | None = None
+                for b in sorted(set(partners.get(u, ())) - {a}):
+                    before = before_a + worth(b, units_in.get(b, []))
+                    options: list[int | None] = list(units_in.get(b, []))
+                    if len(units_in.get(b, [])) < capacity[b]:
+                        options.append(None)
+                    for v in options:
+                        new_a = [x for x in units_in[a] if x != u] + ([v] if v is not None else [])
+                        new_b = [x for x in units_in.get(b, []) if x != v] + [u]
+                        gain = worth(a, new_a) + worth(b, new_b) - before
+                        if gain > 0.5 and (best is None or gain > best[0]):
+                            best = (gain, b, v)
+                if best is not None:
+                    _, b, v = best
+                    units_in[a].remove(u)
+                    units_in.setdefault(b, []).append(u)
+                    bin_of_unit[u] = b
+                    if v is not None:
+                        units_in[b].remove(v)
+                        units_in[a].append(v)
+                        bin_of_unit[v] = a
+                    improved = True
+                    break
+        if not improved:
+            break
+    return bin_of_unit
+
+
+def _block(res: Residency, ranks: np.ndarray, devices: np.ndarray) -> np.ndarray:
+    return res.resident(np.tile(devices, len(ranks)), np.repeat(ranks, len(devices))).reshape(len(ranks), len(devices))
+
+
+def _best_in_node(block: np.ndarray) -> float:
+    """The most bytes the rows (ranks) keep on distinct columns (devices)."""
+    best = block.argmax(axis=1)
+    if len(np.unique(best)) == block.shape[0]:
+        return float(block.max(axis=1).sum())
+    return _lsa(block)[1]
+
+
+def _assign(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    from scipy.optimize import linear_sum_assignment
+
+    return linear_sum_assignment(matrix, maximize=True)
+
+
+def _match(unit: np.ndarray, slot: np.ndarray, weight: np.ndarray, num_units: int, num_slots: int) -> np.ndarray:
+    """The slot of each unit (-1: none worth anything) maximising the total weight; each unit also
+    has a column of its own worth :data:`UNMATCHED_WEIGHT`, so a full matching always exists."""
+    from scipy.sparse import csr_matrix
+    from scipy.sparse.csgraph import min_weight_full_bipartite_matching
+
+    if not len(unit):
+        return np.full(num_units, -1, dtype=np.int64)
+    rows = np.concatenate([unit, np.arange(num_units)])
+    cols = np.concatenate([slot, num_slots + np.arange(num_units)])
+    data = np.concatenate([weight, np.full(num_units, UNMATCHED_WEIGHT)])
+    graph = csr_matrix((data, (rows, cols)), shape=(num_units, num_slots + num_units))
+    matched_rows, matched_cols = min_weight_full_bipartite_matching(graph, maximize=True)
+    out = np.full(num_units, -1, dtype=np.int64)
+    out[matched_rows] = np.where(matched_cols < num_slots, matched_cols, -1)
+    return out
+
+
+def _fill(slot_of_unit: np.ndarray, slots: np.ndarray, num_slots: int) -> np.ndarray:
+    """The matched slots, and the free slots in order for the units left over (in order)."""
+    out = slot_of_unit.copy()
+    taken = np.zeros(num_slots, dtype=bool)
+    taken[out[out >= 0]] = True
+    free = slots[~taken[slots]]
+    left = np.flatnonzero(out < 0)
+    out[left] = free[: len(left)]
+    return out
+
+
+def _pair_gains(
+    res: Residency, unit: np.ndarray, node: np.ndarray, node_devices: list[np.ndarray], tp: int
+) -> np.ndarray:
+    """Bytes in place for each (unit, node) pair, the unit's ranks on the node's devices at their best."""
+    gains = np.zeros(len(unit), dtype=np.float64)
+    sizes = np.array([len(d) for d in node_devices], dtype=np.int64)
+    for size in np.unique(sizes[node]).tolist():
+        which = np.flatnonzero(sizes[node] == size)
+        devices = np.stack([node_devices[n] for n in node[which].tolist()])  # (pairs, size)
+        ranks = unit[which][:, None] * tp + np.arange(tp)[None, :]  # (pairs, tp)
+        block = res.resident(
+            np.broadcast_to(devices[:, None, :], (len(which), tp, size)).ravel(),
+            np.broadcast_to(ranks[:, :, None], (len(which), tp, size)).ravel(),
+        ).reshape(len(which), tp, size)
+        best = block.argmax(axis=2)
+        distinct = (np.sort(best, axis=1)[:, 1:] != np.sort(best, axis=1)[:, :-1]).all(axis=1)
+        # Where each rank's best device is its own, that is the best assignment.
+        gains[which[distinct]] = block[distinct].max(axis=2).sum(axis=1)
+        for k in np.flatnonzero(~distinct).tolist():
+            gains[which[k]] = _lsa(block[k])[1]
+    return gains
+
+
+def _place_in_node(res: Residency, ranks: np.ndarray, devices: np.ndarray) -> np.ndarray:
+    """The device of each of ``ranks`` among ``devices`` keeping the most bytes in place."""
+    block = res.resident(np.tile(devices, len(ranks)), np.repeat(ranks, len(devices))).reshape(len(ranks), len(devices))
+    best = block.argmax(axis=1)
+    if len(np.unique(best)) == len(ranks) and block.any():
+        return devices[best]
+    if not block.any():
+        return devices[: len(ranks)]
+    return devices[_lsa(block)[0]]
+
+
+def _lsa(gain: np.ndarray) -> tuple[np.ndarray, float]:
+    from scipy.optimize import linear_sum_assignment
+
+    rows, cols = linear_sum_assignment(gain, maximize=True)
+    out = np.empty(gain.shape[0], dtype=np.int64)
+    out[rows] = cols
+    return out, float(gain[rows, cols].sum())
