@@ -92,6 +92,7 @@ TEST_LAYERS: dict[str, tuple[str, dict[str, list[str]]]] = {
     "test_migrate.py": ("multiproc", {"unit": ["test_case_matrix_covers_the_required_transitions"]}),
     "test_migrate_module.py": ("multiproc", {}),
     "test_planner.py": ("unit", {"multiproc": ["test_plan_hash_is_the_same_in_fresh_processes"]}),
+    "test_planner_scale.py": ("unit", {}),
     "test_plain.py": ("e2e", {}),
     "test_protocol.py": ("unit", {}),
     "test_reach.py": ("unit", {}),

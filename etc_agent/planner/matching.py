@@ -179,12 +179,7 @@ def _solve_by_components(res: Residency, node_of_dev: np.ndarray, tp: int) -> np
         bin_of_dev[devices] = b
     touched = np.unique((pair_rank // tp) * len(bin_devices) + bin_of_dev[pair_dev])
     touched_unit, touched_bin = touched // len(bin_devices), touched % len(bin_devices)
-    touched_gain = np.array(
-        [
-            _best_in_node(_block(res, unit_ranks[u], bin_devices[b]))
-            for u, b in zip(touched_unit.tolist(), touched_bin.tolist())
-        ]
-    )
+    touched_gain = _pair_gains(res, touched_unit, touched_bin, bin_devices, tp)
     # Components over the classes (units first, then bins).
     num_uc = len(unit_classes)
     edges = [(uc, num_uc + bc) for uc, bc in class_pairs if value[uc, bc] > 0]

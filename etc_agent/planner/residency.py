@@ -3,8 +3,8 @@ without a devices x ranks matrix.
 
 The residency of device ``d`` for new rank ``r`` is the sum of two parts:
 
-- **class blocks**: key groups whose shards have more than :data:`REPLICATED` holders or needers
-  (data-parallel copies). Ranks that hold the same shards of all these groups form an old class,
+- **class blocks**: key groups whose shards have many holders and many needers (data-parallel
+  copies; :data:`SPARSE_PER_ENTRY`). Ranks that hold the same shards of all these groups form an old class,
   ranks that need the same shards a new class; the residency is then a function of the two classes
   (``block_bytes[(old class, new class)]``), one entry per pair of classes that share data however
   many devices and ranks they hold.
@@ -26,8 +26,10 @@ from etc_agent.layout.shards import StateLayout
 from etc_agent.planner.plan import KeyGroup
 from etc_agent.planner.universe import ShardOverlaps, Universe
 
-REPLICATED = 4
-"""A key group whose shards have more holders or more needers than this goes into the class blocks."""
+SPARSE_PER_ENTRY = 16
+"""A key group goes into the class blocks when its explicit (device, rank) pairs would outnumber its
+entries (rank x shard, both layouts) this many times: data-parallel copies, whose every holder
+meets every needer."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +193,11 @@ def residency(
         if g.old_placement < 0:
             continue
         po = old.placements[g.old_placement]
-        many = max(np.bincount(po.entry_shard).max(), np.bincount(pn.entry_shard).max()) > REPLICATED
+        pairs = overlaps.pairs(po.geometry, pn.geometry)
+        holders = np.bincount(po.entry_shard, minlength=po.geometry.num_shards)
+        needers = np.bincount(pn.entry_shard, minlength=pn.geometry.num_shards)
+        num_triples = int((holders[pairs.old] * needers[pairs.new]).sum())
+        many = num_triples > SPARSE_PER_ENTRY * (len(po.entry_rank) + len(pn.entry_rank))
         (replicated if many else sparse).append(g)
     old_memberships = {
         g.old_placement: (
