@@ -112,13 +112,39 @@ class Residency:
         return best[self.rank_class]
 
     def best_bytes_bound(self) -> int:
-        """No placement keeps more bytes in place than this: each rank on the device that holds the
-        most of it, devices shared (its best class block, or a device of one of its sparse pairs)."""
-        best = self.best_block_bytes() if len(self.block_key) else np.zeros(self.num_ranks, dtype=np.int64)
+        """No placement keeps more bytes in place than this (TP groups and nodes set aside): the class
+        blocks as a transportation problem (each old class has as many devices as it has, each new
+        class as many ranks), plus each rank's best sparse pair on top."""
+        kept = 0
+        if len(self.block_key):
+            kept += self._block_transport()
         if len(self.pair_key):
-            dev, rank = self.pair_key // self.num_ranks, self.pair_key % self.num_ranks
-            np.maximum.at(best, rank, self.resident(dev, rank))
-        return int(np.minimum(best, self.need).sum())
+            best_pair = np.zeros(self.num_ranks, dtype=np.int64)
+            np.maximum.at(best_pair, self.pair_key % self.num_ranks, self.pair_bytes)
+            kept += int(best_pair.sum())
+        return min(kept, int(self.need.sum()))
+
+    def _block_transport(self) -> int:
+        from scipy.optimize import linprog
+        from scipy.sparse import coo_matrix
+
+        num_old = int(self.dev_class.max()) + 1
+        old_cls, new_cls = self.block_key // self.num_rank_classes, self.block_key % self.num_rank_classes
+        num_vars = len(self.block_key)
+        rows = np.concatenate([old_cls, num_old + new_cls])
+        cols = np.concatenate([np.arange(num_vars), np.arange(num_vars)])
+        constraints = coo_matrix(
+            (np.ones(2 * num_vars), (rows, cols)), shape=(num_old + self.num_rank_classes, num_vars)
+        ).tocsr()
+        capacity = np.concatenate(
+            [
+                np.bincount(self.dev_class[self.dev_class >= 0], minlength=num_old),
+                np.bincount(self.rank_class, minlength=self.num_rank_classes),
+            ]
+        )
+        result = linprog(-self.block_bytes.astype(np.float64), A_ub=constraints, b_ub=capacity, bounds=(0, None))
+        assert result.status == 0, result.message
+        return int(np.ceil(-result.fun))  # rounded up, so that it stays a bound
 
 
 @dataclasses.dataclass(frozen=True)
