@@ -152,3 +152,73 @@ def test_overlapping_pairs_sweep_equals_all_pairs():
         i, j = np.nonzero(volumes)
         got = overlapping_pairs(a_off, a_len, b_off, b_len)
         assert np.array_equal(got[0], i) and np.array_equal(got[1], j) and np.array_equal(got[2], volumes[i, j])
+
+
+def _live_cost(config, previous, previous_config, placement) -> float:
+    """:func:`live_placement`'s own cost of a placement (what its dense matrix sums)."""
+    total = 0.0
+    for rank, device in enumerate(placement):
+        old_rank = previous.get(device)
+        cost = 1.0
+        if old_rank is not None and old_rank < previous_config.world_size:
+            old, new = previous_config.coord(old_rank), config.coord(rank)
+            same_shape = (previous_config.tp, previous_config.pp) == (config.tp, config.pp)
+            if same_shape and (old.pp, old.tp) == (new.pp, new.tp):
+                moves = config.zero and (old.dp != new.dp or previous_config.dp != config.dp)
+                cost = 0.5 if moves else 0.0
+            if old_rank == rank:
+                cost -= 1e-3
+        total += cost
+    return total
+
+
+def test_live_placement_at_scale_costs_what_the_dense_one_costs(monkeypatch):
+    """The leader's placement of a Megatron layout (leaves, joins, ZeRO-1 or not, 2-24 nodes of 8):
+    the sparse path (forced) costs exactly what the dense assignment costs; at 16,384 devices a
+    leave is placed in well under the dense path's quadratic time."""
+    import time
+
+    import etc_agent.planner.placement as placement
+
+    rng = random.Random(11)
+    compared = 0
+    while compared < 30:
+        tp, pp, num_nodes = rng.choice([1, 2, 4, 8]), rng.choice([1, 2, 4]), rng.randint(2, 24)
+        dp = num_nodes * PER_NODE // (tp * pp)
+        if dp < 1:
+            continue
+        previous_config = ParallelConfig(tp=tp, pp=pp, dp=dp, zero=rng.choice([0, 1]) if dp > 1 else 0)
+        names = [f"n{i}:{k}" for i in range(num_nodes) for k in range(PER_NODE)]
+        previous = {d: r for r, d in enumerate(names[: previous_config.world_size])}
+        if rng.random() < 0.5:
+            gone = set(rng.sample(range(num_nodes), rng.randint(1, max(1, num_nodes // 3))))
+            members = [d for d in names if int(d.split(":")[0][1:]) not in gone]
+        else:
+            extra = range(num_nodes, num_nodes + rng.randint(1, 3))
+            members = names + [f"n{i}:{k}" for i in extra for k in range(PER_NODE)]
+        new_dp = len(members) // (tp * pp)
+        if new_dp < 1:
+            continue
+        config = ParallelConfig(tp=tp, pp=pp, dp=new_dp, zero=previous_config.zero if new_dp > 1 else 0)
+        monkeypatch.setattr(placement, "DENSE_LIVE_CELLS", 1 << 40)
+        dense = placement.live_placement(config, members, previous, previous_config, "cost")
+        monkeypatch.setattr(placement, "DENSE_LIVE_CELLS", 0)
+        sparse = placement.live_placement(config, members, previous, previous_config, "cost")
+        assert len(set(sparse)) == config.world_size
+        assert _live_cost(config, previous, previous_config, sparse) == pytest.approx(
+            _live_cost(config, previous, previous_config, dense), abs=1e-9
+        )
+        compared += 1
+    monkeypatch.undo()
+    names = [f"n{i}:{k}" for i in range(2048) for k in range(PER_NODE)]
+    previous_config = ParallelConfig(tp=8, pp=8, dp=256, zero=1)
+    config = ParallelConfig(tp=8, pp=8, dp=255, zero=1)
+    members = names[: 8 * 1000] + names[8 * 1008 :]  # 8 nodes of stage 3 leave (old ranks 8000-8063)
+    started = time.perf_counter()
+    chosen = placement.live_placement(config, members, {d: r for r, d in enumerate(names)}, previous_config, "cost")
+    assert time.perf_counter() - started < 10
+    old_rank = {d: r for r, d in enumerate(names)}
+    kept = sum(1 for rank, device in enumerate(chosen) if old_rank[device] // (256 * 8) == rank // (255 * 8))
+    # Stage 3 keeps 248 of the 255 replicas it needs: 7 replicas (56 ranks) go to other stages'
+    # spare devices; every other rank stays on a device of its own stage.
+    assert kept == config.world_size - 56

@@ -23,8 +23,6 @@ from etc_agent.planner.residency import Residency
 
 COMPONENT_CELLS = 1 << 22
 """The largest units x slots matrix one component is solved exactly with; above it, candidates."""
-MAX_IMPROVE_PASSES = 4
-"""Passes of :func:`_improve_shared_bins` over the bins that hold several units."""
 MAX_ROUNDS = 3
 """Matchings after the first, each offering short ranks more devices (see :func:`assign_sparse`)."""
 SHORT_RANK_DEVICES = 64
@@ -108,13 +106,19 @@ def _solve(res: Residency, dev: np.ndarray, rank: np.ndarray, node_of_dev: np.nd
 
 
 def _bins(node_of_dev: np.ndarray, tp: int) -> tuple[list[np.ndarray], np.ndarray]:
-    """The devices of each bin (a node; a device when ``tp == 1``) and how many units each takes;
-    ``ValueError`` when the TP groups do not fit."""
-    if tp == 1:
-        return [np.array([d]) for d in range(len(node_of_dev))], np.ones(len(node_of_dev), dtype=np.int64)
+    """The devices of each bin and the node of each bin: a node's devices in order, cut into runs of
+    ``tp`` (a device each when ``tp == 1``; what is left over in a node takes no unit). A bin takes
+    one unit, so the units on one node never count the same device twice; the ranks of a node's
+    units are then placed on all its devices together (:func:`_place_in_node`)."""
     _, node_index = np.unique(node_of_dev, return_inverse=True)
-    devices = [np.flatnonzero(node_index == n) for n in range(int(node_index.max()) + 1)]
-    return devices, np.array([len(d) // tp for d in devices], dtype=np.int64)
+    bins: list[np.ndarray] = []
+    node_of_bin: list[int] = []
+    for n in range(int(node_index.max()) + 1 if len(node_index) else 0):
+        devices = np.flatnonzero(node_index == n)
+        for start in range(0, len(devices) - tp + 1, tp):
+            bins.append(devices[start : start + tp])
+            node_of_bin.append(n)
+    return bins, np.array(node_of_bin, dtype=np.int64)
 
 
 def _solve_by_components(res: Residency, node_of_dev: np.ndarray, tp: int) -> np.ndarray | None:
@@ -130,10 +134,12 @@ def _solve_by_components(res: Residency, node_of_dev: np.ndarray, tp: int) -> np
     from scipy.sparse.csgraph import connected_components
 
     num_ranks = res.num_ranks
-    bin_devices, capacity = _bins(node_of_dev, tp)
+    bin_devices, node_of_bin = _bins(node_of_dev, tp)
+    capacity = np.ones(len(bin_devices), dtype=np.int64)
     num_units = num_ranks // tp
-    if capacity.sum() < num_units:
-        sizes = ", ".join(str(len(d)) for d in bin_devices)
+    if len(bin_devices) < num_units:
+        _, per_node = np.unique(node_of_dev, return_counts=True)
+        sizes = ", ".join(str(n) for n in per_node.tolist())
         raise ValueError(
             f"{num_units} TP groups of {tp} devices do not fit in nodes of {sizes} devices (a TP group must stay in one node)"
         )
@@ -213,72 +219,14 @@ def _solve_by_components(res: Residency, node_of_dev: np.ndarray, tp: int) -> np
         rows, cols = _assign(matrix)
         good = matrix[rows, cols] > 0
         slot_of_unit[units[rows[good]]] = slots[cols[good]]
-    node_of_unit = slot_bin[_fill(slot_of_unit, np.arange(len(slot_bin)), len(slot_bin))]
-    if capacity.max() > 1:
-        partners: dict[int, list[int]] = {}
-        for u, b in zip(touched_unit.tolist(), touched_bin.tolist()):
-            partners.setdefault(u, []).append(b)
-        node_of_unit = _improve_shared_bins(res, node_of_unit, unit_ranks, bin_devices, capacity, partners)
+    node_of_unit = node_of_bin[slot_bin[_fill(slot_of_unit, np.arange(len(slot_bin)), len(slot_bin))]]
+    _, node_index = np.unique(node_of_dev, return_inverse=True)
     assignment = np.full(num_ranks, -1, dtype=np.int64)
-    for b in np.unique(node_of_unit).tolist():
-        ranks = unit_ranks[np.flatnonzero(node_of_unit == b)].ravel()
-        assignment[ranks] = _place_in_node(res, ranks, bin_devices[b])
+    for n in np.unique(node_of_unit).tolist():
+        ranks = unit_ranks[np.flatnonzero(node_of_unit == n)].ravel()
+        assignment[ranks] = _place_in_node(res, ranks, np.flatnonzero(node_index == n))
     assert (assignment >= 0).all() and len(np.unique(assignment)) == num_ranks
     return assignment
-
-
-def _improve_shared_bins(
-    res: Residency,
-    bin_of_unit: np.ndarray,
-    unit_ranks: np.ndarray,
-    bin_devices: list[np.ndarray],
-    capacity: np.ndarray,
-    partners: dict[int, list[int]],
-) -> np.ndarray:
-    """Where bins take several units, the units' values alone may count the same devices twice:
-    move or swap a unit of such a bin into a bin its sparse pairs touch while that keeps more
-    bytes (first improvement, :data:`MAX_IMPROVE_PASSES` passes over the bins that lose)."""
-    bin_of_unit = bin_of_unit.copy()
-    units_in: dict[int, list[int]] = {}
-    for u, b in enumerate(bin_of_unit.tolist()):
-        units_in.setdefault(b, []).append(u)
-
-    def worth(b: int, units: list[int]) -> float:
-        if not units:
-            return 0.0
-        return _best_in_node(_block(res, unit_ranks[sorted(units)].ravel(), bin_devices[b]))
-
-    for _ in range(MAX_IMPROVE_PASSES):
-        improved = False
-        for a in sorted(b for b, units in units_in.items() if len(units) > 1):
-            for u in list(units_in[a]):
-                before_a = worth(a, units_in[a])
-                best: tuple[float, int, int | None] | None = None
-                for b in sorted(set(partners.get(u, ())) - {a}):
-                    before = before_a + worth(b, units_in.get(b, []))
-                    options: list[int | None] = list(units_in.get(b, []))
-                    if len(units_in.get(b, [])) < capacity[b]:
-                        options.append(None)
-                    for v in options:
-                        new_a = [x for x in units_in[a] if x != u] + ([v] if v is not None else [])
-                        new_b = [x for x in units_in.get(b, []) if x != v] + [u]
-                        gain = worth(a, new_a) + worth(b, new_b) - before
-                        if gain > 0.5 and (best is None or gain > best[0]):
-                            best = (gain, b, v)
-                if best is not None:
-                    _, b, v = best
-                    units_in[a].remove(u)
-                    units_in.setdefault(b, []).append(u)
-                    bin_of_unit[u] = b
-                    if v is not None:
-                        units_in[b].remove(v)
-                        units_in[a].append(v)
-                        bin_of_unit[v] = a
-                    improved = True
-                    break
-        if not improved:
-            break
-    return bin_of_unit
 
 
 def _block(res: Residency, ranks: np.ndarray, devices: np.ndarray) -> np.ndarray:

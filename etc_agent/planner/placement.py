@@ -27,6 +27,9 @@ import numpy as np
 from etc_agent.layout.config import ParallelConfig
 from etc_agent.planner.assign import assign_ranks
 
+DENSE_LIVE_CELLS = 1 << 22
+"""Above this many devices x ranks, a Megatron layout's ``"cost"`` placement takes the sparse path."""
+
 KEEP_RANK = 1e-3
 """Discount for a device keeping its exact previous rank (ties go to a stable placement)."""
 
@@ -100,6 +103,10 @@ def live_placement(
     if config.world_size > len(devices):
         raise ValueError(f"{config.short()} needs {config.world_size} devices, the members have {len(devices)}")
     num_ranks = config.world_size
+    if prefer == "cost" and len(devices) * num_ranks > DENSE_LIVE_CELLS:
+        at_scale = _megatron_placement_at_scale(config, devices, previous, previous_config)
+        if at_scale is not None:
+            return at_scale
     coords = [config.coord(r) for r in range(num_ranks)]
     cost = np.ones((len(devices), num_ranks))
     if previous and previous_config is not None:
@@ -123,6 +130,87 @@ def live_placement(
     node_of_device = np.array([node_index[n] for n in nodes], dtype=np.int64)
     assignment = assign_ranks(cost, node_of_device, config.tp, stage_replica_sets(config), prefer)
     return [devices[int(i)] for i in assignment]
+
+
+def _megatron_placement_at_scale(
+    config: ParallelConfig,
+    devices: Sequence[str],
+    previous: dict[str, int] | None,
+    previous_config: ParallelConfig | None,
+) -> list[str] | None:
+    """:func:`live_placement`'s ``"cost"`` placement for Megatron layouts without a devices x ranks
+    matrix: the same costs as a :class:`etc_agent.planner.residency.Residency` (in thousandths of a
+    rank's state kept: 1000 for the same stage and TP index, 500 of it when ZeRO moves the optimizer
+    range, 1 for the exact previous rank) placed by :func:`etc_agent.planner.matching.assign_sparse`.
+    Failure domains do not break its ties. None where FSDP's geometry is needed (the dense path)."""
+    from etc_agent.planner.matching import assign_sparse
+    from etc_agent.planner.residency import Residency
+
+    fsdp = previous_config is not None and (previous_config.dp_shard > 1 or config.dp_shard > 1)
+    if fsdp:
+        return None
+    num_dev, num_ranks = len(devices), config.world_size
+    ranks = np.arange(num_ranks)
+    new_pp, new_tp, new_dp = _coords(config, ranks)
+    rank_class = new_pp * config.tp + new_tp
+    dev_class = np.full(num_dev, -1, dtype=np.int64)
+    old_rank = np.full(num_dev, -1, dtype=np.int64)
+    if previous and previous_config is not None:
+        for i, device in enumerate(devices):
+            rank = previous.get(device)
+            if rank is not None and rank < previous_config.world_size:
+                old_rank[i] = rank
+    held = np.flatnonzero(old_rank >= 0)
+    pair_dev: list[np.ndarray] = [held[old_rank[held] < num_ranks]]
+    pair_rank: list[np.ndarray] = [old_rank[pair_dev[0]]]
+    pair_gain: list[np.ndarray] = [np.full(len(pair_dev[0]), 1, dtype=np.int64)]  # KEEP_RANK
+    block_key = np.empty(0, dtype=np.int64)
+    block_bytes = np.empty(0, dtype=np.int64)
+    assert previous_config is not None or not len(held)
+    if len(held) and previous_config is not None and (previous_config.tp, previous_config.pp) == (config.tp, config.pp):
+        old_pp, old_tp, old_dp = _coords(previous_config, old_rank[held])
+        dev_class[held] = old_pp * config.tp + old_tp
+        classes = np.unique(dev_class[held])
+        block_key = classes * (config.tp * config.pp) + classes
+        whole = 500 if config.zero else 1000
+        block_bytes = np.full(len(classes), whole, dtype=np.int64)
+        if config.zero and previous_config.dp == config.dp:
+            # The same dp index keeps the optimizer range too: the device of the rank at the same coordinates.
+            same = old_pp * config.tp * config.dp + old_dp * config.tp + old_tp
+            rank_at = np.full(num_ranks, -1, dtype=np.int64)
+            rank_at[new_pp * config.tp * config.dp + new_dp * config.tp + new_tp] = ranks
+            target = rank_at[np.minimum(same, num_ranks - 1)]
+            keep = (same < num_ranks) & (target >= 0)
+            pair_dev.append(held[keep])
+            pair_rank.append(target[keep])
+            pair_gain.append(np.full(int(keep.sum()), 500, dtype=np.int64))
+    keys = np.concatenate([d * num_ranks + r for d, r in zip(pair_dev, pair_rank)])
+    unique, inverse = np.unique(keys, return_inverse=True)
+    gains = np.zeros(len(unique), dtype=np.int64)
+    np.add.at(gains, inverse, np.concatenate(pair_gain))
+    res = Residency(
+        need=np.full(num_ranks, 1001, dtype=np.int64),
+        dev_class=dev_class,
+        rank_class=rank_class,
+        num_rank_classes=config.tp * config.pp,
+        block_key=block_key,
+        block_bytes=block_bytes,
+        pair_key=unique,
+        pair_bytes=gains,
+        num_dev=num_dev,
+        num_ranks=num_ranks,
+    )
+    nodes = [d.rpartition(":")[0] for d in devices]
+    node_index = {n: k for k, n in enumerate(dict.fromkeys(nodes))}
+    node_of_device = np.array([node_index[n] for n in nodes], dtype=np.int64)
+    assignment = assign_sparse(res, node_of_device, config.tp)
+    return [devices[int(i)] for i in assignment]
+
+
+def _coords(config: ParallelConfig, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(pp, tp, dp)`` index of each rank: Megatron's order, rank = pp*(dp*tp) + dp*tp + tp."""
+    per_stage = config.dp * config.tp
+    return ranks // per_stage, ranks % config.tp, (ranks % per_stage) // config.tp
 
 
 def resilience_gaps(config: ParallelConfig, placement: Sequence[str]) -> list[str]:
