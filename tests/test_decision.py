@@ -446,3 +446,83 @@ def test_the_leader_publishes_nothing_from_a_snapshot_another_leader_made_stale(
     published = GenerationRecord.loads(store.get("generation").value)
     assert (published.number, published.members, published.reason) == (5, ["a"], "1 left")
     assert [f["generation"] for e, f in events if e == "generation_published"] == [5]
+
+
+# ---- ready layouts ------------------------------------------------------------------------------
+READY_BASE = dict(settings=WITH_TP2, live_job=True)
+
+
+def test_a_node_loss_takes_the_layout_made_ready_for_it_and_spends_nothing_on_it():
+    """While a, b, c run tp=2 (dp=3), the leader works out the layout of each member's loss; when b
+    goes (its record lapsed), the decision finds exactly its inputs among them: the record says the
+    layout was ready and the decision spent 0 s on it, and it is the layout worked out afresh."""
+    from etc_agent.agent.decision import likely_layouts, prepare_layout
+
+    running = gen(["a", "b", "c"], parallel="tp=2,pp=1,dp=3,zero=0")
+    before = snap(node("a"), node("b"), node("c"), current=running, **READY_BASE)
+    likely = likely_layouts(before)
+    assert [ordered for ordered, _ in likely] == [["b", "c"], ["a", "c"], ["a", "b"]]
+    ready = dict(prepare_layout(before, ordered, devices) for ordered, devices in likely)
+    after = snap(node("a"), node("c"), current=running, ready_layouts=ready, **READY_BASE)
+    made = decide(after)
+    assert made.record is not None and made.record.layout_ready and made.record.layout_seconds == 0.0
+    fresh = decide(snap(node("a"), node("c"), current=running, **READY_BASE))
+    assert fresh.record is not None and not fresh.record.layout_ready and fresh.record.layout_seconds > 0
+    assert (made.record.parallel, made.record.placement) == (fresh.record.parallel, fresh.record.placement)
+    assert made.record.members == ["a", "c"]
+
+
+def test_a_ready_layout_made_for_another_membership_or_generation_is_never_used():
+    """Ready layouts for b's loss do not serve c's loss, nor b's loss after the generation they
+    assumed was replaced (another previous placement): those decisions work their layout out."""
+    from dataclasses import replace as replaced
+
+    from etc_agent.agent.decision import likely_layouts, prepare_layout
+
+    running = gen(["a", "b", "c"], parallel="tp=2,pp=1,dp=3,zero=0")
+    before = snap(node("a"), node("b"), node("c"), current=running, **READY_BASE)
+    b_lost = [(o, d) for o, d in likely_layouts(before) if "b" not in o]
+    ready = dict(prepare_layout(before, o, d) for o, d in b_lost)
+    made = decide(snap(node("a"), node("b"), current=running, ready_layouts=ready, **READY_BASE))
+    assert made.record is not None and made.record.members == ["a", "b"] and not made.record.layout_ready
+    newer = gen(
+        ["a", "b", "c"],
+        number=4,
+        parallel="tp=2,pp=1,dp=3,zero=0",
+        placement=["c:0", "c:1", "a:0", "a:1", "b:0", "b:1"],
+    )
+    stale = decide(snap(node("a"), node("c"), current=newer, ready_layouts=ready, **READY_BASE))
+    assert stale.record is not None and not stale.record.layout_ready
+    # A ready layout is keyed by everything it read: the settings too.
+    resilient = replaced(WITH_TP2, resilient_placement=True)
+    other = decide(snap(node("a"), node("c"), current=running, ready_layouts=ready, settings=resilient, live_job=True))
+    assert other.record is not None and not other.record.layout_ready
+
+
+def test_the_leader_prepares_the_layouts_of_its_members_losses_while_a_generation_runs():
+    """The leader's decide, with nothing to change, works out in the background the layout of each
+    member's loss; a member's record then lapses and the generation the leader publishes says its
+    layout was ready; the ready layouts of the old generation are dropped for the new one's."""
+    store = DictStore()
+    running = gen(
+        ["a", "b", "c"], parallel="tp=2,pp=1,dp=3,zero=0", placement=["a:0", "a:1", "b:0", "b:1", "c:0", "c:1"]
+    )
+    store.write("generation", running.dumps())
+    for name in "abc":
+        store.write(f"nodes/{name}", node(name).record.dumps(), lease_id=1)
+    events: list[tuple[str, dict]] = []
+    emit = lambda event, fields: events.append((event, fields))  # noqa: E731
+    config = AgentConfig(run_id="decision", min_nodes=1, max_nodes=4, nproc_per_node=2, parallel="tp=2,dp=auto")
+    leader = Leader(
+        store, config, "a", emit, RecordReader(emit), threading.Event(), threading.Event(), lambda: None, lambda: None
+    )
+    leader.decide()
+    assert leader.ready.wait(30) and len(leader.ready.snapshot()) == 3
+    store.delete("nodes/b")
+    leader.decide()
+    published = GenerationRecord.loads(store.get("generation").value)
+    assert published.members == ["a", "c"] and published.layout_ready and published.layout_seconds == 0.0
+    assert [f.get("layout_ready") for e, f in events if e == "generation_published"] == [True]
+    leader.decide()  # nothing to change: the layouts of the new generation's members' losses
+    assert leader.ready.wait(30) and len(leader.ready.snapshot()) == 2
+    assert all(inputs.previous[0] == published.number for inputs in leader.ready.snapshot())

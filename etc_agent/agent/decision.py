@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from etc_agent.agent.layoutfit import fit, fits, place
+from etc_agent.agent.layoutfit import fits
+from etc_agent.agent.ready import LayoutChoice, LayoutInputs, choose_layout, layout_inputs
 from etc_agent.agent.snapshot import Snapshot, members, ordered_nodes
 from etc_agent.layout.config import ParallelSpec
 from etc_agent.rendezvous.records import GenerationRecord, NodeRecord, NodeStatus
@@ -208,12 +209,13 @@ def _next_generation(snapshot: Snapshot, basis: _Basis, records: list[NodeRecord
     devices = {n.node_id: n.num_devices for n in alive}
     if current is not None and current.status == "running" and snapshot.live_job:
         ordered, reason = _keep_restarting(snapshot, current, ordered, devices, reason, records)
-    fitted = fit(_spec(snapshot), settings.model, ordered, devices, settings.min_nodes)
-    if isinstance(fitted, str):
+    layout, ready = _layout(snapshot, ordered, devices, current)
+    if layout.why_not is not None:
         if current and current.status == "waiting" and current.members == ordered:
-            return Decision(why="waiting already: " + fitted)
-        return Decision(record=_waiting(snapshot, basis, ordered, devices, fitted), version=snapshot.generation_version)
-    ordered, parallel = fitted
+            return Decision(why="waiting already: " + layout.why_not)
+        record = _waiting(snapshot, basis, ordered, devices, layout.why_not)
+        return Decision(record=record, version=snapshot.generation_version)
+    ordered, parallel = list(layout.ordered), layout.parallel
     if current and current.status == "running" and reason is None and ordered == current.members:
         if parallel == current.parallel:
             return Decision(why="nothing changed")
@@ -240,7 +242,36 @@ def _next_generation(snapshot: Snapshot, basis: _Basis, records: list[NodeRecord
         why = f"{len(ordered)} of at least {settings.min_nodes} nodes"
         return Decision(record=_waiting(snapshot, basis, ordered, devices, why), version=snapshot.generation_version)
     record = _running_record(snapshot, basis, ordered, devices, parallel, reason, records)
+    if parallel is not None:
+        record = record.model_copy(
+            update={
+                "placement": list(layout.placement) if layout.placement is not None else None,
+                "not_resilient": list(layout.gaps),
+                "layout_ready": ready,
+                "layout_seconds": 0.0 if ready else round(layout.seconds, 6),
+            }
+        )
     return Decision(record=record, version=snapshot.generation_version)
+
+
+def _layout(
+    snapshot: Snapshot, ordered: list[str], devices: dict[str, int], current: GenerationRecord | None
+) -> tuple[LayoutChoice, bool]:
+    """The layout for these members: the ready one with exactly these inputs, else worked out now."""
+    settings = snapshot.settings
+    args = (
+        _spec(snapshot),
+        settings.model,
+        settings.min_nodes,
+        ordered,
+        devices,
+        current,
+        settings.resilient_placement,
+    )
+    ready = snapshot.ready_layouts.get(layout_inputs(*args))
+    if ready is not None:
+        return ready, True
+    return choose_layout(*args), False
 
 
 def _keep_restarting(
@@ -275,6 +306,40 @@ def _keep_restarting(
     if reason is None:
         return kept, None  # published already (or its failure not reported yet): nothing new
     return kept, f"{reason}; waiting for its restart in place: {why}"
+
+
+def likely_layouts(snapshot: Snapshot) -> list[tuple[list[str], dict[str, int]]]:
+    """The members the next event most likely leaves, while a generation runs: each member's loss
+    (in member order), the waiting spares joining as survivors would (:func:`_next_generation`'s
+    order: survivors first, then newcomers). What the leader prepares ready layouts for."""
+    current = snapshot.current
+    if current is None or current.status != "running" or current.parallel is None:
+        return []
+    alive = members(ordered_nodes(snapshot.nodes))
+    devices = {n.node_id: n.num_devices for n in alive}
+    out = []
+    for lost in current.members:
+        ids = [n.node_id for n in alive if n.node_id != lost]
+        ordered = [n for n in current.members if n in ids] + [n for n in ids if n not in current.members]
+        out.append((ordered[: snapshot.settings.max_nodes], devices))
+    return out
+
+
+def prepare_layout(
+    snapshot: Snapshot, ordered: list[str], devices: dict[str, int]
+) -> tuple[LayoutInputs, LayoutChoice]:
+    """One ready layout for ``ordered``, keyed by its inputs (run by the leader in the background)."""
+    settings = snapshot.settings
+    args = (
+        _spec(snapshot),
+        settings.model,
+        settings.min_nodes,
+        ordered,
+        devices,
+        snapshot.current,
+        settings.resilient_placement,
+    )
+    return layout_inputs(*args), choose_layout(*args)
 
 
 def _spec(snapshot: Snapshot) -> ParallelSpec | None:
@@ -342,10 +407,6 @@ def _running_record(
         if n in previous and n not in ordered and (r.leaving or snapshot.settings.live_migration)
     }
     senders = [n for n in previous if sending.get(n)]
-    placement: list[str] | None = None
-    gaps: list[str] = []
-    if parallel is not None:
-        placement, gaps = place(parallel, ordered, devices, current, snapshot.settings.resilient_placement)
     return GenerationRecord(
         number=basis.number,
         status="running",
@@ -359,8 +420,6 @@ def _running_record(
         sender_local_ranks=[sending[n] for n in senders],
         started=basis.started,
         published_at=snapshot.now,
-        placement=placement,
-        not_resilient=gaps,
         probe_addresses=[_probe_address(registered.get(n)) for n in ordered],
     )
 

@@ -11,6 +11,7 @@ compare-and-set on ``generation``. Every agent then acts on what it reads back
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -22,6 +23,7 @@ from etc_agent.agent.config import AgentConfig
 from etc_agent.agent.decision import Decision, failure_evidence, settled
 from etc_agent.agent.gone import GoneAgents
 from etc_agent.agent.reach import Prober, Reachability
+from etc_agent.agent.ready import ReadyLayouts
 from etc_agent.agent.records import RecordReader, where
 from etc_agent.agent.snapshot import Settings, Snapshot, members, ordered_nodes
 from etc_agent.agent.store_read import StoreRead
@@ -58,6 +60,8 @@ class Leader:
         self._lease, self._latest = lease, latest
         self.is_leader = False
         self._gone = GoneAgents(node_id)
+        self.ready = ReadyLayouts()
+        """Layouts worked out ahead for the likely next memberships (:mod:`etc_agent.agent.ready`)."""
         self._reach = Reachability(node_id, config.peer_timeout) if config.peer_timeout > 0 else None
         self._probed: tuple[NodeRecord, ...] = ()
         """The node records of the last decision's read: whose liveness ports the probes go to."""
@@ -307,7 +311,24 @@ class Leader:
     def decide(self) -> None:
         """Publish the next generation if the store says one is due (at most one compare-and-set)."""
         snapshot = self._snapshot()
-        self._apply(snapshot, decision.decide(snapshot))
+        made = decision.decide(snapshot)
+        self._apply(snapshot, made)
+        if made.record is None:  # after a publication the snapshot is stale: the next pass prepares
+            self._prepare_ready(snapshot)
+
+    def _prepare_ready(self, snapshot: Snapshot) -> None:
+        """While a generation runs, work out in the background the layouts of the memberships its
+        likely next events leave (once per generation and set of registered nodes)."""
+        likely = decision.likely_layouts(snapshot)
+        if not likely:
+            return
+        assert snapshot.current is not None
+        basis = (
+            snapshot.current.number,
+            tuple(sorted((e.record.node_id, e.record.num_devices) for e in snapshot.nodes)),
+        )
+        jobs = [functools.partial(decision.prepare_layout, snapshot, ordered, devices) for ordered, devices in likely]
+        self.ready.prepare(basis, jobs)
 
     def _snapshot(self) -> Snapshot:
         """The store's read, with what this leader found out besides it: since when the job's records
@@ -332,7 +353,7 @@ class Leader:
             snapshot = replace(snapshot, gone=tuple(gone))
         if self._reach is not None:
             snapshot = replace(snapshot, unreachable=tuple(self._reach.unreachable(r.node_id for r in records)))
-        return snapshot
+        return replace(snapshot, ready_layouts=self.ready.snapshot())
 
     def _apply(self, snapshot: Snapshot, made: Decision) -> None:
         """Write what ``made`` says: the only place the decision writes the store. The record is
@@ -361,6 +382,8 @@ class Leader:
                     "members": len(record.members),
                     "world_size": record.world_size,
                     "reason": record.reason,
+                    **({"layout_ready": record.layout_ready} if record.layout_seconds is not None else {}),
+                    **({"layout_s": record.layout_seconds} if record.layout_seconds is not None else {}),
                 },
             )
         if record.status == "running" and record.not_resilient:

@@ -11,6 +11,7 @@ from etc_agent.layout.config import ParallelSpec
 from etc_agent.rendezvous.records import AbandonRecord, GenerationRecord, NodeRecord, NodeStatus
 
 if TYPE_CHECKING:
+    from etc_agent.agent.ready import LayoutChoice, LayoutInputs
     from etc_agent.layout.model import ModelSpec
 
 
@@ -78,6 +79,8 @@ class Snapshot:
     (:mod:`etc_agent.agent.reach`): members leave now, the others are not admitted."""
     vanished_for_s: float | None = None
     """Seconds since the leader found the job's generation record gone from the store (None: never)."""
+    ready_layouts: Mapping[LayoutInputs, LayoutChoice] = field(default_factory=dict)
+    """Layout decisions the leader made ahead for likely memberships (:mod:`etc_agent.agent.ready`)."""
 
 
 def ordered_nodes(entries: Sequence[NodeEntry]) -> list[NodeRecord]:

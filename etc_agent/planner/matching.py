@@ -17,6 +17,8 @@ Deterministic: the same input gives the same placement in every process.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from etc_agent.planner.residency import Residency
@@ -130,12 +132,8 @@ def _solve_by_components(res: Residency, node_of_dev: np.ndarray, tp: int) -> np
     representative pair) and the cells sparse pairs touch are worked out alone. Components link
     the classes that share bytes. None when a component's matrix would exceed
     :data:`COMPONENT_CELLS` (the candidate matching takes over)."""
-    from scipy.sparse import coo_matrix
-    from scipy.sparse.csgraph import connected_components
-
     num_ranks = res.num_ranks
     bin_devices, node_of_bin = _bins(node_of_dev, tp)
-    capacity = np.ones(len(bin_devices), dtype=np.int64)
     num_units = num_ranks // tp
     if len(bin_devices) < num_units:
         _, per_node = np.unique(node_of_dev, return_counts=True)
@@ -143,83 +141,14 @@ def _solve_by_components(res: Residency, node_of_dev: np.ndarray, tp: int) -> np
         raise ValueError(
             f"{num_units} TP groups of {tp} devices do not fit in nodes of {sizes} devices (a TP group must stay in one node)"
         )
-    width = max(len(d) for d in bin_devices)
-    bin_sig = np.full((len(bin_devices), width + 1), -2, dtype=np.int64)
-    for b, devices in enumerate(bin_devices):
-        bin_sig[b, : len(devices)] = np.sort(res.dev_class[devices])
-        bin_sig[b, width] = len(devices)
-    bin_classes, bin_class = np.unique(bin_sig, axis=0, return_inverse=True)
     unit_ranks = np.arange(num_ranks).reshape(num_units, tp)
-    unit_classes, unit_class = np.unique(res.rank_class[unit_ranks], axis=0, return_inverse=True)
-    bin_class, unit_class = bin_class.ravel(), unit_class.ravel()
-    first_bin = np.unique(bin_class, return_index=True)[1]
-    # Class pairs that share a block, valued by one representative pair each.
-    holds = {(bc, int(c)) for bc in range(len(bin_classes)) for c in set(bin_classes[bc, :width].tolist()) if c >= 0}
-    wants = {(uc, int(k)) for uc in range(len(unit_classes)) for k in set(unit_classes[uc].tolist())}
-    blocks = set(
-        zip(
-            (res.block_key // max(1, res.num_rank_classes)).tolist(),
-            (res.block_key % max(1, res.num_rank_classes)).tolist(),
-        )
-    )
-    bins_of_class: dict[int, list[int]] = {}
-    for bc, c in holds:
-        bins_of_class.setdefault(c, []).append(bc)
-    units_of_class: dict[int, list[int]] = {}
-    for uc, k in wants:
-        units_of_class.setdefault(k, []).append(uc)
-    class_pairs = sorted(
-        {(uc, bc) for c, k in blocks for bc in bins_of_class.get(c, ()) for uc in units_of_class.get(k, ())}
-    )
-    value = np.zeros((len(unit_classes), len(bin_classes)), dtype=np.float64)
-    for uc, bc in class_pairs:
-        devices = bin_devices[int(first_bin[bc])]
-        block = res.block_resident(
-            np.tile(res.dev_class[devices], tp), np.repeat(unit_classes[uc], len(devices))
-        ).reshape(tp, len(devices))
-        value[uc, bc] = _best_in_node(block)
-    # The cells sparse pairs touch, each worked out alone.
-    pair_dev, pair_rank = res.pair_key // max(1, num_ranks), res.pair_key % max(1, num_ranks)
-    bin_of_dev = np.empty(len(node_of_dev), dtype=np.int64)
-    for b, devices in enumerate(bin_devices):
-        bin_of_dev[devices] = b
-    touched = np.unique((pair_rank // tp) * len(bin_devices) + bin_of_dev[pair_dev])
-    touched_unit, touched_bin = touched // len(bin_devices), touched % len(bin_devices)
-    touched_gain = _pair_gains(res, touched_unit, touched_bin, bin_devices, tp)
-    # Components over the classes (units first, then bins).
-    num_uc = len(unit_classes)
-    edges = [(uc, num_uc + bc) for uc, bc in class_pairs if value[uc, bc] > 0]
-    edges += list(zip(unit_class[touched_unit].tolist(), (num_uc + bin_class[touched_bin]).tolist()))
-    size = num_uc + len(bin_classes)
-    if edges:
-        a, b = np.array(edges).T
-        graph = coo_matrix((np.ones(len(a)), (a, b)), shape=(size, size))
-    else:
-        graph = coo_matrix((size, size))
-    _, component = connected_components(graph, directed=False)
-    unit_comp, bin_comp = component[unit_class], component[num_uc + bin_class]
-    slot_bin = np.repeat(np.arange(len(bin_devices)), capacity)
-    slot_of_unit = np.full(num_units, -1, dtype=np.int64)
-    touched_by_pair = dict(zip(zip(touched_unit.tolist(), touched_bin.tolist()), touched_gain.tolist()))
-    for comp in np.unique(unit_comp).tolist():
-        units = np.flatnonzero(unit_comp == comp)
-        slots = np.flatnonzero(bin_comp[slot_bin] == comp)
-        if not len(slots) or not value[unit_class[units]][:, bin_class[slot_bin[slots]]].any() and not touched_by_pair:
-            continue
-        if len(units) * len(slots) > COMPONENT_CELLS:
-            return None
-        matrix = value[unit_class[units]][:, bin_class[slot_bin[slots]]]
-        unit_pos = {int(u): i for i, u in enumerate(units)}
-        slot_pos: dict[int, list[int]] = {}
-        for i, b in enumerate(slot_bin[slots].tolist()):
-            slot_pos.setdefault(b, []).append(i)
-        for (u, b), gain in touched_by_pair.items():
-            if u in unit_pos and b in slot_pos:
-                matrix[unit_pos[u], slot_pos[b]] = gain
-        rows, cols = _assign(matrix)
-        good = matrix[rows, cols] > 0
-        slot_of_unit[units[rows[good]]] = slots[cols[good]]
-    node_of_unit = node_of_bin[slot_bin[_fill(slot_of_unit, np.arange(len(slot_bin)), len(slot_bin))]]
+    classes = _UnitBinClasses.of(res, bin_devices, unit_ranks)
+    value = classes.values(res, bin_devices, tp)
+    touched = _touched(res, node_of_dev, bin_devices, tp)
+    bin_of_unit = _assign_components(classes, value, touched, num_units, len(bin_devices))
+    if bin_of_unit is None:
+        return None
+    node_of_unit = node_of_bin[bin_of_unit]
     _, node_index = np.unique(node_of_dev, return_inverse=True)
     assignment = np.full(num_ranks, -1, dtype=np.int64)
     for n in np.unique(node_of_unit).tolist():
@@ -227,6 +156,113 @@ def _solve_by_components(res: Residency, node_of_dev: np.ndarray, tp: int) -> np
         assignment[ranks] = _place_in_node(res, ranks, np.flatnonzero(node_index == n))
     assert (assignment >= 0).all() and len(np.unique(assignment)) == num_ranks
     return assignment
+
+
+@dataclass(frozen=True)
+class _UnitBinClasses:
+    """Units with the same rank classes in order, bins with the same device classes (a multiset)."""
+
+    unit_classes: np.ndarray
+    """(unit classes, tp): the rank classes of each unit class."""
+    unit_class: np.ndarray
+    bin_classes: np.ndarray
+    """(bin classes, width + 1): sorted device classes (-2 padding), then the bin's size."""
+    bin_class: np.ndarray
+    width: int
+
+    @classmethod
+    def of(cls, res: Residency, bin_devices: list[np.ndarray], unit_ranks: np.ndarray) -> _UnitBinClasses:
+        width = max(len(d) for d in bin_devices)
+        signature = np.full((len(bin_devices), width + 1), -2, dtype=np.int64)
+        for b, devices in enumerate(bin_devices):
+            signature[b, : len(devices)] = np.sort(res.dev_class[devices])
+            signature[b, width] = len(devices)
+        bin_classes, bin_class = np.unique(signature, axis=0, return_inverse=True)
+        unit_classes, unit_class = np.unique(res.rank_class[unit_ranks], axis=0, return_inverse=True)
+        return cls(unit_classes, unit_class.ravel(), bin_classes, bin_class.ravel(), width)
+
+    def values(self, res: Residency, bin_devices: list[np.ndarray], tp: int) -> np.ndarray:
+        """(unit classes, bin classes): the class blocks' bytes a unit keeps on a bin, for the class
+        pairs that share a block (one representative pair each; 0 elsewhere)."""
+        num_k = max(1, res.num_rank_classes)
+        blocks = set(zip((res.block_key // num_k).tolist(), (res.block_key % num_k).tolist()))
+        bins_of: dict[int, set[int]] = {}
+        for bc in range(len(self.bin_classes)):
+            for c in set(self.bin_classes[bc, : self.width].tolist()) - {-1, -2}:
+                bins_of.setdefault(c, set()).add(bc)
+        units_of: dict[int, set[int]] = {}
+        for uc in range(len(self.unit_classes)):
+            for k in set(self.unit_classes[uc].tolist()):
+                units_of.setdefault(k, set()).add(uc)
+        pairs = sorted({(uc, bc) for c, k in blocks for bc in bins_of.get(c, ()) for uc in units_of.get(k, ())})
+        first_bin = np.unique(self.bin_class, return_index=True)[1]
+        value = np.zeros((len(self.unit_classes), len(self.bin_classes)), dtype=np.float64)
+        for uc, bc in pairs:
+            devices = bin_devices[int(first_bin[bc])]
+            block = res.block_resident(
+                np.tile(res.dev_class[devices], tp), np.repeat(self.unit_classes[uc], len(devices))
+            )
+            value[uc, bc] = _best_in_node(block.reshape(tp, len(devices)))
+        return value
+
+
+@dataclass(frozen=True)
+class _Touched:
+    """The (unit, bin) cells sparse pairs touch, with their exact values."""
+
+    unit: np.ndarray
+    bin: np.ndarray
+    gain: np.ndarray
+
+
+def _touched(res: Residency, node_of_dev: np.ndarray, bin_devices: list[np.ndarray], tp: int) -> _Touched:
+    num_ranks = max(1, res.num_ranks)
+    pair_dev, pair_rank = res.pair_key // num_ranks, res.pair_key % num_ranks
+    bin_of_dev = np.full(len(node_of_dev), -1, dtype=np.int64)
+    for b, devices in enumerate(bin_devices):
+        bin_of_dev[devices] = b
+    keep = bin_of_dev[pair_dev] >= 0  # devices left over in a node host no unit
+    cells = np.unique((pair_rank[keep] // tp) * len(bin_devices) + bin_of_dev[pair_dev[keep]])
+    unit, where = cells // len(bin_devices), cells % len(bin_devices)
+    return _Touched(unit, where, _pair_gains(res, unit, where, bin_devices, tp))
+
+
+def _assign_components(
+    classes: _UnitBinClasses, value: np.ndarray, touched: _Touched, num_units: int, num_bins: int
+) -> np.ndarray | None:
+    """The bin of each unit: an exact assignment per connected component of the classes, the units
+    worth nothing anywhere on the free bins in order; None if a component is too large."""
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import connected_components
+
+    num_uc = len(classes.unit_classes)
+    size = num_uc + len(classes.bin_classes)
+    uc, bc = np.nonzero(value > 0)
+    rows = np.concatenate([uc, classes.unit_class[touched.unit]])
+    cols = np.concatenate([num_uc + bc, num_uc + classes.bin_class[touched.bin]])
+    graph = coo_matrix((np.ones(len(rows)), (rows, cols)), shape=(size, size))
+    _, component = connected_components(graph, directed=False)
+    unit_comp, bin_comp = component[classes.unit_class], component[num_uc + classes.bin_class]
+    touched_comp = unit_comp[touched.unit]
+    bin_of_unit = np.full(num_units, -1, dtype=np.int64)
+    for comp in np.unique(unit_comp).tolist():
+        units = np.flatnonzero(unit_comp == comp)
+        bins = np.flatnonzero(bin_comp == comp)
+        if not len(bins):
+            continue
+        if len(units) * len(bins) > COMPONENT_CELLS:
+            return None
+        matrix = value[classes.unit_class[units]][:, classes.bin_class[bins]]
+        mine = np.flatnonzero(touched_comp == comp)
+        matrix[np.searchsorted(units, touched.unit[mine]), np.searchsorted(bins, touched.bin[mine])] = touched.gain[
+            mine
+        ]
+        if not matrix.any():
+            continue
+        rows_chosen, cols_chosen = _assign(matrix)
+        good = matrix[rows_chosen, cols_chosen] > 0
+        bin_of_unit[units[rows_chosen[good]]] = bins[cols_chosen[good]]
+    return _fill(bin_of_unit, np.arange(num_bins), num_bins)
 
 
 def _block(res: Residency, ranks: np.ndarray, devices: np.ndarray) -> np.ndarray:
@@ -244,7 +280,8 @@ def _best_in_node(block: np.ndarray) -> float:
 def _assign(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     from scipy.optimize import linear_sum_assignment
 
-    return linear_sum_assignment(matrix, maximize=True)
+    rows, cols = linear_sum_assignment(matrix, maximize=True)
+    return np.asarray(rows, dtype=np.int64), np.asarray(cols, dtype=np.int64)
 
 
 def _match(unit: np.ndarray, slot: np.ndarray, weight: np.ndarray, num_units: int, num_slots: int) -> np.ndarray:
@@ -303,11 +340,13 @@ def _place_in_node(res: Residency, ranks: np.ndarray, devices: np.ndarray) -> np
     """The device of each of ``ranks`` among ``devices`` keeping the most bytes in place."""
     block = res.resident(np.tile(devices, len(ranks)), np.repeat(ranks, len(devices))).reshape(len(ranks), len(devices))
     best = block.argmax(axis=1)
-    if len(np.unique(best)) == len(ranks) and block.any():
-        return devices[best]
     if not block.any():
-        return devices[: len(ranks)]
-    return devices[_lsa(block)[0]]
+        chosen = np.arange(len(ranks))
+    elif len(np.unique(best)) == len(ranks):
+        chosen = best
+    else:
+        chosen = _lsa(block)[0]
+    return np.asarray(devices[chosen], dtype=np.int64)
 
 
 def _lsa(gain: np.ndarray) -> tuple[np.ndarray, float]:

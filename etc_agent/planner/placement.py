@@ -21,11 +21,15 @@ computes the same placement from the same record.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from etc_agent.layout.config import ParallelConfig
 from etc_agent.planner.assign import assign_ranks
+
+if TYPE_CHECKING:
+    from etc_agent.planner.residency import Residency
 
 DENSE_LIVE_CELLS = 1 << 22
 """Above this many devices x ranks, a Megatron layout's ``"cost"`` placement takes the sparse path."""
@@ -144,67 +148,58 @@ def _megatron_placement_at_scale(
     range, 1 for the exact previous rank) placed by :func:`etc_agent.planner.matching.assign_sparse`.
     Failure domains do not break its ties. None where FSDP's geometry is needed (the dense path)."""
     from etc_agent.planner.matching import assign_sparse
-    from etc_agent.planner.residency import Residency
 
-    fsdp = previous_config is not None and (previous_config.dp_shard > 1 or config.dp_shard > 1)
-    if fsdp:
+    if previous_config is not None and (previous_config.dp_shard > 1 or config.dp_shard > 1):
         return None
-    num_dev, num_ranks = len(devices), config.world_size
-    ranks = np.arange(num_ranks)
-    new_pp, new_tp, new_dp = _coords(config, ranks)
-    rank_class = new_pp * config.tp + new_tp
-    dev_class = np.full(num_dev, -1, dtype=np.int64)
-    old_rank = np.full(num_dev, -1, dtype=np.int64)
+    old_rank = np.full(len(devices), -1, dtype=np.int64)
     if previous and previous_config is not None:
         for i, device in enumerate(devices):
             rank = previous.get(device)
             if rank is not None and rank < previous_config.world_size:
                 old_rank[i] = rank
-    held = np.flatnonzero(old_rank >= 0)
-    pair_dev: list[np.ndarray] = [held[old_rank[held] < num_ranks]]
-    pair_rank: list[np.ndarray] = [old_rank[pair_dev[0]]]
-    pair_gain: list[np.ndarray] = [np.full(len(pair_dev[0]), 1, dtype=np.int64)]  # KEEP_RANK
-    block_key = np.empty(0, dtype=np.int64)
-    block_bytes = np.empty(0, dtype=np.int64)
-    assert previous_config is not None or not len(held)
-    if len(held) and previous_config is not None and (previous_config.tp, previous_config.pp) == (config.tp, config.pp):
-        old_pp, old_tp, old_dp = _coords(previous_config, old_rank[held])
-        dev_class[held] = old_pp * config.tp + old_tp
-        classes = np.unique(dev_class[held])
-        block_key = classes * (config.tp * config.pp) + classes
-        whole = 500 if config.zero else 1000
-        block_bytes = np.full(len(classes), whole, dtype=np.int64)
-        if config.zero and previous_config.dp == config.dp:
-            # The same dp index keeps the optimizer range too: the device of the rank at the same coordinates.
-            same = old_pp * config.tp * config.dp + old_dp * config.tp + old_tp
-            rank_at = np.full(num_ranks, -1, dtype=np.int64)
-            rank_at[new_pp * config.tp * config.dp + new_dp * config.tp + new_tp] = ranks
-            target = rank_at[np.minimum(same, num_ranks - 1)]
-            keep = (same < num_ranks) & (target >= 0)
-            pair_dev.append(held[keep])
-            pair_rank.append(target[keep])
-            pair_gain.append(np.full(int(keep.sum()), 500, dtype=np.int64))
-    keys = np.concatenate([d * num_ranks + r for d, r in zip(pair_dev, pair_rank)])
-    unique, inverse = np.unique(keys, return_inverse=True)
-    gains = np.zeros(len(unique), dtype=np.int64)
-    np.add.at(gains, inverse, np.concatenate(pair_gain))
-    res = Residency(
-        need=np.full(num_ranks, 1001, dtype=np.int64),
-        dev_class=dev_class,
-        rank_class=rank_class,
-        num_rank_classes=config.tp * config.pp,
-        block_key=block_key,
-        block_bytes=block_bytes,
-        pair_key=unique,
-        pair_bytes=gains,
-        num_dev=num_dev,
-        num_ranks=num_ranks,
-    )
+    res = _live_residency(config, old_rank, previous_config)
     nodes = [d.rpartition(":")[0] for d in devices]
     node_index = {n: k for k, n in enumerate(dict.fromkeys(nodes))}
     node_of_device = np.array([node_index[n] for n in nodes], dtype=np.int64)
     assignment = assign_sparse(res, node_of_device, config.tp)
     return [devices[int(i)] for i in assignment]
+
+
+def _live_residency(config: ParallelConfig, old_rank: np.ndarray, previous_config: ParallelConfig | None) -> Residency:
+    """The live placement's costs as kept thousandths (see :func:`_megatron_placement_at_scale`);
+    ``old_rank``: each device's previous rank (-1: none)."""
+    from etc_agent.planner.residency import Residency
+
+    num_dev, num_ranks = len(old_rank), config.world_size
+    ranks = np.arange(num_ranks)
+    new_pp, new_tp, new_dp = _coords(config, ranks)
+    dev_class = np.full(num_dev, -1, dtype=np.int64)
+    held = np.flatnonzero(old_rank >= 0)
+    keep_rank = held[old_rank[held] < num_ranks]
+    pair_dev, pair_rank = [keep_rank], [old_rank[keep_rank]]
+    pair_gain = [np.full(len(keep_rank), 1, dtype=np.int64)]  # KEEP_RANK
+    block_key = block_bytes = np.empty(0, dtype=np.int64)
+    if len(held) and previous_config is not None and (previous_config.tp, previous_config.pp) == (config.tp, config.pp):
+        old_pp, old_tp, old_dp = _coords(previous_config, old_rank[held])
+        dev_class[held] = old_pp * config.tp + old_tp
+        classes = np.unique(dev_class[held])
+        block_key = classes * (config.tp * config.pp) + classes
+        block_bytes = np.full(len(classes), 500 if config.zero else 1000, dtype=np.int64)
+        if config.zero and previous_config.dp == config.dp:
+            # The same dp index keeps the optimizer range too: the rank at the same coordinates.
+            pair_dev.append(held)
+            pair_rank.append(old_pp * config.tp * config.dp + old_dp * config.tp + old_tp)
+            pair_gain.append(np.full(len(held), 500, dtype=np.int64))
+    keys = np.concatenate([d * num_ranks + r for d, r in zip(pair_dev, pair_rank)])
+    unique, inverse = np.unique(keys, return_inverse=True)
+    gains = np.zeros(len(unique), dtype=np.int64)
+    np.add.at(gains, inverse, np.concatenate(pair_gain))
+    need = np.full(num_ranks, 1001, dtype=np.int64)
+    rank_class = new_pp * config.tp + new_tp
+    num_classes = config.tp * config.pp
+    return Residency(
+        need, dev_class, rank_class, num_classes, block_key, block_bytes, unique, gains, num_dev, num_ranks
+    )
 
 
 def _coords(config: ParallelConfig, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

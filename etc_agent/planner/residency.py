@@ -22,9 +22,9 @@ import dataclasses
 
 import numpy as np
 
-from etc_agent.layout.shards import StateLayout
+from etc_agent.layout.shards import Placement, StateLayout
 from etc_agent.planner.plan import KeyGroup
-from etc_agent.planner.universe import ShardOverlaps, Universe
+from etc_agent.planner.universe import OverlapPairs, ShardOverlaps, Universe
 
 SPARSE_PER_ENTRY = 16
 """A key group goes into the class blocks when its explicit (device, rank) pairs would outnumber its
@@ -55,9 +55,8 @@ class Residency:
     def resident(self, dev: np.ndarray, rank: np.ndarray) -> np.ndarray:
         """Bytes of rank ``rank[k]``'s shards on device ``dev[k]`` (vectorised)."""
         dev, rank = np.asarray(dev, dtype=np.int64), np.asarray(rank, dtype=np.int64)
-        return self.block_resident(self.dev_class[dev], self.rank_class[rank]) + _lookup(
-            self.pair_key, self.pair_bytes, dev * self.num_ranks + rank
-        )
+        pairs = _lookup(self.pair_key, self.pair_bytes, dev * self.num_ranks + rank)
+        return np.asarray(self.block_resident(self.dev_class[dev], self.rank_class[rank]) + pairs, dtype=np.int64)
 
     def block_resident(self, dev_class: np.ndarray, rank_class: np.ndarray) -> np.ndarray:
         """The class blocks' part of the residency, by old and new class (old class -1: nothing)."""
@@ -109,7 +108,7 @@ class Residency:
         """Per new rank, the most bytes any one class block gives it."""
         best = np.zeros(self.num_rank_classes, dtype=np.int64)
         np.maximum.at(best, self.block_key % max(1, self.num_rank_classes), self.block_bytes)
-        return best[self.rank_class]
+        return np.asarray(best[self.rank_class], dtype=np.int64)
 
     def best_bytes_bound(self) -> int:
         """No placement keeps more bytes in place than this (TP groups and nodes set aside): the class
@@ -207,10 +206,57 @@ def residency(
 ) -> Residency:
     """The :class:`Residency` of ``new``'s ranks on the universe's new devices."""
     num_dev, num_ranks = universe.num_dev, new.num_ranks
-    need = np.zeros(num_ranks, dtype=np.int64)
-    # The live old rank on each new device, and which old entries count (alive, on a new device).
+    # Which old entries count: a live old rank on a new device.
     old_dev = universe.old_rank_dev
     on_new = (old_dev < num_dev) & universe.old_rank_alive
+    need, replicated, sparse = _split_groups(old, new, groups, overlaps)
+    old_memberships = {
+        g.old_placement: _live_entries(old.placements[g.old_placement], on_new, g.old_placement) for g in replicated
+    }
+    new_memberships = {
+        g.new_placement: (pn.entry_rank, pn.entry_shard, g.new_placement)
+        for g in replicated
+        for pn in [new.placements[g.new_placement]]
+    }
+    old_class = _classes(old.num_ranks, list(old_memberships.values()))
+    old_class[~on_new] = -1
+    rank_class = _classes(num_ranks, list(new_memberships.values()))
+    num_rank_classes = int(rank_class.max()) + 1 if num_ranks else 0
+    dev_class = np.full(num_dev, -1, dtype=np.int64)
+    dev_class[old_dev[on_new]] = old_class[on_new]
+    block_keys, block_vals = [], []
+    for g in replicated:
+        po, pn = old.placements[g.old_placement], new.placements[g.new_placement]
+        ranks, shards, _ = old_memberships[g.old_placement]
+        old_pairs = np.unique(old_class[ranks] * po.geometry.num_shards + shards)
+        new_pairs = np.unique(rank_class[pn.entry_rank] * pn.geometry.num_shards + pn.entry_shard)
+        pairs = overlaps.pairs(po.geometry, pn.geometry)
+        keys, vals = _join_through(old_pairs, po.geometry.num_shards, new_pairs, pn.geometry.num_shards, pairs)
+        block_keys.append(keys[0] * num_rank_classes + keys[1])
+        block_vals.append(vals * g.bytes_per_element)
+    pair_keys, pair_vals = [], []
+    for g in sparse:
+        po, pn = old.placements[g.old_placement], new.placements[g.new_placement]
+        live = on_new[po.entry_rank]
+        old_entries = old_dev[po.entry_rank[live]] * po.geometry.num_shards + po.entry_shard[live]
+        new_entries = pn.entry_rank * pn.geometry.num_shards + pn.entry_shard
+        pairs = overlaps.pairs(po.geometry, pn.geometry)
+        keys, vals = _join_through(old_entries, po.geometry.num_shards, new_entries, pn.geometry.num_shards, pairs)
+        pair_keys.append(keys[0] * num_ranks + keys[1])
+        pair_vals.append(vals * g.bytes_per_element)
+    block_key, block_bytes = _sum_by_key(block_keys, block_vals)
+    pair_key, pair_bytes = _sum_by_key(pair_keys, pair_vals)
+    return Residency(
+        need, dev_class, rank_class, num_rank_classes, block_key, block_bytes, pair_key, pair_bytes, num_dev, num_ranks
+    )
+
+
+def _split_groups(
+    old: StateLayout, new: StateLayout, groups: list[KeyGroup], overlaps: ShardOverlaps
+) -> tuple[np.ndarray, list[KeyGroup], list[KeyGroup]]:
+    """The bytes each new rank needs, and the key groups held somewhere split into class blocks
+    (data-parallel copies, :data:`SPARSE_PER_ENTRY`) and sparse pairs."""
+    need = np.zeros(new.num_ranks, dtype=np.int64)
     replicated: list[KeyGroup] = []
     sparse: list[KeyGroup] = []
     for g in groups:
@@ -225,75 +271,16 @@ def residency(
         num_triples = int((holders[pairs.old] * needers[pairs.new]).sum())
         many = num_triples > SPARSE_PER_ENTRY * (len(po.entry_rank) + len(pn.entry_rank))
         (replicated if many else sparse).append(g)
-    old_memberships = {
-        g.old_placement: (
-            po.entry_rank[on_new[po.entry_rank]],
-            po.entry_shard[on_new[po.entry_rank]],
-            g.old_placement,
-        )
-        for g in replicated
-        for po in [old.placements[g.old_placement]]
-    }
-    new_memberships = {
-        g.new_placement: (pn.entry_rank, pn.entry_shard, g.new_placement)
-        for g in replicated
-        for pn in [new.placements[g.new_placement]]
-    }
-    old_class = _classes(old.num_ranks, list(old_memberships.values()))
-    old_class[~on_new] = -1
-    rank_class = _classes(num_ranks, list(new_memberships.values()))
-    num_rank_classes = int(rank_class.max()) + 1 if num_ranks else 0
-    dev_class = np.full(num_dev, -1, dtype=np.int64)
-    dev_class[old_dev[on_new]] = old_class[on_new]
+    return need, replicated, sparse
 
-    block_keys, block_vals = [], []
-    for g in replicated:
-        po, pn = old.placements[g.old_placement], new.placements[g.new_placement]
-        ranks, shards, _ = old_memberships[g.old_placement]
-        old_pairs = np.unique(old_class[ranks] * po.geometry.num_shards + shards)
-        new_pairs = np.unique(rank_class[pn.entry_rank] * pn.geometry.num_shards + pn.entry_shard)
-        keys, vals = _join_through(
-            old_pairs,
-            po.geometry.num_shards,
-            new_pairs,
-            pn.geometry.num_shards,
-            overlaps.pairs(po.geometry, pn.geometry),
-        )
-        block_keys.append(keys[0] * num_rank_classes + keys[1])
-        block_vals.append(vals * g.bytes_per_element)
-    pair_keys, pair_vals = [], []
-    for g in sparse:
-        po, pn = old.placements[g.old_placement], new.placements[g.new_placement]
-        live = on_new[po.entry_rank]
-        old_entries = old_dev[po.entry_rank[live]] * po.geometry.num_shards + po.entry_shard[live]
-        new_entries = pn.entry_rank * pn.geometry.num_shards + pn.entry_shard
-        keys, vals = _join_through(
-            old_entries,
-            po.geometry.num_shards,
-            new_entries,
-            pn.geometry.num_shards,
-            overlaps.pairs(po.geometry, pn.geometry),
-        )
-        pair_keys.append(keys[0] * num_ranks + keys[1])
-        pair_vals.append(vals * g.bytes_per_element)
-    block_key, block_bytes = _sum_by_key(block_keys, block_vals)
-    pair_key, pair_bytes = _sum_by_key(pair_keys, pair_vals)
-    return Residency(
-        need=need,
-        dev_class=dev_class,
-        rank_class=rank_class,
-        num_rank_classes=num_rank_classes,
-        block_key=block_key,
-        block_bytes=block_bytes,
-        pair_key=pair_key,
-        pair_bytes=pair_bytes,
-        num_dev=num_dev,
-        num_ranks=num_ranks,
-    )
+
+def _live_entries(placement: Placement, on_new: np.ndarray, salt: int) -> tuple[np.ndarray, np.ndarray, int]:
+    live = on_new[placement.entry_rank]
+    return placement.entry_rank[live], placement.entry_shard[live], salt
 
 
 def _join_through(
-    old_entries: np.ndarray, num_old_shards: int, new_entries: np.ndarray, num_new_shards: int, pairs
+    old_entries: np.ndarray, num_old_shards: int, new_entries: np.ndarray, num_new_shards: int, pairs: OverlapPairs
 ) -> tuple[tuple[np.ndarray, np.ndarray], np.ndarray]:
     """``(owner, shard)`` entries on each side (encoded ``owner * num_shards + shard``) joined through
     the shard overlaps: ``((old owner, new owner), elements)`` per matching triple."""

@@ -108,6 +108,14 @@ class GenerationRecord(Record):
         description="``host:port`` of each member's liveness port, same order as members (empty where "
         "unknown): a member that loses the store asks its peers there whether they still reach it.",
     )
+    layout_ready: bool = Field(
+        False,
+        description="The leader had this layout and placement ready before the event (worked out while the "
+        "previous generation trained, for exactly these members): the decision spent nothing on it.",
+    )
+    layout_seconds: float | None = Field(
+        None, description="Seconds the decision spent fitting the layout and placing its ranks (0 when ready)."
+    )
     placement: list[str] | None = Field(
         None,
         description="Device (node:local) of each training rank, when the leader placed them "
