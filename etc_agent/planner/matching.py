@@ -278,10 +278,20 @@ def _best_in_node(block: np.ndarray) -> float:
 
 
 def _assign(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    from scipy.optimize import linear_sum_assignment
+    """The maximum-weight assignment of a dense matrix's rows to columns (the smaller side whole),
+    as ``(rows, cols)`` ordered by row; by ``scipy.sparse.csgraph`` (scipy.optimize's import is
+    a tenth of a second of a fresh leader's plan)."""
+    from scipy.sparse import csr_matrix
+    from scipy.sparse.csgraph import min_weight_full_bipartite_matching
 
-    rows, cols = linear_sum_assignment(matrix, maximize=True)
-    return np.asarray(rows, dtype=np.int64), np.asarray(cols, dtype=np.int64)
+    transposed = matrix.shape[0] > matrix.shape[1]
+    side = matrix.T if transposed else matrix
+    # Every cell an edge (a constant added to all of them leaves the best full matching as it is).
+    rows, cols = min_weight_full_bipartite_matching(csr_matrix(side + 1.0), maximize=True)
+    if transposed:
+        rows, cols = cols, rows
+    order = np.argsort(rows)
+    return np.asarray(rows[order], dtype=np.int64), np.asarray(cols[order], dtype=np.int64)
 
 
 def _match(unit: np.ndarray, slot: np.ndarray, weight: np.ndarray, num_units: int, num_slots: int) -> np.ndarray:

@@ -124,26 +124,24 @@ class Residency:
         return min(kept, int(self.need.sum()))
 
     def _block_transport(self) -> int:
-        from scipy.optimize import linprog
-        from scipy.sparse import coo_matrix
-
+        """The most the class blocks can keep: each class alone takes the best blocks first, as many
+        members from each as the other class has (both ways; the smaller sum). Where each new class
+        shares its large blocks with one old class, as after a leave or a join, this is the optimum
+        of the transportation problem the classes make."""
         num_old = int(self.dev_class.max()) + 1
         old_cls, new_cls = self.block_key // self.num_rank_classes, self.block_key % self.num_rank_classes
-        num_vars = len(self.block_key)
-        rows = np.concatenate([old_cls, num_old + new_cls])
-        cols = np.concatenate([np.arange(num_vars), np.arange(num_vars)])
-        constraints = coo_matrix(
-            (np.ones(2 * num_vars), (rows, cols)), shape=(num_old + self.num_rank_classes, num_vars)
-        ).tocsr()
-        capacity = np.concatenate(
-            [
-                np.bincount(self.dev_class[self.dev_class >= 0], minlength=num_old),
-                np.bincount(self.rank_class, minlength=self.num_rank_classes),
-            ]
-        )
-        result = linprog(-self.block_bytes.astype(np.float64), A_ub=constraints, b_ub=capacity, bounds=(0, None))
-        assert result.status == 0, result.message
-        return int(np.ceil(-result.fun))  # rounded up, so that it stays a bound
+        n_old = np.bincount(self.dev_class[self.dev_class >= 0], minlength=num_old)
+        n_new = np.bincount(self.rank_class, minlength=self.num_rank_classes)
+        bounds = []
+        for mine, theirs, n_mine, n_theirs in ((new_cls, old_cls, n_new, n_old), (old_cls, new_cls, n_old, n_new)):
+            total = 0
+            left = n_mine.copy()
+            for k in np.lexsort((-self.block_bytes, mine)).tolist():
+                take = min(int(left[mine[k]]), int(n_theirs[theirs[k]]))
+                left[mine[k]] -= take
+                total += take * int(self.block_bytes[k])
+            bounds.append(total)
+        return min(bounds)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -73,6 +73,9 @@ class _Router:
         self.rank_at_dev = {int(d): r for r, d in enumerate(universe.old_rank_dev.tolist())}
         self.load = np.zeros(len(universe.devices), dtype=np.int64)
         self.partitions: dict[tuple[object, ...], Partition] = {}
+        self.local_regions: dict[tuple[int, int], tuple[list[Region], int, list[Box]]] = {}
+        """(group, id of a partition's resident boxes) -> their regions and bytes (the boxes kept
+        alive with them, so the id is not reused)."""
         self.routes = Routes(
             pair_regions=defaultdict(list),
             local=defaultdict(list),
@@ -138,9 +141,18 @@ class _Router:
         local_boxes, remote, missing = part
         w = g.bytes_per_element
         routes = self.routes
-        for off, ln in local_boxes:
-            routes.local[d].append(Region(gi, off, ln))
-            routes.local_bytes[d] += prod(ln) * w
+        if local_boxes:
+            # Many devices keep the same boxes of a group (copies): their regions are made once.
+            key = (gi, id(local_boxes))
+            made = self.local_regions.get(key)
+            if made is None:
+                made = self.local_regions[key] = (
+                    [Region(gi, off, ln) for off, ln in local_boxes],
+                    sum(prod(ln) for _, ln in local_boxes) * w,
+                    local_boxes,
+                )
+            routes.local[d].extend(made[0])
+            routes.local_bytes[d] += made[1]
         for a, (off, ln) in remote:
             nbytes = prod(ln) * w
             src = min(holders[a], key=lambda h: (self.universe.distance(h, d), self.load[h], h))

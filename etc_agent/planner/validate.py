@@ -248,8 +248,13 @@ class _Validator:
 
 def _padded(boxes: list[tuple[int, ...]], ndim: int, fill: int) -> np.ndarray:
     """Tuples of up to ``ndim`` ints as rows, padded with ``fill``."""
+    widths = {len(b) for b in boxes}
+    if len(widths) == 1:
+        (width,) = widths
+        rows = np.array(boxes, dtype=np.int64).reshape(len(boxes), width)
+        return np.pad(rows, ((0, 0), (0, ndim - width)), constant_values=fill)
     out = np.full((len(boxes), ndim), fill, dtype=np.int64)
-    for width in {len(b) for b in boxes}:
+    for width in widths:
         which = [k for k, b in enumerate(boxes) if len(b) == width]
         if width:
             out[which, :width] = np.array([boxes[k] for k in which], dtype=np.int64)
