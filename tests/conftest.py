@@ -45,6 +45,7 @@ TEST_LAYERS: dict[str, tuple[str, dict[str, list[str]]]] = {
         "e2e",
         {},
     ),  # also marked cluster: hosts made of network namespaces  # etc-agent plan in a subprocess, about 2 s each
+    "test_control_plane.py": ("e2e", {}),
     "test_decision.py": ("unit", {}),
     "test_dependencies.py": ("unit", {}),
     "test_elastic.py": ("e2e", {}),
