@@ -63,6 +63,32 @@ def pydoc_dataset(tmp_path_factory):
     return prepare_pydoc(tmp_path_factory.mktemp("data") / "pydoc", 128)
 
 
+def _run_on_data(
+    etcd_server, tmp_path: Path, module: str, parallel: str, model: list[str], steps: int, **scenario
+) -> tuple[dict, str, Path]:
+    """The example on the dataset under etcrun over the real etcd, its samples logged; every agent
+    must exit 0. Returns the scenario's result, the agents' last lines and the sample log."""
+    sample_log = tmp_path / "samples.jsonl"
+    rdzv = [
+        "--rdzv-backend",
+        "etcd-v3",
+        "--rdzv-endpoint",
+        etcd_server.endpoint,
+        "--rdzv-id",
+        f"data-{uuid.uuid4().hex[:6]}",
+    ]
+    work = tmp_path / "run"
+    work.mkdir()
+    nproc = scenario.pop("nproc", 2)
+    extra = [*model, "--sample-log", str(sample_log)]
+    result = run_scenario(
+        parallel, nproc, steps, 0.05, work, echo=False, rdzv=rdzv, extra_script_args=extra, module=module, **scenario
+    )
+    logs = result["cluster"].tail(60)
+    assert result["codes"] == [0] * len(result["codes"]), f"agents exited {result['codes']}\n{logs}"
+    return result, logs, sample_log
+
+
 CASES = {
     # name: (example module, first layout, events, event steps)
     "gpt-eight-changes": (
@@ -95,33 +121,16 @@ def test_data_every_sample_once_through_changes_with_losses_of_the_uninterrupted
     layouts on the same data: tests/test_llama.py.)"""
     module, parallel, events, event_steps = CASES[name]
     num_samples = len(TokenDataset(pydoc_dataset, seq_len=128))
-    sample_log = tmp_path / "samples.jsonl"
     model = ["--data", str(pydoc_dataset), "--seq", "128", "--global-batch", str(GLOBAL_BATCH)]
-    run_id = f"data-{uuid.uuid4().hex[:6]}"
-    rdzv = ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id]
-    work = tmp_path / "run"
-    work.mkdir()
-    result = run_scenario(
-        parallel,
-        2,
-        STEPS,
-        0.05,
-        work,
-        echo=False,
-        rdzv=rdzv,
-        events=events,
-        extra_script_args=[*model, "--sample-log", str(sample_log)],
-        event_steps=event_steps,
-        module=module,
+    result, logs, sample_log = _run_on_data(
+        etcd_server, tmp_path, module, parallel, model, STEPS, events=events, event_steps=event_steps
     )
-    logs = result["cluster"].tail(60)
-    assert result["codes"] == [0] * len(result["codes"]), f"agents exited {result['codes']}\n{logs}"
     assert len(result["migrations"]) >= len(events), [m["new_config"] for m in result["migrations"]]
 
     trained = check_samples(sample_log, num_samples, GLOBAL_BATCH, STEPS, logs)
     assert sorted(trained[:num_samples]) == list(range(num_samples))  # the first epoch: each sample once
 
-    reference, _ = reference_losses(STEPS, work, model, module=module)
+    reference, _ = reference_losses(STEPS, tmp_path / "run", model, module=module)
     losses = result["losses"]
     assert sorted(losses) == list(range(STEPS)), logs
     worst = max(abs(losses[s] - reference[s]) for s in range(STEPS))
@@ -130,9 +139,10 @@ def test_data_every_sample_once_through_changes_with_losses_of_the_uninterrupted
 
 
 UNEVEN = {
-    # name: (example module, layout, loss tolerance); 1 worker per agent: dp 2 -> 3 (a join) -> 2 (a leave)
-    "gpt-dp": ("etc_agent.examples.gpt", "tp=1,pp=1,dp=auto"),
-    "llama-fsdp": ("etc_agent.examples.llama", "dp_shard=auto"),
+    # name: (example module, layout, workers per agent, agents, events): the Llama example from dp 2
+    # through 3 (a join) back to 2 (a leave); the GPT example at dp 3 throughout (one agent of 3).
+    "llama-fsdp-join-leave": ("etc_agent.examples.llama", "dp_shard=auto", 1, 2, ("join", "leave")),
+    "gpt-dp3": ("etc_agent.examples.gpt", "tp=1,pp=1,dp=auto", 3, 1, ()),
 }
 
 
@@ -140,39 +150,33 @@ UNEVEN = {
 def test_data_uneven_shares_when_dp_does_not_divide_the_global_batch_follow_the_uninterrupted_run(
     name, pydoc_dataset, etcd_server, tmp_path
 ):
-    """A global batch of 8 over dp 2, then 3 (a join: shares of 3, 3 and 2, each rank's loss
-    weighted by its share; FSDP2's average over the ranks undone), then 2 again (a leave): every
-    step's samples the global order's and every loss within 1e-4 of the one-process run's."""
-    module, parallel = UNEVEN[name]
+    """A global batch of 8 over dp 3: shares of 3, 3 and 2, each sample's loss taken over the global
+    batch (the Llama example's FSDP2 average over the ranks undone; there dp goes 2 -> 3 -> 2
+    through a join and a leave): every step's samples the global order's and every loss within
+    1e-4 of the one-process run's."""
+    module, parallel, nproc, num_agents, events = UNEVEN[name]
     global_batch, steps = 8, 14
     num_samples = len(TokenDataset(pydoc_dataset, seq_len=32))
-    sample_log = tmp_path / "samples.jsonl"
     model = ["--data", str(pydoc_dataset), "--seq", "32", "--global-batch", str(global_batch), "--data-workers", "1"]
-    run_id = f"uneven-{uuid.uuid4().hex[:6]}"
-    rdzv = ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id]
-    work = tmp_path / "run"
-    work.mkdir()
-    result = run_scenario(
+    result, logs, sample_log = _run_on_data(
+        etcd_server,
+        tmp_path,
+        module,
         parallel,
-        1,
+        model,
         steps,
-        0.05,
-        work,
-        echo=False,
-        rdzv=rdzv,
-        events=("join", "leave"),
-        extra_script_args=[*model, "--sample-log", str(sample_log)],
-        event_steps=[2, 6],
-        module=module,
+        nproc=nproc,
+        events=events,
+        event_steps=[2, 6][: len(events)],
+        initial_agents=num_agents,
     )
-    logs = result["cluster"].tail(60)
-    assert result["codes"] == [0] * len(result["codes"]), f"agents exited {result['codes']}\n{logs}"
-    dps = [m["new_config"] for m in sorted(result["migrations"], key=lambda m: m["generation"])]
-    assert any("dp=3" in c or "dp_shard=3" in c for c in dps), dps
+    if events:
+        dps = [m["new_config"] for m in sorted(result["migrations"], key=lambda m: m["generation"])]
+        assert any("dp_shard=3" in c for c in dps), dps
     check_samples(sample_log, num_samples, global_batch, steps, logs)
     three = [json.loads(line) for line in sample_log.read_text().splitlines()]
     assert any(len(e["samples"]) == 2 for e in three) and any(len(e["samples"]) == 3 for e in three)
-    reference, _ = reference_losses(steps, work, model, module=module)
+    reference, _ = reference_losses(steps, tmp_path / "run", model, module=module)
     losses = result["losses"]
     assert sorted(losses) == list(range(steps)), logs
     worst = max(abs(losses[s] - reference[s]) for s in range(steps))

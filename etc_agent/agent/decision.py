@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from etc_agent.agent.layoutfit import fits
-from etc_agent.agent.ready import LayoutChoice, LayoutInputs, choose_layout, layout_inputs
+from etc_agent.agent.ready import LayoutChoice, LayoutInputs, LayoutQuestion
 from etc_agent.agent.snapshot import Snapshot, members, ordered_nodes
 from etc_agent.layout.config import ParallelSpec
 from etc_agent.rendezvous.records import GenerationRecord, NodeRecord, NodeStatus
@@ -258,20 +258,26 @@ def _layout(
     snapshot: Snapshot, ordered: list[str], devices: dict[str, int], current: GenerationRecord | None
 ) -> tuple[LayoutChoice, bool]:
     """The layout for these members: the ready one with exactly these inputs, else worked out now."""
+    question = _question(snapshot, ordered, devices, current)
+    ready = snapshot.ready_layouts.get(question.key())
+    if ready is not None:
+        return ready, True
+    return question.answer(), False
+
+
+def _question(
+    snapshot: Snapshot, ordered: list[str], devices: dict[str, int], current: GenerationRecord | None
+) -> LayoutQuestion:
     settings = snapshot.settings
-    args = (
+    return LayoutQuestion(
         _spec(snapshot),
         settings.model,
         settings.min_nodes,
-        ordered,
-        devices,
+        tuple(ordered),
+        tuple(devices[n] for n in ordered),
         current,
         settings.resilient_placement,
     )
-    ready = snapshot.ready_layouts.get(layout_inputs(*args))
-    if ready is not None:
-        return ready, True
-    return choose_layout(*args), False
 
 
 def _keep_restarting(
@@ -329,17 +335,8 @@ def prepare_layout(
     snapshot: Snapshot, ordered: list[str], devices: dict[str, int]
 ) -> tuple[LayoutInputs, LayoutChoice]:
     """One ready layout for ``ordered``, keyed by its inputs (run by the leader in the background)."""
-    settings = snapshot.settings
-    args = (
-        _spec(snapshot),
-        settings.model,
-        settings.min_nodes,
-        ordered,
-        devices,
-        snapshot.current,
-        settings.resilient_placement,
-    )
-    return layout_inputs(*args), choose_layout(*args)
+    question = _question(snapshot, ordered, devices, snapshot.current)
+    return question.key(), question.answer()
 
 
 def _spec(snapshot: Snapshot) -> ParallelSpec | None:

@@ -60,57 +60,55 @@ class LayoutChoice:
     """Time the decision took when it was made."""
 
 
-def layout_inputs(
-    spec: ParallelSpec | None,
-    model: ModelSpec | None,
-    min_nodes: int,
-    ordered: list[str],
-    devices: Mapping[str, int],
-    current: GenerationRecord | None,
-    resilient: bool,
-) -> LayoutInputs:
-    previous: tuple[object, ...] = ()
-    if current is not None:
-        placement = tuple(current.placement or current.member_devices())
-        previous = (current.number, current.status, current.parallel, placement)
-    return LayoutInputs(
-        spec=spec.short() if spec is not None else None,
-        model=model.name if model is not None else None,
-        min_nodes=min_nodes,
-        ordered=tuple(ordered),
-        devices=tuple(devices[n] for n in ordered),
-        previous=previous,
-        resilient=resilient,
-    )
+@dataclass(frozen=True)
+class LayoutQuestion:
+    """What one layout decision reads (what :func:`layoutfit.fit` and :func:`layoutfit.place` take):
+    its :meth:`key` names it, its :meth:`answer` works it out."""
 
+    spec: ParallelSpec | None
+    model: ModelSpec | None
+    min_nodes: int
+    ordered: tuple[str, ...]
+    devices: tuple[int, ...]
+    """Devices of each of ``ordered``."""
+    current: GenerationRecord | None
+    resilient: bool
 
-def choose_layout(
-    spec: ParallelSpec | None,
-    model: ModelSpec | None,
-    min_nodes: int,
-    ordered: list[str],
-    devices: Mapping[str, int],
-    current: GenerationRecord | None,
-    resilient: bool,
-) -> LayoutChoice:
-    """Fit and place, timed (what a decision computes when no ready layout has its inputs)."""
-    started = time.perf_counter()
-    fitted = fit(spec, model, ordered, dict(devices), min_nodes)
-    if isinstance(fitted, str):
-        return LayoutChoice(tuple(ordered), None, None, (), fitted, time.perf_counter() - started)
-    used, parallel = fitted
-    placement: list[str] | None = None
-    gaps: list[str] = []
-    if parallel is not None and len(used) >= min_nodes:
-        placement, gaps = place(parallel, used, dict(devices), current, resilient)
-    return LayoutChoice(
-        tuple(used),
-        parallel,
-        tuple(placement) if placement is not None else None,
-        tuple(gaps),
-        None,
-        time.perf_counter() - started,
-    )
+    def key(self) -> LayoutInputs:
+        previous: tuple[object, ...] = ()
+        if self.current is not None:
+            placement = tuple(self.current.placement or self.current.member_devices())
+            previous = (self.current.number, self.current.status, self.current.parallel, placement)
+        return LayoutInputs(
+            spec=self.spec.short() if self.spec is not None else None,
+            model=self.model.name if self.model is not None else None,
+            min_nodes=self.min_nodes,
+            ordered=self.ordered,
+            devices=self.devices,
+            previous=previous,
+            resilient=self.resilient,
+        )
+
+    def answer(self) -> LayoutChoice:
+        """Fit and place, timed (what a decision computes when no ready layout has its key)."""
+        started = time.perf_counter()
+        ordered, devices = list(self.ordered), dict(zip(self.ordered, self.devices))
+        fitted = fit(self.spec, self.model, ordered, devices, self.min_nodes)
+        if isinstance(fitted, str):
+            return LayoutChoice(self.ordered, None, None, (), fitted, time.perf_counter() - started)
+        used, parallel = fitted
+        placement: list[str] | None = None
+        gaps: list[str] = []
+        if parallel is not None and len(used) >= self.min_nodes:
+            placement, gaps = place(parallel, used, devices, self.current, self.resilient)
+        return LayoutChoice(
+            tuple(used),
+            parallel,
+            tuple(placement) if placement is not None else None,
+            tuple(gaps),
+            None,
+            time.perf_counter() - started,
+        )
 
 
 class ReadyLayouts:
