@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -269,6 +270,12 @@ class EtcdServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
+
+
+def etcd_rdzv(etcd_server, name: str) -> list[str]:
+    """etcrun's rendezvous flags for a new job called ``name-<random>`` on the test's etcd."""
+    run_id = f"{name}-{uuid.uuid4().hex[:6]}"
+    return ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id]
 
 
 @pytest.fixture(scope="session")

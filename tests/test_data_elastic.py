@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import uuid
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, etcd_rdzv
 
 sys.path.insert(0, str(ROOT / "scripts"))
 from elastic_demo import reference_losses, run_scenario
@@ -69,14 +68,7 @@ def _run_on_data(
     """The example on the dataset under etcrun over the real etcd, its samples logged; every agent
     must exit 0. Returns the scenario's result, the agents' last lines and the sample log."""
     sample_log = tmp_path / "samples.jsonl"
-    rdzv = [
-        "--rdzv-backend",
-        "etcd-v3",
-        "--rdzv-endpoint",
-        etcd_server.endpoint,
-        "--rdzv-id",
-        f"data-{uuid.uuid4().hex[:6]}",
-    ]
+    rdzv = etcd_rdzv(etcd_server, "data")
     work = tmp_path / "run"
     work.mkdir()
     nproc = scenario.pop("nproc", 2)

@@ -12,7 +12,7 @@ import time
 import uuid
 
 import pytest
-from conftest import LEAVE_SPREAD_S, ROOT
+from conftest import LEAVE_SPREAD_S, ROOT, etcd_rdzv
 
 sys.path.insert(0, str(ROOT / "scripts"))
 from elastic_demo import compare_states, reference_losses, run_scenario
@@ -33,12 +33,6 @@ CASES = {
 }
 MODEL_ARGS = {"tp2pp2-loss": ["--layers", "2"]}  # one layer per stage: 8 workers on 2 cores train slowly
 AGENT_ARGS = {"tp2pp2-loss": ["--worker-heartbeat-timeout", "3"]}
-
-
-def etcd_rdzv(etcd_server, name: str) -> list[str]:
-    """etcrun's rendezvous flags for a new job called ``name-<random>`` on the test's etcd."""
-    run_id = f"{name}-{uuid.uuid4().hex[:6]}"
-    return ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id]
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -4,22 +4,10 @@ leave and a worker SIGKILL, losses against an uninterrupted one-process run of t
 
 from __future__ import annotations
 
-import uuid
-
+from conftest import etcd_rdzv
 from elastic_demo import compare_states, reference_losses, run_scenario
 
 LLAMA = "etc_agent.examples.llama"
-
-
-def _rdzv(etcd_server, name: str) -> list[str]:
-    return [
-        "--rdzv-backend",
-        "etcd-v3",
-        "--rdzv-endpoint",
-        etcd_server.endpoint,
-        "--rdzv-id",
-        f"{name}-{uuid.uuid4().hex[:6]}",
-    ]
 
 
 def _worst_relative(losses: dict[int, float], reference: dict[int, float]) -> float:
@@ -53,7 +41,7 @@ def test_reconfigure_moves_fsdp2_state_and_the_data_position_between_fsdp_tp_and
         0.1,
         tmp_path,
         echo=False,
-        rdzv=_rdzv(etcd_server, "llama-reconf"),
+        rdzv=etcd_rdzv(etcd_server, "llama-reconf"),
         events=events,
         module=LLAMA,
         extra_script_args=["--pipeline-schedule", "1f1b", *data, "--sample-log", str(sample_log)],
@@ -87,7 +75,7 @@ def test_hsdp_through_a_join_a_sigterm_leave_and_a_worker_kill_is_bitwise_the_un
         0.1,
         tmp_path,
         echo=False,
-        rdzv=_rdzv(etcd_server, "llama-hsdp"),
+        rdzv=etcd_rdzv(etcd_server, "llama-hsdp"),
         events=("join", "leave", "kill"),
         module=LLAMA,
         extra_script_args=extra,
@@ -117,7 +105,7 @@ def test_pure_fsdp_loses_a_shard_to_a_kill_and_restores_just_it_from_the_periodi
         0.15,
         work,
         echo=False,
-        rdzv=_rdzv(etcd_server, "llama-restore"),
+        rdzv=etcd_rdzv(etcd_server, "llama-restore"),
         events=("kill",),
         agent_args=["--checkpoint-dir", str(checkpoints), "--checkpoint-interval", "5"],
         extra_script_args=extra,
@@ -150,7 +138,7 @@ def test_the_checkpoint_way_saves_fsdp2_state_through_get_state_dict_and_loads_i
         0.1,
         work,
         echo=False,
-        rdzv=_rdzv(etcd_server, "llama-ckpt"),
+        rdzv=etcd_rdzv(etcd_server, "llama-ckpt"),
         events=("reconfigure:dp_shard=auto",),
         agent_args=["--migration", "checkpoint", "--checkpoint-dir", str(checkpoints)],
         extra_script_args=extra,

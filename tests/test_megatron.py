@@ -307,9 +307,8 @@ def test_megatron_gpt_trains_through_join_leave_reconfigure_and_crash_under_etcr
     a step is bitwise the state after the previous one, every step's samples are the global order's,
     and the losses match an uninterrupted single-process run."""
     import sys
-    import uuid
 
-    from conftest import LEAVE_SPREAD_S, ROOT
+    from conftest import LEAVE_SPREAD_S, ROOT, etcd_rdzv
 
     sys.path.insert(0, str(ROOT / "scripts"))
     from elastic_demo import reference_losses, run_scenario
@@ -328,14 +327,7 @@ def test_megatron_gpt_trains_through_join_leave_reconfigure_and_crash_under_etcr
     data = ["--data", str(dataset), "--seq", "16"]
     script = ["--global-batch", "12", "--micro-batch", "2", "--digest-log", str(digests), *data]
     script += ["--sample-log", str(sample_log)]
-    rdzv = [
-        "--rdzv-backend",
-        "etcd-v3",
-        "--rdzv-endpoint",
-        etcd_server.endpoint,
-        "--rdzv-id",
-        f"megatron-{uuid.uuid4().hex[:6]}",
-    ]
+    rdzv = etcd_rdzv(etcd_server, "megatron")
     events = ("join", "leave", "reconfigure:tp=1,pp=2,dp=auto", "kill")
     result = run_scenario(
         "tp=2,pp=1,dp=auto",
@@ -403,9 +395,8 @@ def test_megatron_gpt_survives_a_hung_worker_and_a_whole_node_killed_under_etcru
     an uninterrupted run."""
     import json
     import sys
-    import uuid
 
-    from conftest import LEAVE_SPREAD_S, ROOT
+    from conftest import LEAVE_SPREAD_S, ROOT, etcd_rdzv
 
     sys.path.insert(0, str(ROOT / "scripts"))
     from elastic_demo import reference_losses, run_scenario
@@ -416,14 +407,7 @@ def test_megatron_gpt_survives_a_hung_worker_and_a_whole_node_killed_under_etcru
     work.mkdir()
     digests = work / "digests.jsonl"
     script = ["--global-batch", "12", "--micro-batch", "2", "--digest-log", str(digests)]
-    rdzv = [
-        "--rdzv-backend",
-        "etcd-v3",
-        "--rdzv-endpoint",
-        etcd_server.endpoint,
-        "--rdzv-id",
-        f"megatron-crash-{uuid.uuid4().hex[:6]}",
-    ]
+    rdzv = etcd_rdzv(etcd_server, "megatron-crash")
     result = run_scenario(
         "tp=2,pp=1,dp=auto",
         2,
