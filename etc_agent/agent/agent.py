@@ -42,6 +42,7 @@ from etc_agent.agent.controlauth import ControlKeys
 from etc_agent.agent.fence import Fence, FenceState
 from etc_agent.agent.forkserver import ForkServer
 from etc_agent.agent.generations import Generations, StaticStore
+from etc_agent.agent.genwatch import GenerationWatch
 from etc_agent.agent.leader import Leader
 from etc_agent.agent.leaving import Leaving
 from etc_agent.agent.node import Emit, Node
@@ -163,6 +164,14 @@ class Agent:
             },
         )
 
+    def _import_torch_if_first(self, worker_stores: WorkerStores) -> None:
+        """An agent among the first registered is likely a first generation's store host: its torch
+        import starts now, beside the rendezvous, not when the generation needs the store."""
+        try:
+            worker_stores.may_host(self.leader.registration_order(), self.node_id)
+        except StoreError:
+            pass  # the first generation it sees decides
+
     def _keepalive(self) -> None:
         node = self.node
         interval = max(0.2, self.config.lease_ttl / 3)
@@ -210,13 +219,9 @@ class Agent:
         node = self.node
         if node.spec.start_method == "forkserver" and not node.spec.no_python and not self.config.sidecar:
             # Its imports run beside this process's and the rendezvous: workers fork ready from it,
-            # and so do the workers' stores this agent hosts (this process never imports torch).
+            # and so do the workers' stores this agent hosts (this process never imports torch;
+            # without a fork server, only an agent that may host imports it: WorkerStores).
             node.forkserver = ForkServer()
-        else:
-            # torch takes ~1.5 s to import: pay it before joining, not when a generation needs the
-            # TCPStore. Not in a background thread: TCPStores made while torch was still importing
-            # in another thread made workers abort ("terminate called without an active exception").
-            import torch.distributed  # noqa: F401
         worker_stores = WorkerStores(node.host, node.forkserver)
         generations = Generations(node, worker_stores, self._static_store)
         control = self._open_control_channel()
@@ -228,13 +233,19 @@ class Agent:
             self.supervision.warm_fork_server_before_joining()
             self.supervision.join_warm()
             self._register()
+            if worker_stores.in_process:
+                self._import_torch_if_first(worker_stores)
             for target in (self._keepalive, self.leader.run_election, self._watch_fence):
                 t = threading.Thread(target=target, name=f"etc-{target.__name__}", daemon=True)
                 t.start()
                 self._threads.append(t)
-            self._watches.append(node.store.watch_prefix(keys.GENERATION, lambda e: node.wake.set()))
+            generation_watch = GenerationWatch(node)
+            generation_watch.arm()
             leaving = Leaving(node, self.leader.statuses, generations.continue_workers)
-            return self._loop(generations, leaving)
+            try:
+                return self._loop(generations, leaving, generation_watch)
+            finally:
+                generation_watch.close()
         finally:
             self._close(control, worker_stores)
 
@@ -291,7 +302,7 @@ class Agent:
                 pass
 
     # ---- the main loop ------------------------------------------------------------------
-    def _loop(self, generations: Generations, leaving: Leaving) -> int:
+    def _loop(self, generations: Generations, leaving: Leaving, generation_watch: GenerationWatch) -> int:
         """Each pass: a departure runs to its end; the generation is read and a new one acted on;
         the wait for ``--nnodes`` MIN members is bounded; the workers are checked."""
         node = self.node
@@ -302,7 +313,7 @@ class Agent:
                 return leaving.depart()
             now = time.monotonic()
             try:
-                gen = node.read_generation()
+                gen = generation_watch.read()
                 outage.over()
                 self.commits.retry()
             except StoreError as err:

@@ -73,6 +73,7 @@ class Generations:
             if gen.status == "failed":
                 node.emit("job_failed", {"reason": gen.reason})
             return 0 if gen.status == "succeeded" else 1
+        self.worker_stores.may_host(gen.members, node.node_id)
         role = gen.role_of(node.node_id, with_senders=node.config.migration == "live")
         if node.elastic and node.workers is not None:
             if self._carry_elastic_workers(gen, role, previous):

@@ -132,6 +132,10 @@ class Leader:
             unprobed = self._holder_seen is not None and not self._gone.knows(self._holder_seen)
             self._peer_failure.wait(0.2 if unprobed else max(0.2, self.config.lease_ttl / 5))
 
+    def registration_order(self) -> list[str]:
+        """The registered nodes' ids in group order (the order of a first generation's members)."""
+        return [record.node_id for record in ordered_nodes(self._store_read.nodes())]
+
     def notify_peer_failure(self) -> None:
         """This node's workers saw a peer fail: if the leader died with it, take over now."""
         self._peer_failure.set()

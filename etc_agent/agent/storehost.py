@@ -6,8 +6,14 @@ torch, whose import costs the agent ~2 s of CPU and ~300 MB; the fork server has
 already, so each store runs in a process forked from it (``python -m etc_agent.agent.storehost HOST``
 as the fork server runs it: milliseconds), which prints its port and serves until the agent stops it.
 It dies with the fork server, which dies with the agent. Without a fork server (``--start-method
-spawn``, ``--no-python``, a sidecar) or when it fails, the store is made in the agent's process, as
-before (:class:`WorkerStores` imports torch then).
+spawn``, ``--no-python``, a sidecar) or when it fails, the store is made in the agent's process.
+
+Only the first member of a generation hosts, so without a fork server an agent imports torch only
+when it may host: in the background as soon as it is the first or the second member of a generation
+it sees (the second is the host once the first leaves), joined before any store is made (a
+``TCPStore`` made while torch was still importing in another thread took a half-imported module and
+made the workers abort). The other agents of a large job never import it (~50 MB each instead of
+~250 MB).
 """
 
 from __future__ import annotations
@@ -37,10 +43,39 @@ class _Store(Protocol):
     def close(self) -> None: ...
 
 
+HOSTS_AHEAD = 2
+"""The members that import torch ahead, from the first: the host and the one that hosts after it."""
+
+
+class TorchImport:
+    """torch imported once, in the background, for the stores made in this process."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=_import_torch, name="etc-torch-import", daemon=True)
+                self._thread.start()
+
+    def wait(self) -> None:
+        """Until torch is imported (started here when it was not)."""
+        self.start()
+        assert self._thread is not None
+        self._thread.join()
+
+
+def _import_torch() -> None:
+    import torch.distributed  # noqa: F401
+
+
 class _InProcess:
     """A TCPStore in the agent's own process."""
 
-    def __init__(self, host: str):
+    def __init__(self, host: str, torch_import: TorchImport):
+        torch_import.wait()
         from torch.distributed import TCPStore
 
         self._store: TCPStore | None = TCPStore(host, 0, is_master=True, wait_for_workers=False)
@@ -111,6 +146,18 @@ class WorkerStores:
         self._spare: _Store | None = None
         self._starting: threading.Thread | None = None
         self._closed = False
+        self._torch = TorchImport()
+
+    @property
+    def in_process(self) -> bool:
+        """Whether this agent's stores are made in its own process (it has no fork server)."""
+        return self._forkserver is None
+
+    def may_host(self, members: list[str], node_id: str) -> None:
+        """A generation names ``members``: where this agent may host soon and has no fork server to
+        host in, torch is imported now, in the background."""
+        if self.in_process and node_id in members[:HOSTS_AHEAD]:
+            self._torch.start()
 
     def new(self) -> tuple[str, int]:
         """A fresh store for a generation; the address workers reach it at."""
@@ -119,7 +166,7 @@ class WorkerStores:
         with self._lock:
             store, self._spare = self._spare, None
         if store is None:
-            store = self._forked() or _InProcess(self.host)
+            store = self._forked() or _InProcess(self.host, self._torch)
         for old in self._open[:-1]:
             old.close()
         self._open = [*self._open[-1:], store]
