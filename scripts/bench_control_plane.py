@@ -4,7 +4,8 @@
 Each agent runs one sleeping worker (``--no-python sleep``), so what is measured is the agents and
 the store. For each fleet size:
 
-1. start the agents; wait until every one has seen a running generation of all of them;
+1. start the agents (16 at a time, each wave registered before the next); wait until every one has
+   seen a running generation of all of them;
 2. idle for ``--idle-s``: each agent's memory (RSS) and CPU (share of one core);
 3. SIGKILL one agent (not the leader): time from the kill to the generation without it seen by
    every survivor (each agent's own ``generation_seen`` line, wall clock);
@@ -115,6 +116,7 @@ class Agent:
     seen: list[tuple[float, int, int]] = field(default_factory=list)
     """(wall time, generation, members) of each running generation it saw."""
     leader_since: float | None = None
+    registered: bool = False
 
 
 class Fleet:
@@ -166,8 +168,25 @@ class Fleet:
                     continue
                 if event.get("event") == "generation_seen" and event.get("status") == "running":
                     agent.seen.append((float(event["ts"]), int(event["generation"]), int(event["members"])))
+                elif event.get("event") == "registered":
+                    agent.registered = True
                 elif event.get("event") == "leader_elected":
                     agent.leader_since = float(event["ts"])
+
+    def start_in_waves(self, count: int, wave: int, timeout: float) -> None:
+        """Start ``count`` agents ``wave`` at a time, each wave registered before the next starts: on one
+        small machine hundreds of Python start-ups at once starve the running agents (their lease
+        keepalives and liveness ports), which hosts of their own would not."""
+        deadline = time.monotonic() + timeout
+        for first in range(0, count, wave):
+            started = self.start(min(wave, count - first))
+            while True:
+                self.read()
+                if all(self.agents[i].registered for i in started):
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"agents {[i for i in started if not self.agents[i].registered]} did not register")
+                time.sleep(0.2)
 
     def alive(self) -> list[int]:
         return [i for i, a in enumerate(self.agents) if a.proc.poll() is None]
@@ -261,7 +280,7 @@ def measure(size: int, idle_s: float, work: Path, lease_ttl: float) -> dict:
     fleet = Fleet(etcd.endpoint, work, max_nodes=size + 1, lease_ttl=lease_ttl)
     try:
         started = time.time()
-        fleet.start(size)
+        fleet.start_in_waves(size, wave=16, timeout=60 + 2.0 * size)
         fleet.wait_all_see(size, started, timeout=60 + 2.0 * size)
         up_s = time.time() - started
         rss, cpu = fleet.usage(idle_s)

@@ -9,7 +9,8 @@ from conftest import ROOT
 
 from etc_agent.layout import ParallelConfig
 from etc_agent.sim import CostModel, Scenario, bench_suite, paper_suite, simulate
-from etc_agent.sim.suites import PAPER_SIZES, cluster, load_model, smallest_layout
+from etc_agent.sim.costs import fit_line
+from etc_agent.sim.suites import PAPER_SIZES, cluster, load_model, scale_suite, smallest_layout
 
 GB = 1e9
 
@@ -314,3 +315,36 @@ def test_the_fsdp_suite_simulates_hsdp_and_fsdp_jobs_losing_and_gaining_a_node()
     hsdp_fail = next(s for s in scenarios if s.name == "HSDP 8x128 fail 1 node")
     result = simulate(hsdp_fail, costs)
     assert result.plan.bytes_moved > 0 and result.etc_s < result.ckpt_s
+
+
+def test_control_round_fitted_to_the_control_plane_benchmark(tmp_path):
+    rows = [{"agents": n, "kill": {"seen_median_s": 0.5 + 0.002 * n}} for n in (16, 64, 256)]
+    path = tmp_path / "cp.json"
+    path.write_text("a table\n" + json.dumps({"bench": "control_plane", "results": rows}) + "\n")
+    fitted = CostModel.from_control_plane(path)
+    assert fitted["control_s"] == pytest.approx(0.5) and fitted["control_per_node_s"] == pytest.approx(0.002)
+    # One fleet size: its time, no slope; a falling line (noise) costs nothing per node.
+    assert fit_line([(16, 0.9), (16, 1.1)], "a", "b", "x") == {"a": pytest.approx(1.0), "b": 0.0}
+    assert fit_line([(16, 1.0), (64, 0.9)], "a", "b", "x") == {"a": pytest.approx(0.95), "b": 0.0}
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"results": [{"agents": 4}]}))
+    with pytest.raises(ValueError, match="bench_control_plane"):
+        CostModel.from_control_plane(bad)
+    # Each node of the job adds its share of the control round.
+    costs = CostModel(control_s=0.25, control_per_process_s=0.0, control_per_node_s=0.01)
+    assert simulate(tiny(), costs).etc_phases["control_s"] == pytest.approx(0.25 + 0.01 * 2)
+
+
+def test_the_scale_suite_loses_a_node_both_ways_and_gains_a_replica():
+    scenarios = scale_suite(sizes=(256,))
+    assert [s.name for s in scenarios] == ["preempt 1 node", "fail 1 node", "join 1 replica"]
+    preempt, fail, join = scenarios
+    assert preempt.old_config == ParallelConfig(tp=8, pp=4, dp=8)
+    assert preempt.new_config == ParallelConfig(tp=8, pp=4, dp=7) and len(preempt.new_devices) == 248
+    assert fail.failed and {d.node for d in fail.failed} == {"n31"}
+    assert join.new_config.dp == 9 and len(join.new_devices) == 256 + 32
+    result = simulate(fail, CostModel())
+    # The crashed node's replica goes (its other nodes wait as spares); the other replicas keep their
+    # places: nothing moves live, while the checkpoint way reads every rank's state back.
+    assert result.plan.bytes_moved == 0 and result.ckpt_phases["save_s"] == 0
+    assert result.checkpoint_bytes == sum(result.plan.need_bytes.values()) > 0

@@ -39,7 +39,8 @@ from etc_agent.utils.liveness import ask_many
 
 REACH_WINDOW_S = 2.0
 """A peer not in an outage whose last store answer is younger than this reaches the store (a
-healthy agent hears it every ``--monitor-interval``, its main loop's read)."""
+healthy agent hears it at least every second: its main loop's read of the generation,
+:data:`~etc_agent.agent.genwatch.REFRESH_S`)."""
 
 CONFIRM_S = 0.5
 """How long the store must have been known silent before the peers are asked: every agent learns of
@@ -50,8 +51,9 @@ MAX_PEERS_ASKED = 8
 """Peers asked at once (the first members in order): enough to tell a node cut off
 from a shared outage, few enough that a large job's outage does not flood every port."""
 
-CHECK_INTERVAL_S = 0.1
-"""How often the fence looks at the store's silence."""
+CHECK_INTERVAL_S = 0.25
+"""How often the fence looks at the store's silence (a fraction of ``CONFIRM_S``; at hundreds of
+agents on a host, each thread's wakes are its share of the host's cores)."""
 
 ASK_INTERVAL_S = 0.5
 """How often the peers are asked again while the store stays silent."""

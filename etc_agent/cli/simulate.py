@@ -36,11 +36,17 @@ class SimulateFlags(BaseModel):
         "paper",
         description="paper: Megatron-style jobs on 8-1024 GPUs; fsdp: FSDP2 / HSDP jobs (llama-70b HSDP 8x128, "
         "llama-13b FSDP 64 and HSDP 4x16) losing or gaining a node; bench: the transitions of "
-        "scripts/bench_migration.py (1 GB example GPT, this machine's shape).",
+        "scripts/bench_migration.py (1 GB example GPT, this machine's shape); scale: llama-70b tp=8 pp=8 on 1k, "
+        "4k and 16k GPUs losing a node (notice, crash) or gaining a replica.",
     )
     models: str | None = Field(None, description="paper suite: comma-separated model names (default: all four).")
     costs_file: Annotated[Path | None, Cli(names=("--costs",))] = Field(
         None, description="JSON of cost fields (scripts/calibrate_sim.py writes one); flags override it."
+    )
+    control_plane: Path | None = Field(
+        None,
+        description="JSON line of scripts/bench_control_plane.py: control_s and control_per_node_s fitted to its "
+        "measured event -> generation times (over the file's and the flags' values).",
     )
     measured: Path | None = Field(
         None,
@@ -64,7 +70,7 @@ def simulate(flags: SimulateFlags, cost_flags: dict | None = None) -> None:
     plot_path = flags.plot if flags.plot is not None else Path(f"simulate-{flags.suite}.png")
     if str(plot_path) != "-":
         check_output(plot_path, "--plot")
-    costs = _costs(flags.costs_file, cost_flags or {})
+    costs = _costs(flags.costs_file, cost_flags or {}, flags.control_plane)
     scenarios = _scenarios(flags.suite, flags.models)
     measured = _read_measured(flags)
     console = Console()
@@ -88,18 +94,23 @@ def simulate(flags: SimulateFlags, cost_flags: dict | None = None) -> None:
         raise typer.Exit(1)
 
 
-def _costs(costs_file: Path | None, cost_flags: dict[str, Any]) -> CostModel:
-    """The file's cost fields (checked on their own, to name the file), the flags over them."""
+def _costs(costs_file: Path | None, cost_flags: dict[str, Any], control_plane: Path | None) -> CostModel:
+    """The file's cost fields (checked on their own, to name the file), the flags over them, the
+    control round fitted to ``--control-plane`` over both."""
     from etc_agent.sim.costs import CostModel
 
-    values = CostModel.from_file(costs_file) if costs_file else {}
+    try:
+        values = CostModel.from_file(costs_file) if costs_file else {}
+        fitted = CostModel.from_control_plane(control_plane) if control_plane else {}
+    except ValueError as err:
+        raise UserError(str(err)) from None
     if values:
         build_model(CostModel, values, str(costs_file))
-    return build_model(CostModel, {**values, **cost_flags})
+    return build_model(CostModel, {**values, **cost_flags, **fitted})
 
 
 def _scenarios(suite: str, models: str | None) -> list[Scenario]:
-    from etc_agent.sim.suites import PAPER_SIZES, bench_suite, fsdp_suite, paper_suite
+    from etc_agent.sim.suites import PAPER_SIZES, bench_suite, fsdp_suite, paper_suite, scale_suite
 
     if suite == "paper":
         sizes = PAPER_SIZES
@@ -112,11 +123,12 @@ def _scenarios(suite: str, models: str | None) -> list[Scenario]:
                 )
             sizes = {m: PAPER_SIZES[m] for m in wanted}
         return paper_suite(sizes)
-    if suite not in ("bench", "fsdp"):
-        raise UserError(f"--suite {suite!r}: use paper, fsdp or bench")
+    suites = {"bench": bench_suite, "fsdp": fsdp_suite, "scale": scale_suite}
+    if suite not in suites:
+        raise UserError(f"--suite {suite!r}: use paper, fsdp, bench or scale")
     if models is not None:
         raise UserError("--models applies to the paper suite only")
-    return bench_suite() if suite == "bench" else fsdp_suite()
+    return suites[suite]()
 
 
 def _read_measured(flags: SimulateFlags) -> dict[str, Any] | None:

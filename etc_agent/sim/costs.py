@@ -30,6 +30,12 @@ class CostModel(BandwidthModel):
         ge=0,
         description="Live switch: added control time per process in the generation (store round trips, barrier) (s).",
     )
+    control_per_node_s: float = Field(
+        0.0,
+        ge=0,
+        description="Live switch: added control time per node (agent) of the job: every agent reading the new "
+        "generation from the store (--control-plane fits it from scripts/bench_control_plane.py) (s).",
+    )
     join_s: float = Field(
         1.0,
         ge=0,
@@ -90,5 +96,33 @@ class CostModel(BandwidthModel):
             raise ValueError(f"{path}: unknown cost fields {', '.join(unknown)}")
         return values
 
+    @staticmethod
+    def from_control_plane(path: str | Path) -> dict[str, float]:
+        """``control_s`` and ``control_per_node_s`` fitted (least squares, a line through the agent
+        counts) to the JSON line of ``scripts/bench_control_plane.py``: each fleet's median time
+        from an agent's SIGKILL to the generation without it seen by every agent. That time includes
+        finding the agent gone, which the checkpoint way also pays and the estimates leave out; the
+        fit over-counts the live control round by it (a conservative figure)."""
+        try:
+            data = json.loads(Path(path).read_text().strip().splitlines()[-1])
+            points = [(float(r["agents"]), float(r["kill"]["seen_median_s"])) for r in data["results"]]
+        except (OSError, ValueError, IndexError, KeyError, TypeError) as err:
+            raise ValueError(f"{path}: not a bench_control_plane.py JSON line ({err})") from None
+        return fit_line(points, "control_s", "control_per_node_s", str(path))
+
     def group_init_seconds(self, num_processes: int) -> float:
         return self.group_init_s + self.group_init_per_process_s * num_processes
+
+
+def fit_line(points: list[tuple[float, float]], intercept: str, slope: str, source: str) -> dict[str, float]:
+    """Least-squares ``y = a + b x`` over ``points`` as ``{intercept: a, slope: b}``, both kept >= 0
+    (a negative slope from noise is no cost per node; one point is a cost with no slope)."""
+    if not points:
+        raise ValueError(f"{source}: no measurements to fit")
+    if len({x for x, _ in points}) == 1:
+        return {intercept: max(0.0, sum(y for _, y in points) / len(points)), slope: 0.0}
+    n = len(points)
+    mean_x, mean_y = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    b = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _ in points)
+    b = max(0.0, b)
+    return {intercept: max(0.0, mean_y - b * mean_x), slope: b}

@@ -109,32 +109,45 @@ def simulate(scenario: Scenario, costs: CostModel, options: PlannerOptions | Non
         options=options,
         ordered=s.ordered,
     )
+    result = SimResult(s, plan)
+    result.etc_phases = _live_phases(s, plan, costs)
+    result.ckpt_phases, result.checkpoint_bytes = _checkpoint_phases(s, plan, costs)
+    return result
+
+
+def _rebuild_seconds(plan: MigrationPlan, costs: CostModel) -> float:
+    return max(plan.need_bytes.values(), default=0) / (costs.alloc_gbps * GB)
+
+
+def _live_phases(s: Scenario, plan: MigrationPlan, costs: CostModel) -> dict[str, float]:
     failed = set(s.failed)
     alive_old = {d for d in plan.old_assignment if d not in failed}
     num_processes = len(alive_old | set(plan.assignment))
-    new_world = s.new_config.world_size
-    largest_need = max(plan.need_bytes.values(), default=0)
-    rebuild_s = largest_need / (costs.alloc_gbps * GB)
-
+    num_nodes = len({d.node for d in alive_old | set(plan.assignment)})
     local_bytes: dict[Device, int] = {}
     for copy in plan.local_copies:
         local_bytes[copy.device] = local_bytes.get(copy.device, 0) + copy.num_bytes
     joining = set(plan.assignment) - set(plan.old_assignment)
     leaving = alive_old - set(plan.assignment)
-    result = SimResult(s, plan)
-    result.etc_phases = {
+    return {
         "control_s": costs.control_s
         + costs.control_per_process_s * num_processes
+        + costs.control_per_node_s * num_nodes
         + (costs.join_s if joining else 0.0)
         + (costs.leave_s if leaving else 0.0),
-        "group_init_s": costs.group_init_seconds(new_world)
+        "group_init_s": costs.group_init_seconds(s.new_config.world_size)
         + (costs.live_groups - 1) * costs.group_init_seconds(num_processes),
-        "rebuild_s": rebuild_s,
+        "rebuild_s": _rebuild_seconds(plan, costs),
         "plan_s": plan.plan_seconds,
         "transfer_s": costs.etc_seconds((t.src, t.dst, t.round, t.num_bytes) for t in plan.transfers),
         "local_copy_s": max(local_bytes.values(), default=0) / (costs.copy_gbps * GB),
     }
 
+
+def _checkpoint_phases(s: Scenario, plan: MigrationPlan, costs: CostModel) -> tuple[dict[str, float], int]:
+    """The checkpoint way's phases and the bytes it writes and reads."""
+    alive_old = {d for d in plan.old_assignment if d not in set(s.failed)}
+    new_world = s.new_config.world_size
     save_s, written = 0.0, 0
     if s.kind == "planned":
         written = plan.state_bytes
@@ -145,16 +158,16 @@ def simulate(scenario: Scenario, costs: CostModel, options: PlannerOptions | Non
     for device, need in plan.need_bytes.items():
         read_by_node[device.node] = read_by_node.get(device.node, 0) + need
     total_read = sum(read_by_node.values())
-    result.checkpoint_bytes = written + total_read
     read_s = max(
         max(read_by_node.values(), default=0) / (costs.storage_read_gbps_per_node * GB),
         total_read / (costs.storage_aggregate_read_gbps * GB),
     )
-    result.ckpt_phases = {
+    largest_need = max(plan.need_bytes.values(), default=0)
+    phases = {
         "save_s": save_s,
         "restart_s": costs.restart_seconds + costs.restart_per_process_s * new_world,
         "group_init_s": costs.group_init_seconds(new_world),
-        "rebuild_s": rebuild_s,
+        "rebuild_s": _rebuild_seconds(plan, costs),
         "load_s": costs.storage_latency_s + read_s + largest_need / (costs.copy_gbps * GB),
     }
-    return result
+    return phases, written + total_read

@@ -10,6 +10,11 @@ dp > 1), as Megatron users size jobs; the change keeps TP and PP and changes DP:
   replica, so a crash there needs a checkpoint either way);
 - ``scale out``: nodes for one more replica join.
 
+``scale``: llama-70b at tp=8, pp=8 on 1,024, 4,096 and 16,384 GPUs (the shape of
+``scripts/bench_planner.py``) losing a node with notice, losing one to a crash, and growing by one
+replica's nodes; without the distributed optimizer (a crash needs a replica of every shard). Meant
+with the control round fitted to ``scripts/bench_control_plane.py`` (``--control-plane``).
+
 ``bench``: the transitions of ``scripts/bench_migration.py`` (the example GPT at 1.0 GB on two or
 three agents of two processes, placed in member order as live workers are), to validate the model
 against what that benchmark measures.
@@ -115,6 +120,31 @@ def fsdp_suite() -> list[Scenario]:
             )
         grown = ParallelConfig(dp=replicate * (shard + lost), dp_shard=shard + lost)
         out.append(Scenario(f"{label} scale out 1 node", spec, config, devices, grown, cluster(n + GPUS_PER_NODE)))
+    return out
+
+
+SCALE_SIZES = (1024, 4096, 16384)
+"""GPUs of the scale suite."""
+
+
+def scale_suite(model: str = "llama-70b", sizes: tuple[int, ...] = SCALE_SIZES) -> list[Scenario]:
+    """A node's planned leave and its crash (the job shrinks by one replica, whose other nodes wait
+    as spares) and one replica's nodes joining, at tp=8, pp=8 (pp smaller below 512 GPUs)."""
+    spec = load_model(model)
+    out: list[Scenario] = []
+    for n in sizes:
+        tp, pp = 8, min(8, max(1, n // 64))
+        replica = tp * pp
+        devices = cluster(n)
+        config = ParallelConfig(tp=tp, pp=pp, dp=n // replica)
+        last_node = devices.node_devices(devices.nodes[-1])
+        survivors = DeviceSet([d for d in devices if d.node != devices.nodes[-1]])
+        if config.dp > 1:
+            shrunk = ParallelConfig(tp=tp, pp=pp, dp=config.dp - 1)
+            out.append(Scenario("preempt 1 node", spec, config, devices, shrunk, survivors))
+            out.append(Scenario("fail 1 node", spec, config, devices, shrunk, survivors, failed=tuple(last_node)))
+        grown = ParallelConfig(tp=tp, pp=pp, dp=config.dp + 1)
+        out.append(Scenario("join 1 replica", spec, config, devices, grown, cluster(n + replica)))
     return out
 
 

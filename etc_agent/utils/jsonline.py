@@ -149,7 +149,8 @@ class JsonLineServer:
             return len(self._open)
 
     def _accept_loop(self) -> None:
-        self._sock.settimeout(0.1)
+        # ``stop`` shuts the socket down, which wakes the accept; the timeout only bounds a stop missed.
+        self._sock.settimeout(1.0)
         while not self._stopped.is_set():
             try:
                 conn, peer = self._sock.accept()
@@ -241,6 +242,10 @@ class JsonLineServer:
 
     def stop(self) -> None:
         self._stopped.set()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._sock.close()
         with self._open_lock:
             open_now = list(self._open)
