@@ -185,7 +185,9 @@ class Fleet:
                 if all(self.agents[i].registered for i in started):
                     break
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"agents {[i for i in started if not self.agents[i].registered]} did not register")
+                    raise TimeoutError(
+                        f"agents {[i for i in started if not self.agents[i].registered]} did not register"
+                    )
                 time.sleep(0.2)
 
     def alive(self) -> list[int]:

@@ -325,7 +325,15 @@ class Agent:
             if gen is not None:
                 node.latest = gen  # kept when the record vanishes: the leader goes on after it
             if gen and (node.generation is None or gen.number != node.generation.number):
-                code = generations.on_generation(gen)
+                previous = node.generation
+                try:
+                    code = generations.on_generation(gen)
+                except StoreError as err:
+                    # Acted on again next pass: a busy store's lost request does not end the agent.
+                    node.generation = previous
+                    self.emit("store_unreachable", {"error": str(err), "pending": f"generation {gen.number}"})
+                    node.wake.wait(0.2)
+                    continue
                 if code is not None:
                     return code
             # The wait for --nnodes MIN members is bounded by join_timeout, counted from when it began.

@@ -116,18 +116,32 @@ class Generations:
         return False
 
     def master(self, gen: GenerationRecord) -> MasterRecord:
-        """The workers' store of ``gen``: hosted by its first member, read by the others."""
+        """The workers' store of ``gen``: hosted by its first member, read by the others. Store
+        errors are waited out (said once) until the deadline: a request lost by a busy store is not
+        a reason to give up the generation."""
         node = self.node
         key = keys.master(gen.number)
-        if gen.members[0] == node.node_id:
-            node.store.create(key, self._host_master(gen).dumps())
+        unpublished = self._host_master(gen).dumps() if gen.members[0] == node.node_id else None
         deadline = time.monotonic() + max(node.config.join_timeout, MASTER_WAIT_FLOOR_S)
+        said = False
         while time.monotonic() < deadline and not node.state.state.stop_requested:
-            kv = node.store.get(key)
-            master = node.reader.parse(MasterRecord, kv) if kv else None
-            if master is not None:
-                return master
-            newer = node.read_generation()
+            try:
+                if unpublished is not None:
+                    node.store.create(key, unpublished)  # False when a lost reply's create had landed
+                    unpublished = None
+                kv = node.store.get(key)
+                master = node.reader.parse(MasterRecord, kv) if kv else None
+                if master is not None:
+                    return master
+                newer = node.read_generation()
+            except StoreError as err:
+                if not said:
+                    node.emit(
+                        "store_unreachable", {"error": str(err), "pending": f"generation {gen.number}'s workers' store"}
+                    )
+                    said = True
+                time.sleep(0.2)
+                continue
             if newer and newer.number != gen.number:
                 raise Superseded()
             time.sleep(0.05)
