@@ -144,7 +144,9 @@ class ContactedStore(MembershipStore):
     def watch_prefix(
         self, prefix: str, callback: Callable[[WatchEvent], None], on_error: Callable[[Exception], None] | None = None
     ) -> WatchHandle:
-        return self.contact.call(lambda: self.inner.watch_prefix(prefix, callback, on_error))
+        # Not timed: a watch is set up on the client's side (etcd's stream opens lazily), so its
+        # return says nothing of the store; a re-armed watch counted as an answer would end an outage.
+        return self.inner.watch_prefix(prefix, callback, on_error)
 
     def close(self) -> None:
         self.inner.close()
