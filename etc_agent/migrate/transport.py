@@ -16,6 +16,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from etc_agent.utils.backends import data_backend
+
 
 class MigrationError(RuntimeError):
     """A migration could not complete; the message names the peer and round that failed."""
@@ -58,7 +60,7 @@ class TorchTransport:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.backend = dist.get_backend(group)
+        self.backend = data_backend(dist.get_backend(group))
         self.matches_by_tag = self.backend == "gloo"
 
     def _global(self, rank: int) -> int:

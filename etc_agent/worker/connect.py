@@ -30,6 +30,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from etc_agent.protocol.settings import WorkerSettings
+from etc_agent.utils.backends import default_group_backend
 
 CONNECT_WAIT_FACTOR = 5
 """gloo's passive side of a pair waits this many times the group's timeout for its peer."""
@@ -60,6 +61,7 @@ def init_static_group(backend: str, timeout: timedelta) -> tuple[int, int]:
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
     if not dist.is_initialized():
+        backend = default_group_backend(backend)
         if world == 1 and "MASTER_ADDR" not in os.environ:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         else:
@@ -68,8 +70,13 @@ def init_static_group(backend: str, timeout: timedelta) -> tuple[int, int]:
 
 
 def init_default_group(backend: str, store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> None:
-    """``init_process_group`` on ``store``, formed under the connect bound, collectives bounded by ``timeout``."""
+    """``init_process_group`` on ``store``, formed under the connect bound, collectives bounded by
+    ``timeout``; with gloo beside NCCL for CPU tensors (:func:`~etc_agent.utils.backends.default_group_backend`)."""
     dist.init_process_group(
-        backend, store=store, rank=rank, world_size=world_size, timeout=forming_timeout(backend, timeout)
+        default_group_backend(backend),
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=forming_timeout(backend, timeout),
     )
     dist.distributed_c10d._set_pg_timeout(timeout)

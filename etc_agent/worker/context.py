@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from etc_agent.layout.config import ParallelConfig
+from etc_agent.utils.backends import data_backend
 from etc_agent.worker.connect import forming_timeout
 
 MESH_DIMS = ("pp", "dp", "tp")
@@ -95,7 +96,7 @@ def _bounded_groups(timeout: timedelta) -> dict | None:
     an option's timeout to ``new_group``); None for a backend string it cannot express so."""
     import torch._C._distributed_c10d as c10d
 
-    backend = str(dist.get_backend())
+    backend = data_backend(str(dist.get_backend()))  # the mesh's groups carry the data: NCCL beside gloo
     options: c10d.Backend.Options
     if backend == "nccl" and hasattr(c10d, "ProcessGroupNCCL"):
         options = c10d.ProcessGroupNCCL.Options()
