@@ -244,6 +244,14 @@ def _median(records: list[dict], key: str) -> float | None:
     return round(statistics.median(r[key] for r in records), 4) if records else None
 
 
+def _median_parts(records: list[dict]) -> dict[str, float] | None:
+    """The median of each named part of the live stalls (the slowest rank's, as each record has them)."""
+    parts = [r["stall_parts"] for r in records if r.get("stall_parts")]
+    if not parts:
+        return None
+    return {name: round(statistics.median(p[name] for p in parts), 4) for name in parts[0]}
+
+
 def _row(t: BenchTransition, samples: dict[str, list[dict]]) -> dict:
     live, ckpt = samples["live"], samples["checkpoint"]
     etc_s, ckpt_s = _median(live, "total_stall_s"), _median(ckpt, "total_stall_s")
@@ -260,6 +268,7 @@ def _row(t: BenchTransition, samples: dict[str, list[dict]]) -> dict:
         "state_bytes": first["state_bytes"],
         "etc_phases_s": {k: _median(live, k) for k in PHASES},
         "ckpt_phases_s": {k: _median(ckpt, k) for k in PHASES},
+        "etc_stall_parts_s": _median_parts(live),
         "etc_samples_s": [r["total_stall_s"] for r in live],
         "ckpt_samples_s": [r["total_stall_s"] for r in ckpt],
     }

@@ -93,6 +93,10 @@ def test_elastic_training_through_join_leave_and_crash(name, etcd_server, tmp_pa
         assert record["state_bytes"] > 0 and record["checkpoint_bytes"] >= 2 * record["state_bytes"], record
         assert record["bytes_moved"] < record["checkpoint_bytes"], record
         assert record["total_stall_s"] > 0 and record["transfer_s"] >= 0, record
+        # The slowest rank's stall in named parts that add up to it, none of it unaccounted.
+        parts = record["stall_parts"]
+        assert parts is not None and sum(parts.values()) == pytest.approx(record["total_stall_s"], abs=2e-3), record
+        assert parts["unaccounted_s"] < 0.1 and parts["transfer_s"] <= record["transfer_s"] + 1e-3, record
         if event == "join":
             assert record["bytes_moved"] > 0, record  # the new replicas receive their state
         if event == "leave":

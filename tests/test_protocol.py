@@ -249,3 +249,31 @@ def test_detection_after_a_failure_is_measured_even_when_a_replacement_reports_i
     )
     assert record is not None and record.detect_s == pytest.approx(1.2)
     assert record.devices == devices and record.lost == ["b:0"] and record.step == 7
+
+
+def test_a_stall_splits_into_consecutive_parts_that_add_up():
+    from etc_agent.rendezvous.records import StallParts
+    from etc_agent.worker.report import Clocks
+
+    clocks = Clocks(started=10.5, grouped=11.5, built=12.0, arrived=11.0, migration_grouped=12.25, exchanged=12.5)
+    clocks.migrated = 14.0
+    parts = clocks.parts(stopped=10.0, plan_s=0.25, transfer_s=1.0, now=14.5)
+    assert parts == {
+        "stop_s": 0.5,
+        "arrive_s": 0.5,
+        "group_s": 0.5,
+        "build_s": 0.5,
+        "migration_group_s": 0.25,
+        "exchange_s": 0.25,
+        "settle_s": 0.5,
+        "plan_s": 0.25,
+        "transfer_s": 1.0,
+        "migrate_other_s": 0.25,
+        "unaccounted_s": 0.0,
+    }
+    assert sum(parts.values()) == 4.5
+    StallParts(**parts)  # every part is a field of the record
+    # A process that is not a member (a sender) builds nothing: its marks coincide, parts are 0.
+    sender = Clocks(started=1.0, grouped=1.2, built=1.2, arrived=1.2, migration_grouped=1.4, exchanged=1.5)
+    sender.migrated = 2.0
+    assert sum(sender.parts(0.5, 0.1, 0.2, 2.5).values()) == pytest.approx(2.0)

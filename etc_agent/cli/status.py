@@ -150,6 +150,12 @@ def migration_table(m: MigrationRecord, title: str = "last migration") -> Table:
         f"{m.total_stall_s:.3f} s: detect {m.detect_s:.3f}, agree {m.agree_s:.3f}, rebuild {m.rebuild_s:.3f}, "
         f"plan {m.plan_s:.3f}, transfer {m.transfer_s:.3f}",
     )
+    if m.stall_parts is not None:
+        parts = m.stall_parts.model_dump()
+        table.add_row(
+            "slowest rank's stall",
+            ", ".join(f"{name.removesuffix('_s').replace('_', ' ')} {value:.3f}" for name, value in parts.items()),
+        )
     return table
 
 

@@ -199,6 +199,30 @@ class MasterRecord(Record):
     port: int
 
 
+class StallParts(BaseModel):
+    """One process's stall (the one that stalled longest) in consecutive parts that add up to it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    stop_s: float = Field(
+        description="Training stopped until the assignment was in hand: the state described, the old groups torn down, the checkpointer settled, the agent asked."
+    )
+    arrive_s: float = Field(description="Until every process of the generation reached its store.")
+    group_s: float = Field(description="Forming the training group and the mesh.")
+    build_s: float = Field(description="Building the new layout's model and optimizer.")
+    migration_group_s: float = Field(description="Forming the migration group (members and senders).")
+    exchange_s: float = Field(description="Saying which versions of the state each process holds.")
+    plan_s: float = Field(description="Computing the migration plan (and checking its hash across ranks).")
+    transfer_s: float = Field(description="The data phase: pack, send and receive, unpack.")
+    migrate_other_s: float = Field(
+        description="The rest of the migration: describing the state, waits between its steps."
+    )
+    settle_s: float = Field(description="Carrying the plain state and resuming, until the record.")
+    unaccounted_s: float = Field(
+        description="The stall less the parts above (marks that overlapped or were not reached)."
+    )
+
+
 class MigrationRecord(Record):
     """What one migration did, written by new rank 0 (``generations/<n>/migration``)."""
 
@@ -256,6 +280,9 @@ class MigrationRecord(Record):
         "crossed a node); on a link that carried them all, the share of its rate the migration used.",
     )
     total_stall_s: float = Field(description="Training stopped until training resumed, on the slowest rank.")
+    stall_parts: StallParts | None = Field(
+        None, description="Live: the slowest rank's stall in named parts that add up to it (None: the checkpoint way)."
+    )
 
 
 class AbandonRecord(Record):

@@ -81,7 +81,7 @@ def form(job: JobView, assignment: Assignment, job_store: dist.Store, started: f
     generation = assignment.generation
     timeout = timedelta(seconds=job.timeout_s)
     ctx = new_state = new_tensors = None
-    grouped = built = time.perf_counter()
+    arrived = grouped = built = time.perf_counter()
     store = GenerationStore(job_store, generation, lambda: newer_generation(job.link, generation), job.timeout_s)
     if assignment.rank is not None:
         init_default_group(
@@ -109,7 +109,7 @@ def form(job: JobView, assignment: Assignment, job_store: dist.Store, started: f
     return Entry(
         assignment=assignment,
         device=Device.parse(assignment.device),
-        clocks=Clocks(started, grouped, built),
+        clocks=Clocks(started, grouped, built, arrived=arrived, migration_grouped=time.perf_counter()),
         # GroupTransport's hint says ProcessGroup; it uses only rank/size/allgather/send/recv, which gloo has.
         transport=GroupTransport(group, "gloo"),  # type: ignore[arg-type]
         group=group,

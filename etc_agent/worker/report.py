@@ -17,7 +17,7 @@ from etc_agent.migrate.describe import describe_state
 from etc_agent.migrate.executor import MigrationResult
 from etc_agent.migrate.transport import Transport
 from etc_agent.protocol.control import Assignment
-from etc_agent.rendezvous.records import MigrationRecord
+from etc_agent.rendezvous.records import MigrationRecord, StallParts
 
 
 @dataclass(frozen=True)
@@ -34,12 +34,39 @@ class Stopped:
 
 @dataclass
 class Clocks:
-    """``perf_counter`` marks of one process's switch: started, group formed, state built, data moved."""
+    """``perf_counter`` marks of one process's switch, in the order they happen: entered (the
+    assignment in hand), arrived at the generation's store, training group formed, state built,
+    migration group formed, versions exchanged, data moved. A mark not reached stays 0."""
 
     started: float
     grouped: float
     built: float
+    arrived: float = 0.0
+    migration_grouped: float = 0.0
+    exchanged: float = 0.0
     migrated: float = 0.0
+
+    def parts(self, stopped: float, plan_s: float, transfer_s: float, now: float) -> dict[str, float]:
+        """This process's stall from ``stopped`` to ``now`` in named parts (the fields of
+        :class:`~etc_agent.rendezvous.records.StallParts`), consecutive marks, so that they add up."""
+        marks = [
+            ("stop_s", stopped),
+            ("arrive_s", self.started),
+            ("group_s", self.arrived or self.started),
+            ("build_s", self.grouped),
+            ("migration_group_s", self.built),
+            ("exchange_s", self.migration_grouped or self.built),
+            ("migrate_s", self.exchanged or self.migration_grouped or self.built),
+            ("settle_s", self.migrated or now),
+        ]
+        out = {}
+        for (name, begin), (_, end) in zip(marks, [*marks[1:], ("", now)], strict=True):
+            out[name] = max(0.0, end - begin)
+        migrate = out.pop("migrate_s")
+        out["plan_s"], out["transfer_s"] = plan_s, transfer_s
+        out["migrate_other_s"] = max(0.0, migrate - plan_s - transfer_s)
+        out["unaccounted_s"] = max(0.0, (now - stopped) - sum(out.values()))
+        return {name: round(value, 4) for name, value in out.items()}
 
 
 def live_record(
@@ -99,7 +126,16 @@ def live_record(
         transfer_s=round(_worst(everyone, "transfer"), 4),
         inter_node_gbit_s=_gbit_s(plan.bytes_moved_inter_node, _worst(everyone, "transfer")),
         total_stall_s=round(_worst(everyone, "stall"), 4),
+        stall_parts=_slowest_parts(everyone),
     )
+
+
+def _slowest_parts(everyone: list[dict]) -> StallParts | None:
+    """The named parts of the stall of the process that stalled longest (they add up to its stall)."""
+    stalled = [e for e in everyone if e["stall"] is not None and e.get("parts") is not None]
+    if not stalled:
+        return None
+    return StallParts(**max(stalled, key=lambda e: e["stall"])["parts"])
 
 
 def _gbit_s(num_bytes: int, seconds: float) -> float | None:
@@ -116,13 +152,16 @@ def _worst(everyone: list[dict], name: str) -> float:
 def _phase_times(result: MigrationResult | None, stopped: Stopped | None, clocks: Clocks) -> dict:
     """This process's part of a live record: its stall, phase times and bytes kept in place."""
     now = time.perf_counter()
+    plan_s = result.metrics.plan_s if result else 0.0
+    transfer_s = result.metrics.transfer_phase_s if result else 0.0
     return {
         "stop_wall": stopped.wall if stopped else None,
         "stall": (now - stopped.perf) if stopped else None,
+        "parts": clocks.parts(stopped.perf, plan_s, transfer_s, now) if stopped else None,
         "agree": (clocks.grouped - stopped.perf) if stopped else None,
         "rebuild": clocks.built - clocks.grouped,
-        "plan": result.metrics.plan_s if result else 0.0,
-        "transfer": result.metrics.transfer_phase_s if result else 0.0,
+        "plan": plan_s,
+        "transfer": transfer_s,
         "kept": (result.metrics.bytes_reused + result.metrics.bytes_copied_locally) if result else 0,
     }
 

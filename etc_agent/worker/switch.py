@@ -126,6 +126,7 @@ class Switch:
             return self.job.link.newer_than(assignment.generation)
         entry = form(self.job, assignment, store, started)
         exchanged = exchange(self.job, entry, held)
+        entry.clocks.exchanged = time.perf_counter()
         if self._restore_baseline(entry, exchanged):
             return None
         source = Migration(self.job, entry, exchanged, held).run()
