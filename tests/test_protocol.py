@@ -202,7 +202,15 @@ def test_detection_after_a_failure_is_measured_even_when_a_replacement_reports_i
     plan = SimpleNamespace(
         bytes_moved=10, bytes_moved_inter_node=4, state_bytes=20, checkpoint_bytes=60, bytes_restored=0
     )
-    metrics = SimpleNamespace(plan_s=0.01, transfer_phase_s=0.02, bytes_reused=5, bytes_copied_locally=1)
+    metrics = SimpleNamespace(
+        describe_s=0.0,
+        exchange_s=0.0,
+        local_s=0.0,
+        plan_s=0.01,
+        transfer_phase_s=0.02,
+        bytes_reused=5,
+        bytes_copied_locally=1,
+    )
     result = SimpleNamespace(plan=plan, metrics=metrics)
     devices = ["a:0", "b:0"]
     assignment = Assignment(
@@ -253,11 +261,11 @@ def test_detection_after_a_failure_is_measured_even_when_a_replacement_reports_i
 
 def test_a_stall_splits_into_consecutive_parts_that_add_up():
     from etc_agent.rendezvous.records import StallParts
-    from etc_agent.worker.report import Clocks
+    from etc_agent.worker.report import Clocks, MigrationTimes
 
     clocks = Clocks(started=10.5, grouped=11.5, built=12.0, arrived=11.0, migration_grouped=12.25, exchanged=12.5)
     clocks.migrated = 14.0
-    parts = clocks.parts(stopped=10.0, plan_s=0.25, transfer_s=1.0, now=14.5)
+    parts = clocks.parts(10.0, MigrationTimes(describe_s=0.125, plan_s=0.25, transfer_s=1.0, local_copy_s=0.0625), 14.5)
     assert parts == {
         "stop_s": 0.5,
         "arrive_s": 0.5,
@@ -266,9 +274,11 @@ def test_a_stall_splits_into_consecutive_parts_that_add_up():
         "migration_group_s": 0.25,
         "exchange_s": 0.25,
         "settle_s": 0.5,
+        "describe_s": 0.125,
         "plan_s": 0.25,
         "transfer_s": 1.0,
-        "migrate_other_s": 0.25,
+        "local_copy_s": 0.0625,
+        "migrate_other_s": 0.0625,
         "unaccounted_s": 0.0,
     }
     assert sum(parts.values()) == 4.5
@@ -276,4 +286,4 @@ def test_a_stall_splits_into_consecutive_parts_that_add_up():
     # A process that is not a member (a sender) builds nothing: its marks coincide, parts are 0.
     sender = Clocks(started=1.0, grouped=1.2, built=1.2, arrived=1.2, migration_grouped=1.4, exchanged=1.5)
     sender.migrated = 2.0
-    assert sum(sender.parts(0.5, 0.1, 0.2, 2.5).values()) == pytest.approx(2.0)
+    assert sum(sender.parts(0.5, MigrationTimes(plan_s=0.1, transfer_s=0.2), 2.5).values()) == pytest.approx(2.0)

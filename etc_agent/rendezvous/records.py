@@ -212,10 +212,12 @@ class StallParts(BaseModel):
     build_s: float = Field(description="Building the new layout's model and optimizer.")
     migration_group_s: float = Field(description="Forming the migration group (members and senders).")
     exchange_s: float = Field(description="Saying which versions of the state each process holds.")
-    plan_s: float = Field(description="Computing the migration plan (and checking its hash across ranks).")
+    describe_s: float = Field(description="Describing the state held and exchanging the descriptions.")
+    plan_s: float = Field(description="Computing the migration plan.")
     transfer_s: float = Field(description="The data phase: pack, send and receive, unpack.")
+    local_copy_s: float = Field(description="Copies inside one process (regions that stay on their device).")
     migrate_other_s: float = Field(
-        description="The rest of the migration: describing the state, waits between its steps."
+        description="The rest of the migration: the plan's hash checked across ranks, the versions chosen, waits between its steps."
     )
     settle_s: float = Field(description="Carrying the plain state and resuming, until the record.")
     unaccounted_s: float = Field(

@@ -32,6 +32,25 @@ class Stopped:
         return cls(time.time(), time.perf_counter())
 
 
+@dataclass(frozen=True)
+class MigrationTimes:
+    """The named parts of the migration step of one process's switch (the executor's metrics)."""
+
+    describe_s: float = 0.0
+    """Describing the state and exchanging the descriptions."""
+    plan_s: float = 0.0
+    transfer_s: float = 0.0
+    """The slowest process's data phase (pack, send/receive, unpack)."""
+    local_copy_s: float = 0.0
+
+    @classmethod
+    def of(cls, result: MigrationResult | None) -> MigrationTimes:
+        if result is None:
+            return cls()
+        m = result.metrics
+        return cls(m.describe_s + m.exchange_s, m.plan_s, m.transfer_phase_s, m.local_s)
+
+
 @dataclass
 class Clocks:
     """``perf_counter`` marks of one process's switch, in the order they happen: entered (the
@@ -46,7 +65,7 @@ class Clocks:
     exchanged: float = 0.0
     migrated: float = 0.0
 
-    def parts(self, stopped: float, plan_s: float, transfer_s: float, now: float) -> dict[str, float]:
+    def parts(self, stopped: float, migration: MigrationTimes, now: float) -> dict[str, float]:
         """This process's stall from ``stopped`` to ``now`` in named parts (the fields of
         :class:`~etc_agent.rendezvous.records.StallParts`), consecutive marks, so that they add up."""
         marks = [
@@ -63,8 +82,14 @@ class Clocks:
         for (name, begin), (_, end) in zip(marks, [*marks[1:], ("", now)], strict=True):
             out[name] = max(0.0, end - begin)
         migrate = out.pop("migrate_s")
-        out["plan_s"], out["transfer_s"] = plan_s, transfer_s
-        out["migrate_other_s"] = max(0.0, migrate - plan_s - transfer_s)
+        named = {
+            "describe_s": migration.describe_s,
+            "plan_s": migration.plan_s,
+            "transfer_s": migration.transfer_s,
+            "local_copy_s": migration.local_copy_s,
+        }
+        out.update(named)
+        out["migrate_other_s"] = max(0.0, migrate - sum(named.values()))
         out["unaccounted_s"] = max(0.0, (now - stopped) - sum(out.values()))
         return {name: round(value, 4) for name, value in out.items()}
 
@@ -152,16 +177,15 @@ def _worst(everyone: list[dict], name: str) -> float:
 def _phase_times(result: MigrationResult | None, stopped: Stopped | None, clocks: Clocks) -> dict:
     """This process's part of a live record: its stall, phase times and bytes kept in place."""
     now = time.perf_counter()
-    plan_s = result.metrics.plan_s if result else 0.0
-    transfer_s = result.metrics.transfer_phase_s if result else 0.0
+    times = MigrationTimes.of(result)
     return {
         "stop_wall": stopped.wall if stopped else None,
         "stall": (now - stopped.perf) if stopped else None,
-        "parts": clocks.parts(stopped.perf, plan_s, transfer_s, now) if stopped else None,
+        "parts": clocks.parts(stopped.perf, times, now) if stopped else None,
         "agree": (clocks.grouped - stopped.perf) if stopped else None,
         "rebuild": clocks.built - clocks.grouped,
-        "plan": plan_s,
-        "transfer": transfer_s,
+        "plan": times.plan_s,
+        "transfer": times.transfer_s,
         "kept": (result.metrics.bytes_reused + result.metrics.bytes_copied_locally) if result else 0,
     }
 
