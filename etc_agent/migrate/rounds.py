@@ -167,7 +167,6 @@ class Runner:
         self.bytes_sent = self.bytes_received = self.bytes_copied = self.bytes_reused = self.bytes_restored = 0
         self.peak_buffer_bytes = 0
         self.pack_s = self.transfer_s = self.unpack_s = self.local_s = self.restore_s = 0.0
-        self._copied_locally = False
         self.tensors: dict[str, torch.Tensor] = {}
         self._materialize()
 
@@ -228,23 +227,12 @@ class Runner:
         self.restore_s = time.perf_counter() - started
 
     def run(self, transport: Transport, peer_of: dict[Device, int], names: dict[int, str], timeout_s: float) -> None:
-        """The rounds, with the local copies made while the first round's messages are in flight
-        (after this process posted them, so no peer waits on its copying; the copies write regions no
-        message touches, since the plan covers every new element once); a process with no message
-        copies after the rounds."""
+        """The rounds first (every process reaches them at about the same time, right after planning,
+        so nobody waits on a peer's local copying), then the local copies."""
         self.rounds(transport, peer_of, names, timeout_s)
-        self._local_copies_once()
-
-    def _local_copies_once(self) -> float:
-        """The local copies, the first time this is called; the seconds they took (0 after that)."""
-        if self._copied_locally:
-            return 0.0
-        self._copied_locally = True
         started = time.perf_counter()
         self.local_copies()
-        took = time.perf_counter() - started
-        self.local_s += took
-        return took
+        self.local_s = time.perf_counter() - started
 
     def rounds(self, transport: Transport, peer_of: dict[Device, int], names: dict[int, str], timeout_s: float) -> None:
         by_round: dict[int, list[Transfer]] = {}
@@ -278,14 +266,14 @@ class Runner:
                 where = f"round {round_index} receive from {t.src}"
                 self._stage_receives(work, chunks, packed_size, peer_of[t.src], where)
                 self.bytes_received += t.num_bytes
-        packed, copying_s = self._exchange(round_index, work, transport, names, timeout_s, by_tag, bool(transfers))
+        packed = self._exchange(round_index, work, transport, names, timeout_s, by_tag)
         exchanged = time.perf_counter()
         self.peak_buffer_bytes = max(self.peak_buffer_bytes, work.staged)
         work.copy_in()
         work.pool.release()
         done = time.perf_counter()
         self.pack_s += packed - started
-        self.transfer_s += exchanged - packed - copying_s  # the local copies count as local_s
+        self.transfer_s += exchanged - packed
         self.unpack_s += done - exchanged
 
     def _stage_sends(
@@ -329,19 +317,11 @@ class Runner:
                     work.recvs.append((peer, stage, i + 1))
                     work.unpack.append((stage.view(dst.shape), dst))
 
+    @staticmethod
     def _exchange(
-        self,
-        round_index: int,
-        work: _Round,
-        transport: Transport,
-        names: dict[int, str],
-        timeout_s: float,
-        by_tag: bool,
-        copy_meanwhile: bool,
-    ) -> tuple[float, float]:
-        """Post the round's messages, pack what is staged, make the local copies while they are in
-        flight (``copy_meanwhile``: this process has messages in this round; once), wait for all of
-        them; returns when packing ended and how long copying took."""
+        round_index: int, work: _Round, transport: Transport, names: dict[int, str], timeout_s: float, by_tag: bool
+    ) -> float:
+        """Post the round's messages, pack what is staged, wait for all of them; returns when packing ended."""
         # With tag matching, what needs no staging goes on the wire before the packing starts.
         first = transport.post(round_index, work.ready, work.recvs, timeout_s, names) if by_tag else None
         work.pack()
@@ -349,11 +329,8 @@ class Runner:
         packed = time.perf_counter()
         if first is not None:  # by tag
             second = transport.post(round_index, sends_later, [], timeout_s, names)
-            copying_s = self._local_copies_once() if copy_meanwhile else 0.0
             first.wait()
             second.wait()
         else:
-            pending = transport.post(round_index, sends_later, work.recvs, timeout_s, names)
-            copying_s = self._local_copies_once() if copy_meanwhile else 0.0
-            pending.wait()
-        return packed, copying_s
+            transport.post(round_index, sends_later, work.recvs, timeout_s, names).wait()
+        return packed

@@ -40,7 +40,7 @@ class MigrationTimes:
     """Describing the state and exchanging the descriptions."""
     plan_s: float = 0.0
     transfer_s: float = 0.0
-    """The slowest process's data phase (pack, send/receive, unpack)."""
+    """This process's data phase: pack, send/receive, unpack (the local copies made meanwhile not included)."""
     local_copy_s: float = 0.0
 
     @classmethod
@@ -48,7 +48,7 @@ class MigrationTimes:
         if result is None:
             return cls()
         m = result.metrics
-        return cls(m.describe_s + m.exchange_s, m.plan_s, m.transfer_phase_s, m.local_s)
+        return cls(m.describe_s + m.exchange_s, m.plan_s, m.pack_s + m.transfer_s + m.unpack_s, m.local_s)
 
 
 @dataclass
@@ -185,7 +185,7 @@ def _phase_times(result: MigrationResult | None, stopped: Stopped | None, clocks
         "agree": (clocks.grouped - stopped.perf) if stopped else None,
         "rebuild": clocks.built - clocks.grouped,
         "plan": times.plan_s,
-        "transfer": times.transfer_s,
+        "transfer": result.metrics.transfer_phase_s if result else 0.0,
         "kept": (result.metrics.bytes_reused + result.metrics.bytes_copied_locally) if result else 0,
     }
 
