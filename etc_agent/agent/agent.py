@@ -53,7 +53,7 @@ from etc_agent.agent.supervision import Supervision
 from etc_agent.agent.workers import WorkerGroup, WorkerSpec
 from etc_agent.protocol import keys
 from etc_agent.protocol.control import CONTROL_REQUEST
-from etc_agent.rendezvous.store import LeaseExpired, MembershipStore, StoreError, WatchHandle
+from etc_agent.rendezvous.store import LeaseExpired, MembershipStore, StoreError
 from etc_agent.utils import auth
 from etc_agent.utils.jsonline import JsonLineServer, parse_address
 from etc_agent.utils.liveness import LivenessPort
@@ -101,7 +101,6 @@ class Agent:
         """Every event of this agent (etcrun writes it; the console shows those at its --log-level)."""
         self._static_store = workers_store
         self._threads: list[threading.Thread] = []
-        self._watches: list[WatchHandle] = []
         self.leader = Leader(
             store,
             config,
@@ -283,8 +282,6 @@ class Agent:
         node = self.node
         node.state.close()
         node.stop_workers("agent exiting")
-        for w in self._watches:
-            w.cancel()
         for t in self._threads:
             t.join(timeout=2)
         control.stop()
@@ -320,7 +317,7 @@ class Agent:
                 # Keep the workers running through a store outage, say so, give up after join_timeout.
                 if outage.gives_up(now, err):
                     return 1
-                node.wake.wait(min(1.0, max(self.config.monitor_interval, 0.2)))
+                self._pause(min(1.0, max(self.config.monitor_interval, 0.2)))
                 continue
             if gen is not None:
                 node.latest = gen  # kept when the record vanishes: the leader goes on after it
@@ -332,7 +329,7 @@ class Agent:
                     # Acted on again next pass: a busy store's lost request does not end the agent.
                     node.generation = previous
                     self.emit("store_unreachable", {"error": str(err), "pending": f"generation {gen.number}"})
-                    node.wake.wait(0.2)
+                    self._pause(0.2)
                     continue
                 if code is not None:
                     return code
@@ -350,8 +347,14 @@ class Agent:
                 self.supervision.maybe_rejoin()
             self.supervision.watch_end(now)
             node.report_pending()
-            node.wake.wait(self.config.monitor_interval)
-            node.wake.clear()
+            self._pause(self.config.monitor_interval)
+
+    def _pause(self, seconds: float) -> None:
+        """Until the next pass: ``seconds``, or less when something wakes the loop. The wake is
+        cleared either way: one left set (a watch's error during an outage) made every retry pass
+        run at once, against a store that was not answering."""
+        self.node.wake.wait(seconds)
+        self.node.wake.clear()
 
 
 class _EveryTenSeconds:

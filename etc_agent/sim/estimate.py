@@ -119,9 +119,14 @@ def _rebuild_seconds(plan: MigrationPlan, costs: CostModel) -> float:
     return max(plan.need_bytes.values(), default=0) / (costs.alloc_gbps * GB)
 
 
-def _live_phases(s: Scenario, plan: MigrationPlan, costs: CostModel) -> dict[str, float]:
+def _alive_old(s: Scenario, plan: MigrationPlan) -> set[Device]:
+    """The old devices whose processes live on (not lost to the scenario's failure)."""
     failed = set(s.failed)
-    alive_old = {d for d in plan.old_assignment if d not in failed}
+    return {d for d in plan.old_assignment if d not in failed}
+
+
+def _live_phases(s: Scenario, plan: MigrationPlan, costs: CostModel) -> dict[str, float]:
+    alive_old = _alive_old(s, plan)
     num_processes = len(alive_old | set(plan.assignment))
     num_nodes = len({d.node for d in alive_old | set(plan.assignment)})
     local_bytes: dict[Device, int] = {}
@@ -146,7 +151,7 @@ def _live_phases(s: Scenario, plan: MigrationPlan, costs: CostModel) -> dict[str
 
 def _checkpoint_phases(s: Scenario, plan: MigrationPlan, costs: CostModel) -> tuple[dict[str, float], int]:
     """The checkpoint way's phases and the bytes it writes and reads."""
-    alive_old = {d for d in plan.old_assignment if d not in set(s.failed)}
+    alive_old = _alive_old(s, plan)
     new_world = s.new_config.world_size
     save_s, written = 0.0, 0
     if s.kind == "planned":

@@ -127,16 +127,23 @@ SCALE_SIZES = (1024, 4096, 16384)
 """GPUs of the scale suite."""
 
 
+def scale_config(num_devices: int) -> ParallelConfig:
+    """The scale suite's layout on ``num_devices``: tp=8, pp=8 (smaller below 512 devices, one stage
+    per 64), dp over the rest. ``scripts/bench_planner.py`` keeps its own copy (``shape_for``): it
+    times the planner's imports in its first plan, so it must not import the simulator first."""
+    tp, pp = 8, min(8, max(1, num_devices // 64))
+    return ParallelConfig(tp=tp, pp=pp, dp=num_devices // (tp * pp))
+
+
 def scale_suite(model: str = "llama-70b", sizes: tuple[int, ...] = SCALE_SIZES) -> list[Scenario]:
     """A node's planned leave and its crash (the job shrinks by one replica, whose other nodes wait
     as spares) and one replica's nodes joining, at tp=8, pp=8 (pp smaller below 512 GPUs)."""
     spec = load_model(model)
     out: list[Scenario] = []
     for n in sizes:
-        tp, pp = 8, min(8, max(1, n // 64))
-        replica = tp * pp
+        config = scale_config(n)
+        tp, pp, replica = config.tp, config.pp, config.tp * config.pp
         devices = cluster(n)
-        config = ParallelConfig(tp=tp, pp=pp, dp=n // replica)
         last_node = devices.node_devices(devices.nodes[-1])
         survivors = DeviceSet([d for d in devices if d.node != devices.nodes[-1]])
         if config.dp > 1:

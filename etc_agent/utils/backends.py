@@ -13,13 +13,9 @@ CPU_BACKEND = "gloo"
 
 
 def default_group_backend(backend: str) -> str:
-    """The backend string the default group is made with: ``nccl`` (or another accelerator's
-    backend) gets gloo beside it for CPU tensors; ``gloo`` and explicit maps are kept."""
-    if ":" in backend or backend == CPU_BACKEND:
-        return backend
-    if backend == "nccl":
-        return f"cpu:{CPU_BACKEND},cuda:nccl"
-    return backend
+    """The backend string the default group is made with: ``nccl`` gets gloo beside it for CPU
+    tensors; any other backend, and an explicit device map, is kept as given."""
+    return f"cpu:{CPU_BACKEND},cuda:nccl" if backend == "nccl" else backend
 
 
 def data_backend(backend: str) -> str:
