@@ -71,6 +71,13 @@ class WorkerSettings(BaseModel):
         alias="ETC_AGENT_CONNECT_TIMEOUT",
         description="Seconds: bounds gloo's pairwise connect while a group forms.",
     )
+    vote_interval_s: float = Field(
+        0.5,
+        ge=0,
+        alias="ETC_AGENT_VOTE_INTERVAL",
+        description="Seconds of training between the ranks' step-boundary votes (0: a vote at every step); "
+        "a new generation takes over up to this long after the agents see it.",
+    )
     checkpoint_dir: str | None = Field(
         None, alias="ETC_AGENT_CHECKPOINT_DIR", description="etcrun --checkpoint-dir: where checkpoints go."
     )

@@ -1,11 +1,21 @@
 """The step boundary's votes: collectives over the training group that every rank of a generation
 runs at the same step boundary (:meth:`etc_agent.worker.job.Job.steps`), so that all ranks switch,
-checkpoint or go on together."""
+checkpoint or go on together.
+
+A vote is one small all-reduce and a host sync: on this project's 2-core CI machine 1.5-2 ms, on a
+GPU job at thousands of ranks a latency every step would pay. So the ranks do not vote at every
+boundary: each vote also names the next boundary that holds one (:class:`VoteSchedule`), about
+``ETC_AGENT_VOTE_INTERVAL`` seconds of training ahead at the slowest rank's step time, and every
+rank, having seen the same vote, stops at the same boundaries. A vote is held besides at the first
+boundary of every generation (the first collective of a survivor, a joiner and a recovered process
+alike), at every periodic-checkpoint boundary and at the last step. A new generation therefore
+takes over up to one interval after the agents see it (the workers train meanwhile; the stall is
+unchanged); a rank's failure surfaces in the step's own collectives as before."""
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,18 +38,76 @@ class BoundaryVote:
     fenced: bool = False
     """Some rank's agent is fenced (it lost the store while its peers reach it): no rank trains the
     next step of this generation; they hold here until a newer generation or the fence lifts."""
+    slowest_step_s: float = 0.0
+    """The longest step any rank trained since the previous vote (0: none yet in this generation)."""
 
 
 def boundary_vote(
-    seen: int, checkpointer: PeriodicCheckpointer | None, step: int, fenced: bool = False
+    seen: int,
+    checkpointer: PeriodicCheckpointer | None,
+    step: int,
+    fenced: bool = False,
+    slowest_step_s: float = 0.0,
 ) -> BoundaryVote:
-    """All-reduce (MAX) the generation this rank has seen, its checkpoint flags at ``step`` and
-    whether its agent is fenced."""
+    """All-reduce (MAX) the generation this rank has seen, its checkpoint flags at ``step``, whether
+    its agent is fenced and its longest step since the previous vote."""
     due = checkpointer is not None and checkpointer.due(step)
     busy = checkpointer is not None and checkpointer.writing()
-    flag = torch.tensor([seen, int(due), int(busy), int(fenced)], dtype=torch.int64)
+    step_us = int(slowest_step_s * 1e6)
+    flag = torch.tensor([seen, int(due), int(busy), int(fenced), step_us], dtype=torch.int64)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return BoundaryVote(int(flag[0].item()), bool(flag[1].item()), bool(flag[2].item()), bool(flag[3].item()))
+    pending, any_due, any_busy, any_fenced, slowest_us = (int(v) for v in flag.tolist())
+    return BoundaryVote(pending, bool(any_due), bool(any_busy), bool(any_fenced), slowest_us / 1e6)
+
+
+@dataclass
+class VoteSchedule:
+    """Which step boundaries hold a vote. Every rank keeps one and feeds it the same votes, so all
+    compute the same boundaries; plain data and arithmetic, no collectives.
+
+    Call sequence, per rank: :meth:`restart` when a generation starts (its first boundary votes);
+    :meth:`boundary` at every step boundary; where :meth:`due`, vote and pass the vote's
+    ``slowest_step_s`` to :meth:`voted`."""
+
+    interval_s: float
+    """Seconds of training between votes at the slowest rank's pace (0: a vote at every boundary)."""
+    max_gap: int = 64
+    """At most this many steps between votes: a step that slows down sharply after a vote (an
+    evaluation, a slower input) delays the next one by at most this many of its steps."""
+    next_vote: int = 0
+    """The boundary (step number) of the next vote."""
+    _last_boundary_s: float | None = field(default=None, repr=False)
+    _slowest_s: float = field(default=0.0, repr=False)
+
+    def restart(self, step: int) -> None:
+        """A generation starts at ``step``: vote there, with no step time measured yet."""
+        self.next_vote = step
+        self._last_boundary_s = None
+        self._slowest_s = 0.0
+
+    def boundary(self, now_s: float) -> None:
+        """This rank reached a step boundary at ``now_s`` (a monotonic clock)."""
+        if self._last_boundary_s is not None:
+            self._slowest_s = max(self._slowest_s, now_s - self._last_boundary_s)
+        self._last_boundary_s = now_s
+
+    @property
+    def slowest_step_s(self) -> float:
+        """This rank's longest step since the previous vote (what it brings to the next vote)."""
+        return self._slowest_s
+
+    def due(self, step: int, checkpoint_boundary: bool, last: bool) -> bool:
+        """Whether the boundary before ``step`` holds a vote."""
+        return step >= self.next_vote or checkpoint_boundary or last
+
+    def voted(self, step: int, slowest_step_s: float) -> None:
+        """The ranks voted at ``step`` and their slowest step since the previous vote took
+        ``slowest_step_s``: the next vote comes ``interval_s`` of such steps later."""
+        gap = 1
+        if self.interval_s > 0 and slowest_step_s > 0:
+            gap = max(1, min(self.max_gap, int(self.interval_s / slowest_step_s)))
+        self.next_vote = step + gap
+        self._slowest_s = 0.0
 
 
 def agree_on_checkpoint(checkpointer: PeriodicCheckpointer, timeout_s: float, rank: int, step: int) -> bool:

@@ -9,9 +9,12 @@
         ...
     job.finish()
 
-At every step boundary each rank all-reduces (MAX) the newest generation number its agent has
-seen, so all ranks stop at the same boundary and none is left inside a collective; then every
+At step boundaries the ranks vote: each all-reduces (MAX) the newest generation number its agent
+has seen, so all ranks stop at the same boundary and none is left inside a collective; then every
 process runs the switch (:mod:`etc_agent.worker.switch`, whose docstring is the call sequence).
+The votes are about half a second of training apart, not at every step
+(:class:`~etc_agent.worker.boundary.VoteSchedule`): steady training pays for no collective of its
+own beyond the commit barrier's, and that only where the layout needs it (:meth:`Job.build_state`).
 
 A peer crash surfaces as an error inside the user's step. Under ``etcrun`` the worker launcher
 (:mod:`etc_agent.worker.launch`) calls :meth:`Job.recover`: the group is torn down at once (so
@@ -53,7 +56,7 @@ from etc_agent.protocol.settings import WorkerSettings
 from etc_agent.rendezvous.records import MigrationRecord
 from etc_agent.utils.plainstate import to_json
 from etc_agent.worker.appstate import hook_optimizers, split_state
-from etc_agent.worker.boundary import agree_on_checkpoint, boundary_vote
+from etc_agent.worker.boundary import VoteSchedule, agree_on_checkpoint, boundary_vote
 from etc_agent.worker.connect import init_static_group
 from etc_agent.worker.context import ParallelContext, make_context
 from etc_agent.worker.errors import ArrivalTimeout, JobError, JobFinished, StateLost, is_peer_failure
@@ -78,12 +81,13 @@ Build = Callable[[ParallelContext], dict]
 class Job:
     """One worker's view of the elastic job. Create it with :func:`etc_agent.init`."""
 
-    def __init__(self, parallel: str | None = None, commit_barrier: bool = True):
+    def __init__(self, parallel: str | None = None, commit_barrier: bool | None = None):
         self.default_parallel = ParallelSpec.parse(parallel) if parallel else ParallelSpec()
         self.commit_barrier = commit_barrier
         """Before every optimizer step, all ranks meet (a one-element all-reduce): a rank's peer that
         died during the step then fails every rank before any optimizer steps, so all states stay at
-        the same step (otherwise dp groups away from the failure could step while others cannot)."""
+        the same step (otherwise dp groups away from the failure could step while others cannot).
+        None (the default): only where the layout needs it (:func:`needs_commit_barrier`)."""
         # Read once here; a sidecar's hello then fills in what etcrun would have put in the
         # environment, and the settings are read again with it.
         settings = WorkerSettings.from_env(os.environ)
@@ -130,6 +134,8 @@ class Job:
         self.checkpoint_dir = settings.checkpoint_dir
         self.fresh_start = settings.fresh_start
         """``etcrun --fresh-start``: never resume from the checkpoints in ``checkpoint_dir``."""
+        self.votes = VoteSchedule(settings.vote_interval_s)
+        """Which step boundaries hold the ranks' vote (:class:`~etc_agent.worker.boundary.VoteSchedule`)."""
         self.checkpointer = self._periodic_checkpointer()
         """Periodic asynchronous checkpoints (``etcrun --checkpoint-interval``): restore what a failure
         leaves without any live copy; see :mod:`etc_agent.worker.checkpoint`."""
@@ -178,7 +184,8 @@ class Job:
             raise RuntimeError("call job.start(build) before job.steps()")
         while True:
             if self.elastic:
-                checkpoint_due = self._maybe_switch()
+                self.votes.boundary(time.perf_counter())
+                checkpoint_due = self._maybe_switch(num_steps)
             else:
                 checkpoint_due = self.checkpointer is not None and self.checkpointer.due(self.next_step)
             if self.next_step >= num_steps:
@@ -248,7 +255,9 @@ class Job:
             bind_step = getattr(entry, "bind_step", None)
             if callable(bind_step):
                 bind_step(lambda: self.next_step)  # etc_agent.data.ElasticData: its position is this step's
-        barrier = self.elastic and self.commit_barrier
+        barrier = self.elastic and (
+            needs_commit_barrier(ctx.config) if self.commit_barrier is None else self.commit_barrier
+        )
         before_step = self._before_optimizer_step if barrier else None
         hook_optimizers(state, not ctx.restoring, before_step, self._on_optimizer_step)
         return state
@@ -284,19 +293,24 @@ class Job:
             self.link.send(Trained(step=self.next_step))
 
     # ---- switching generations -----------------------------------------------------------
-    def _maybe_switch(self) -> bool:
-        """The step-boundary agreement; after any switch it runs again, so that the first collective
-        of every process in a new generation (survivor, joiner, recovered) is this one. Returns
+    def _maybe_switch(self, num_steps: int) -> bool:
+        """The step-boundary agreement, where :attr:`votes` holds one; after any switch it runs
+        again, so that the first collective of every process in a new generation (survivor,
+        joiner, recovered) is this one. Returns
         whether every rank takes a periodic checkpoint at this boundary: where any rank lacks this
         step's snapshot, all take it (after a switch the ranks' snapshot lists may differ, and a rank
         that forms the checkpoint group alone waits for the others until its timeout while they
         train on and wait for it). Where a rank's previous write still runs, see
         :func:`~etc_agent.worker.boundary.agree_on_checkpoint`."""
         assert self.link is not None  # only an elastic job switches, and it has its agent link
+        checkpoint_boundary = self.checkpointer is not None and self.checkpointer.is_boundary(self.next_step)
+        if not self.votes.due(self.next_step, checkpoint_boundary, self.next_step >= num_steps):
+            return False
         while True:
             try:
                 seen = max(self.link.latest, self.generation)
-                vote = boundary_vote(seen, self.checkpointer, self.next_step, self.link.fenced)
+                slowest = self.votes.slowest_step_s
+                vote = boundary_vote(seen, self.checkpointer, self.next_step, self.link.fenced, slowest)
             except Exception as err:  # a peer died between steps
                 if not self.recover(err):
                     raise
@@ -305,6 +319,7 @@ class Job:
                 self._hold_fenced()
                 continue
             if vote.pending <= self.generation:
+                self.votes.voted(self.next_step, vote.slowest_step_s)
                 if not (vote.checkpoint_due and vote.writing):
                     return vote.checkpoint_due
                 try:
@@ -454,6 +469,7 @@ class Job:
     def _resume(self, resumed: Resumed) -> None:
         self.state, self.ctx = resumed.state, resumed.ctx
         self.next_step, self.generation = resumed.next_step, resumed.generation
+        self.votes.restart(self.next_step)
 
     def publish(self, record: MigrationRecord) -> None:
         """Keep, log and hand one migration record to the agent (which stores it for `etc-agent status`)."""
@@ -470,10 +486,21 @@ class Job:
         raise err
 
 
+def needs_commit_barrier(config: ParallelConfig) -> bool:
+    """Whether a layout's steps need the commit barrier (:attr:`Job.commit_barrier`). Where data
+    parallelism spans the whole world (tp = pp = 1, plain replicas or FSDP over every rank), the
+    step's own gradient reduction is a collective of every rank: a peer that dies before its share
+    is in fails every survivor's reduction before any optimizer steps, just as the barrier would.
+    With tensor or pipeline parallelism (or HSDP's two stages) a group away from the failure can
+    finish its reduction and step while the others cannot."""
+    hsdp = 1 < config.dp_shard < config.dp
+    return config.tp > 1 or config.pp > 1 or hsdp
+
+
 _CURRENT: Job | None = None
 
 
-def init(parallel: str | None = None, commit_barrier: bool = True) -> Job:
+def init(parallel: str | None = None, commit_barrier: bool | None = None) -> Job:
     """The job of this process (created on first call; later calls return the same live job).
 
     ``parallel``: the layout to use when ``etcrun --parallel`` does not say (e.g. ``tp=2,dp=auto``);

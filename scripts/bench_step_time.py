@@ -1,0 +1,120 @@
+"""Steady-state step time: the same training script under ``torchrun`` and under ``etcrun``.
+
+The example GPT (``etc_agent.examples.gpt``, synthetic data, one thread per worker) trains for
+``--steps`` steps under each launcher; a run's figure is the median gap between consecutive steps'
+wall-clock stamps after ``--warmup`` steps (so the step boundary, where an elastic job's agreement
+runs, is inside every gap). Runs alternate launchers (torchrun, etcrun, torchrun, ...) so that
+machine noise hits all alike; the table gives each launcher's median over runs and its ratio to
+torchrun's.
+
+    python scripts/bench_step_time.py                      # 5 runs each, 2 workers, dp=2
+    python scripts/bench_step_time.py --runs 7 --steps 400
+    python scripts/bench_step_time.py --variant no-spare="--standby-workers 0"
+
+``--variant NAME="[KEY=VALUE ...] ETCRUN FLAGS"`` adds an etcrun run with those environment
+variables and extra flags to every round.
+Prints a rich table and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+MODEL = "--data synthetic --hidden 128 --ffn 512 --layers 4 --seq 64 --global-batch 8".split()
+
+
+def launcher(name: str, extra: list[str]) -> list[str]:
+    if name == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run"]
+    return [sys.executable, "-m", "etc_agent.cli.etcrun", *extra]
+
+
+def step_gap_s(stdout: str, warmup: int) -> float:
+    """The median gap between consecutive steps' stamps, after the first ``warmup`` steps."""
+    walls = [json.loads(line)["wall"] for line in stdout.splitlines() if line.startswith('{"step"')]
+    gaps = [later - earlier for earlier, later in zip(walls[warmup:], walls[warmup + 1 :])]
+    if len(gaps) < 10:
+        raise SystemExit(f"only {len(walls)} steps were reported; raise --steps above --warmup")
+    return statistics.median(gaps)
+
+
+def run_once(name: str, extra: list[str], args: argparse.Namespace, work: Path) -> float:
+    variables = dict(token.split("=", 1) for token in extra if "=" in token and not token.startswith("-"))
+    extra = [token for token in extra if token.startswith("-") or "=" not in token]
+    command = [
+        *launcher(name, extra),
+        "--standalone",
+        "--nproc-per-node",
+        str(args.nproc),
+        "-m",
+        "etc_agent.examples.gpt",
+        "--steps",
+        str(args.steps),
+        *MODEL,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ETC_DATA_DIR": str(work), **variables}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=work)
+    if done.returncode != 0:
+        raise SystemExit(f"{name} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return step_gap_s(done.stdout, args.warmup)
+
+
+def parse_variants(specs: list[str]) -> dict[str, list[str]]:
+    runs: dict[str, list[str]] = {"torchrun": [], "etcrun": []}
+    for spec in specs:
+        name, _, flags = spec.partition("=")
+        if not name or name in runs:
+            raise SystemExit(f"--variant {spec!r}: give NAME=FLAGS with a new name")
+        runs[name] = shlex.split(flags)
+    return runs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5, help="runs of each launcher")
+    parser.add_argument("--nproc", type=int, default=2, help="workers per launch (dp = nproc)")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--warmup", type=int, default=20, help="steps left out at the start of each run")
+    parser.add_argument("--variant", action="append", default=[], help='NAME="extra etcrun flags"')
+    args = parser.parse_args()
+    runs = parse_variants(args.variant)
+    gaps: dict[str, list[float]] = {name: [] for name in runs}
+    with tempfile.TemporaryDirectory(prefix="etc-step-time-") as tmp:
+        for _ in range(args.runs):
+            for name, extra in runs.items():
+                gaps[name].append(run_once("torchrun" if name == "torchrun" else "etcrun", extra, args, Path(tmp)))
+    median = {name: statistics.median(values) for name, values in gaps.items()}
+    table = Table(title=f"step time, example GPT, {args.nproc} workers, {args.runs} alternating runs each")
+    for column in ("launcher", "median ms", "min ms", "max ms", "vs torchrun"):
+        table.add_column(column, justify="left" if column == "launcher" else "right")
+    for name, values in gaps.items():
+        ratio = median[name] / median["torchrun"]
+        table.add_row(
+            name, f"{median[name] * 1e3:.2f}", f"{min(values) * 1e3:.2f}", f"{max(values) * 1e3:.2f}", f"{ratio:.3f}"
+        )
+    Console().print(table)
+    result = {
+        "benchmark": "step_time",
+        "nproc": args.nproc,
+        "runs": args.runs,
+        "steps": args.steps,
+        "median_step_ms": {name: round(value * 1e3, 3) for name, value in median.items()},
+        "ratio_to_torchrun": {name: round(value / median["torchrun"], 4) for name, value in median.items()},
+        "step_ms": {name: [round(v * 1e3, 3) for v in values] for name, values in gaps.items()},
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

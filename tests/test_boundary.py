@@ -1,0 +1,80 @@
+"""The step boundary's vote schedule and the commit barrier's rule: pure code, no collectives."""
+
+from __future__ import annotations
+
+import pytest
+
+from etc_agent.layout.config import ParallelConfig
+from etc_agent.worker.boundary import VoteSchedule
+from etc_agent.worker.job import needs_commit_barrier
+
+
+def run_boundaries(
+    schedule: VoteSchedule, step_times: list[float], checkpoint_every: int = 0, last: int = 10**9
+) -> list[int]:
+    """Feed one rank's schedule a run whose step ``i`` takes ``step_times[i]``; the boundaries it votes
+    at. Every rank of a job sees the same vote (the MAX of their step times), modelled here by
+    giving the schedule the true slowest step since the previous vote."""
+    votes, clock, slowest = [], 100.0, 0.0
+    schedule.restart(0)
+    for step in range(len(step_times) + 1):
+        schedule.boundary(clock)
+        checkpoint = checkpoint_every > 0 and step > 0 and step % checkpoint_every == 0
+        if schedule.due(step, checkpoint, step >= last):
+            assert schedule.slowest_step_s == pytest.approx(slowest)
+            votes.append(step)
+            schedule.voted(step, slowest)
+            slowest = 0.0
+        if step < len(step_times):
+            clock += step_times[step]
+            slowest = max(slowest, step_times[step])
+    return votes
+
+
+def test_votes_come_an_interval_of_the_slowest_step_apart_after_a_vote_at_the_first_two_boundaries():
+    assert run_boundaries(VoteSchedule(0.5), [0.04] * 40) == [0, 1, 13, 25, 37]
+
+
+def test_an_interval_of_zero_votes_at_every_boundary():
+    assert run_boundaries(VoteSchedule(0.0), [0.04] * 5) == [0, 1, 2, 3, 4, 5]
+
+
+def test_steps_longer_than_the_interval_vote_at_every_boundary():
+    assert run_boundaries(VoteSchedule(0.5), [2.0] * 4) == [0, 1, 2, 3, 4]
+
+
+def test_a_slow_step_shortens_the_next_gap_and_the_gap_is_capped():
+    times = [0.1] * 10 + [0.4] + [0.1] * 10
+    assert run_boundaries(VoteSchedule(0.5), times) == [0, 1, 6, 11, 12, 17]
+    assert run_boundaries(VoteSchedule(10.0, max_gap=8), [0.001] * 20) == [0, 1, 9, 17]
+
+
+def test_checkpoint_boundaries_and_the_last_step_always_vote():
+    votes = run_boundaries(VoteSchedule(0.5), [0.04] * 30, checkpoint_every=7, last=30)
+    assert {7, 14, 21, 28, 30} <= set(votes)
+
+
+def test_a_restart_votes_at_the_generation_s_first_boundary_and_forgets_the_old_step_times():
+    schedule = VoteSchedule(0.5)
+    run_boundaries(schedule, [0.04] * 5)
+    schedule.restart(40)
+    assert schedule.due(40, False, False) and schedule.slowest_step_s == 0.0
+    schedule.boundary(1.0)
+    schedule.voted(40, 0.0)  # no step measured yet in this generation: vote again at the next one
+    assert schedule.next_vote == 41
+
+
+@pytest.mark.parametrize(
+    ("parallel", "needed"),
+    [
+        ("tp=1,pp=1,dp=4", False),
+        ("tp=1,pp=1,dp=4,zero=1", False),
+        ("tp=1,pp=1,dp=4,dp_shard=4", False),
+        ("tp=1,pp=1,dp=4,dp_shard=2", True),
+        ("tp=2,pp=1,dp=2", True),
+        ("tp=1,pp=2,dp=2", True),
+        ("tp=2,pp=1,dp=1", True),
+    ],
+)
+def test_the_commit_barrier_is_kept_where_a_group_could_step_without_the_failure(parallel, needed):
+    assert needs_commit_barrier(ParallelConfig.parse(parallel)) is needed
