@@ -8,8 +8,10 @@ The example GPT on 2 agents x 2 workers (``--nnodes 1:2``), side by side in one 
   periodic checkpoint with resharding (``--migration checkpoint``; the kill comes right after a
   checkpoint completed, the most favourable moment for it), and trains the steps since again.
 
-Cases: ``worker`` (SIGKILL of one worker, pure data parallel ``dp=auto``) and ``node`` (SIGKILL
-of a whole agent with its workers, ``tp=2,dp=auto`` with ``--placement resilient``).
+Cases: ``worker`` (SIGKILL of one worker, pure data parallel ``dp=auto``), ``node`` (SIGKILL
+of a whole agent with its workers, ``tp=2,dp=auto`` with ``--placement resilient``) and
+``in-place`` (SIGKILL of one worker, ``tp=2,dp=auto`` with ``--nnodes 2:2``: the survivors may not
+shrink, so they wait for the killed worker's restart in place and its state from a replica).
 
 Figures, from the SIGKILL (wall clock, one machine): ``stall_s`` until the survivors finished their
 first step after it; ``lost_s``, the time the crash cost beyond training: the interval from the last
@@ -43,13 +45,15 @@ MODEL_300MB = [*MODEL_FULL[: MODEL_FULL.index("--layers")], "--layers", "2", *MO
 """MODEL_FULL's widths with 2 layers: ~26.8 M parameters, fp32 weights + AdamW state = 320 MB."""
 SIZES = {"quick": MODEL_QUICK, "300mb": MODEL_300MB, "1gb": MODEL_FULL}
 CASES = {
-    "worker": ("tp=1,pp=1,dp=auto", "kill", []),
-    "node": ("tp=2,pp=1,dp=auto", "kill-agent", ["--placement", "resilient"]),
+    "worker": ("tp=1,pp=1,dp=auto", "kill", [], 1),
+    "node": ("tp=2,pp=1,dp=auto", "kill-agent", ["--placement", "resilient"], 1),
+    "in-place": ("tp=2,pp=1,dp=auto", "kill", [], 2),
 }
+"""case -> (--parallel, event, extra agent flags, --nnodes MIN)"""
 
 
 def run_once(case: str, method: str, model_args: list[str], work: Path) -> dict:
-    parallel, event, case_args = CASES[case]
+    parallel, event, case_args, min_nodes = CASES[case]
     agent_args = ["--checkpoint-dir", str(work / "checkpoints"), "--checkpoint-interval", str(INTERVAL), *case_args]
     if method == "checkpoint":
         # torchrun restarts every worker as a new interpreter (no fork server) and loads the checkpoint.
@@ -64,7 +68,7 @@ def run_once(case: str, method: str, model_args: list[str], work: Path) -> dict:
         events=(event,),
         extra_script_args=model_args,
         agent_args=agent_args,
-        min_nodes=1,
+        min_nodes=min_nodes,
         event_steps=[INTERVAL + 1],
         stop_after=3,
         event_after_text='"etc_checkpoint"',
@@ -115,6 +119,7 @@ def run_once(case: str, method: str, model_args: list[str], work: Path) -> dict:
                     "plan_s",
                     "transfer_s",
                     "total_stall_s",
+                    "stall_parts",
                 )
             }
             for m in result["migrations"]

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from etc_agent.layout.config import ParallelConfig
-from etc_agent.worker.boundary import VoteSchedule
-from etc_agent.worker.job import needs_commit_barrier
+from etc_agent.worker.boundary import VoteSchedule, needs_commit_barrier
 
 
 def run_boundaries(
@@ -68,13 +67,28 @@ def test_a_restart_votes_at_the_generation_s_first_boundary_and_forgets_the_old_
     ("parallel", "needed"),
     [
         ("tp=1,pp=1,dp=4", False),
-        ("tp=1,pp=1,dp=4,zero=1", False),
-        ("tp=1,pp=1,dp=4,dp_shard=4", False),
+        ("tp=1,pp=1,dp=4,zero=1", True),
+        ("tp=1,pp=1,dp=4,dp_shard=4", True),
         ("tp=1,pp=1,dp=4,dp_shard=2", True),
         ("tp=2,pp=1,dp=2", True),
         ("tp=1,pp=2,dp=2", True),
         ("tp=2,pp=1,dp=1", True),
     ],
 )
-def test_the_commit_barrier_is_kept_where_a_group_could_step_without_the_failure(parallel, needed):
-    assert needs_commit_barrier(ParallelConfig.parse(parallel)) is needed
+def test_the_commit_barrier_is_left_out_only_for_whole_replicas(parallel, needed):
+    assert needs_commit_barrier(ParallelConfig.parse(parallel), whole_tensors=True) is needed
+    assert needs_commit_barrier(ParallelConfig.parse(parallel), whole_tensors=False)
+
+
+def test_a_state_with_a_range_of_a_tensor_is_not_whole():
+    import torch
+
+    from etc_agent.migrate.describe import BoxedTensor
+    from etc_agent.worker.appstate import holds_only_whole_tensors
+
+    model = torch.nn.Linear(4, 3)
+    optim = torch.optim.AdamW(model.parameters())
+    assert holds_only_whole_tensors({"model": model, "optim": optim, "step": 3})
+    part = BoxedTensor(torch.arange(4.0), (8,), (4,))
+    assert not holds_only_whole_tensors({"model": model, "z": part})
+    assert holds_only_whole_tensors({"z": BoxedTensor(torch.arange(8.0), (8,), (0,))})

@@ -32,6 +32,7 @@ from etc_agent.utils.plainstate import from_json, json_key, load_param_group, ma
 
 __all__ = [
     "from_json",
+    "holds_only_whole_tensors",
     "hook_optimizers",
     "load_param_group",
     "load_state",
@@ -73,6 +74,23 @@ def hook_optimizers(
         elif megatron.is_optimizer(obj):
             megatron.materialize_optimizer_state(obj, zero=zero)
             megatron.wrap_step(obj, before_step, after_step)
+
+
+def holds_only_whole_tensors(app: Mapping[str, Any]) -> bool:
+    """Whether every tensor of the app state is whole on this rank (no tensor-, pipeline-, FSDP or
+    ZeRO shard, no :class:`BoxedTensor` range): a replica whose loss any surviving replica covers.
+    Reads shapes only."""
+    from etc_agent.migrate.describe import describe_tensor
+
+    tensors, _ = split_state(app)
+    for key, value in tensors.items():
+        local = describe_tensor(key, value)
+        if local is None:
+            continue
+        shard = local.shard
+        if shard.flat_range is not None or any(shard.offsets) or tuple(shard.lengths) != tuple(shard.global_shape):
+            return False
+    return True
 
 
 def reshard_fsdp(app: Mapping[str, Any]) -> None:

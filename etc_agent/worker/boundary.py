@@ -15,11 +15,14 @@ unchanged); a rank's failure surfaces in the step's own collectives as before.""
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+from etc_agent.layout.config import ParallelConfig
 
 if TYPE_CHECKING:
     from etc_agent.worker.checkpoint import PeriodicCheckpointer
@@ -40,6 +43,8 @@ class BoundaryVote:
     next step of this generation; they hold here until a newer generation or the fence lifts."""
     slowest_step_s: float = 0.0
     """The longest step any rank trained since the previous vote (0: none yet in this generation)."""
+    commit_barrier: bool = True
+    """Some rank's state needs the commit barrier before every optimizer step (:func:`needs_commit_barrier`)."""
 
 
 def boundary_vote(
@@ -48,16 +53,47 @@ def boundary_vote(
     step: int,
     fenced: bool = False,
     slowest_step_s: float = 0.0,
+    commit_barrier: bool = True,
 ) -> BoundaryVote:
     """All-reduce (MAX) the generation this rank has seen, its checkpoint flags at ``step``, whether
-    its agent is fenced and its longest step since the previous vote."""
+    its agent is fenced, its longest step since the previous vote and whether it needs the commit
+    barrier."""
     due = checkpointer is not None and checkpointer.due(step)
     busy = checkpointer is not None and checkpointer.writing()
     step_us = int(slowest_step_s * 1e6)
-    flag = torch.tensor([seen, int(due), int(busy), int(fenced), step_us], dtype=torch.int64)
+    flag = torch.tensor([seen, int(due), int(busy), int(fenced), step_us, int(commit_barrier)], dtype=torch.int64)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    pending, any_due, any_busy, any_fenced, slowest_us = (int(v) for v in flag.tolist())
-    return BoundaryVote(pending, bool(any_due), bool(any_busy), bool(any_fenced), slowest_us / 1e6)
+    pending, any_due, any_busy, any_fenced, slowest_us, barrier = (int(v) for v in flag.tolist())
+    return BoundaryVote(pending, bool(any_due), bool(any_busy), bool(any_fenced), slowest_us / 1e6, bool(barrier))
+
+
+def needs_commit_barrier(config: ParallelConfig, whole_tensors: bool) -> bool:
+    """Whether a generation's steps need the commit barrier before every optimizer step (a
+    one-element all-reduce: a peer that died during the step then fails every rank before any
+    optimizer steps). Not where the layout is plain replicas over every rank (tp = pp = 1, no ZeRO,
+    no FSDP) and the state holds whole tensors only (``whole_tensors``): a survivor that stepped
+    before the failure surfaced and one that did not each hold a whole copy, so the next layout
+    has a step with every tensor (the newest), whatever the others did. With any shard, a group
+    away from the failure could step while the shard's holders could not, and no step would then
+    cover every shard. Every rank votes its answer (:func:`boundary_vote`): one with a shard turns
+    the barrier on for all."""
+    replicas = config.tp == 1 and config.pp == 1 and config.zero == 0 and config.dp_shard == 1
+    return not (replicas and whole_tensors)
+
+
+def hold_fenced(generation: int, step: int, rank: int, said_at: int) -> int:
+    """A rank's agent is fenced: every rank waits at this boundary (voting again) for a newer
+    generation or the fence to lift; none trains the next step in a generation that may be over.
+    Rank 0 says so once per boundary; returns the boundary it was said at."""
+    if said_at != step and rank == 0:
+        print(
+            f"[etc_agent] generation {generation}: an agent lost the store while its peers reach it; "
+            f"every rank holds before step {step}",
+            file=sys.stderr,
+            flush=True,
+        )
+    time.sleep(0.1)
+    return step
 
 
 @dataclass

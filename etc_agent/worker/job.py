@@ -9,12 +9,10 @@
         ...
     job.finish()
 
-At step boundaries the ranks vote: each all-reduces (MAX) the newest generation number its agent
-has seen, so all ranks stop at the same boundary and none is left inside a collective; then every
-process runs the switch (:mod:`etc_agent.worker.switch`, whose docstring is the call sequence).
-The votes are about half a second of training apart, not at every step
-(:class:`~etc_agent.worker.boundary.VoteSchedule`): steady training pays for no collective of its
-own beyond the commit barrier's, and that only where the layout needs it (:meth:`Job.build_state`).
+At voting step boundaries (about 0.5 s of training apart: :mod:`~etc_agent.worker.boundary`) each
+rank all-reduces (MAX) the newest generation number its agent has seen, so all ranks stop at the
+same boundary and none is left inside a collective; then every process runs the switch
+(:mod:`etc_agent.worker.switch`, whose docstring is the call sequence).
 
 A peer crash surfaces as an error inside the user's step. Under ``etcrun`` the worker launcher
 (:mod:`etc_agent.worker.launch`) calls :meth:`Job.recover`: the group is torn down at once (so
@@ -55,7 +53,8 @@ from etc_agent.protocol.phases import Phase, PhaseTracker
 from etc_agent.protocol.settings import WorkerSettings
 from etc_agent.rendezvous.records import MigrationRecord
 from etc_agent.utils.plainstate import to_json
-from etc_agent.worker.appstate import hook_optimizers, split_state
+from etc_agent.worker import boundary
+from etc_agent.worker.appstate import holds_only_whole_tensors, hook_optimizers, split_state
 from etc_agent.worker.boundary import VoteSchedule, agree_on_checkpoint, boundary_vote
 from etc_agent.worker.connect import init_static_group
 from etc_agent.worker.context import ParallelContext, make_context
@@ -87,7 +86,8 @@ class Job:
         """Before every optimizer step, all ranks meet (a one-element all-reduce): a rank's peer that
         died during the step then fails every rank before any optimizer steps, so all states stay at
         the same step (otherwise dp groups away from the failure could step while others cannot).
-        None (the default): only where the layout needs it (:func:`needs_commit_barrier`)."""
+        None (default): where the state needs it (:func:`~etc_agent.worker.boundary.needs_commit_barrier`)."""
+        self._barrier_wanted = self._barrier_on = True  # this rank's answer in the votes; the last vote's
         # Read once here; a sidecar's hello then fills in what etcrun would have put in the
         # environment, and the settings are read again with it.
         settings = WorkerSettings.from_env(os.environ)
@@ -255,11 +255,11 @@ class Job:
             bind_step = getattr(entry, "bind_step", None)
             if callable(bind_step):
                 bind_step(lambda: self.next_step)  # etc_agent.data.ElasticData: its position is this step's
-        barrier = self.elastic and (
-            needs_commit_barrier(ctx.config) if self.commit_barrier is None else self.commit_barrier
-        )
+        barrier = self.elastic and self.commit_barrier is not False
         before_step = self._before_optimizer_step if barrier else None
         hook_optimizers(state, not ctx.restoring, before_step, self._on_optimizer_step)
+        if self.commit_barrier is None:
+            self._barrier_wanted = boundary.needs_commit_barrier(ctx.config, holds_only_whole_tensors(state))
         return state
 
     def _checkpoint(self) -> None:
@@ -280,7 +280,8 @@ class Job:
         )
 
     def _before_optimizer_step(self, *args: Any) -> None:
-        dist.all_reduce(torch.zeros(1))
+        if self._barrier_on:
+            dist.all_reduce(torch.zeros(1))
 
     def _on_optimizer_step(self, *args: Any) -> None:
         self._stepped = True
@@ -310,13 +311,17 @@ class Job:
             try:
                 seen = max(self.link.latest, self.generation)
                 slowest = self.votes.slowest_step_s
-                vote = boundary_vote(seen, self.checkpointer, self.next_step, self.link.fenced, slowest)
+                vote = boundary_vote(
+                    seen, self.checkpointer, self.next_step, self.link.fenced, slowest, self._barrier_wanted
+                )
             except Exception as err:  # a peer died between steps
                 if not self.recover(err):
                     raise
                 continue
+            self._barrier_on = vote.commit_barrier
             if vote.pending <= self.generation and vote.fenced:
-                self._hold_fenced()
+                rank = self.ctx.rank if self.ctx is not None else -1
+                self._held_at = boundary.hold_fenced(self.generation, self.next_step, rank, self._held_at)
                 continue
             if vote.pending <= self.generation:
                 self.votes.voted(self.next_step, vote.slowest_step_s)
@@ -334,19 +339,6 @@ class Job:
             if self.migration == "checkpoint":
                 self._save_and_exit(vote.pending, time.time())
             self._switch(vote.pending, f"switch to generation {vote.pending}", stopped=Stopped.now(), failure=False)
-
-    def _hold_fenced(self) -> None:
-        """A rank's agent is fenced: every rank waits at this boundary (voting again) for a newer
-        generation or the fence to lift; none trains the next step in a generation that may be over."""
-        if self._held_at != self.next_step and self.ctx is not None and self.ctx.rank == 0:
-            print(
-                f"[etc_agent] generation {self.generation}: an agent lost the store while its peers reach it; "
-                f"every rank holds before step {self.next_step}",
-                file=sys.stderr,
-                flush=True,
-            )
-        self._held_at = self.next_step
-        time.sleep(0.1)
 
     def _save_and_exit(self, pending: int, stopped_at: float) -> None:
         """The checkpoint baseline: save with DCP and exit (:func:`etc_agent.worker.baseline.save_and_exit`)."""
@@ -484,17 +476,6 @@ class Job:
         if self.link is not None:
             self.link.send(Fatal(reason=str(err)))
         raise err
-
-
-def needs_commit_barrier(config: ParallelConfig) -> bool:
-    """Whether a layout's steps need the commit barrier (:attr:`Job.commit_barrier`). Where data
-    parallelism spans the whole world (tp = pp = 1, plain replicas or FSDP over every rank), the
-    step's own gradient reduction is a collective of every rank: a peer that dies before its share
-    is in fails every survivor's reduction before any optimizer steps, just as the barrier would.
-    With tensor or pipeline parallelism (or HSDP's two stages) a group away from the failure can
-    finish its reduction and step while the others cannot."""
-    hsdp = 1 < config.dp_shard < config.dp
-    return config.tp > 1 or config.pp > 1 or hsdp
 
 
 _CURRENT: Job | None = None
