@@ -41,7 +41,7 @@ timeout (60 s and more) instead of leaving. Tests marked ``alone`` keep the 2 s 
 TEST_LAYERS: dict[str, tuple[str, dict[str, list[str]]]] = {
     "test_auth.py": ("unit", {}),
     "test_backends.py": ("unit", {}),
-    "test_boundary.py": ("unit", {}),
+    "test_boundary.py": ("unit", {"multiproc": ["test_ranks_with_different_paces_vote_at_the_same_boundaries"]}),
     "test_checkpoint_baseline.py": ("multiproc", {}),
     "test_cli.py": ("e2e", {}),
     "test_cluster.py": (

@@ -92,3 +92,42 @@ def test_a_state_with_a_range_of_a_tensor_is_not_whole():
     part = BoxedTensor(torch.arange(4.0), (8,), (4,))
     assert not holds_only_whole_tensors({"model": model, "z": part})
     assert holds_only_whole_tensors({"z": BoxedTensor(torch.arange(8.0), (8,), (0,))})
+
+
+def _train_with_scheduled_votes(rank: int, world: int) -> tuple[list[int], int]:
+    """40 steps, each with an all-reduce standing in for the gradient reduction and a rank-dependent
+    pace (rank 2 slows down from step 20); rank 1's agent "sees" generation 1 from step 10. Returns
+    the boundaries this rank voted at and the first at which a vote carried generation 1."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from etc_agent.worker.boundary import boundary_vote
+
+    schedule, votes, switch_at = VoteSchedule(0.1), [], -1
+    schedule.restart(0)
+    for step in range(40):
+        schedule.boundary(time.perf_counter())
+        if schedule.due(step, False, False):
+            seen = 1 if rank == 1 and step >= 10 else 0
+            vote = boundary_vote(seen, None, step, slowest_step_s=schedule.slowest_step_s)
+            votes.append(step)
+            schedule.voted(step, vote.slowest_step_s)
+            if vote.pending and switch_at < 0:
+                switch_at = step
+        dist.all_reduce(torch.ones(4))
+        time.sleep(0.03 if rank == 2 and step >= 20 else 0.004 * (rank + 1))
+    return votes, switch_at
+
+
+def test_ranks_with_different_paces_vote_at_the_same_boundaries():
+    from dist_harness import run_workers
+
+    results = run_workers(3, _train_with_scheduled_votes, pg_timeout_s=30.0, timeout_s=120.0)
+    votes, switch_at = results[0]
+    assert all(r == (votes, switch_at) for r in results), results
+    assert votes[:2] == [0, 1] and len(votes) < 20, votes  # far fewer votes than steps
+    assert 10 <= switch_at <= 10 + 64 and switch_at in votes, (switch_at, votes)
+    late = [b - a for a, b in zip(votes, votes[1:]) if a >= 22]
+    assert late and max(late) <= 4, votes  # rank 2's slower steps (30 ms of a 0.1 s interval) shortened the gaps
