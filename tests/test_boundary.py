@@ -76,8 +76,8 @@ def test_a_restart_votes_at_the_generation_s_first_boundary_and_forgets_the_old_
     ],
 )
 def test_the_commit_barrier_is_left_out_only_for_whole_replicas(parallel, needed):
-    assert needs_commit_barrier(ParallelConfig.parse(parallel), whole_tensors=True) is needed
-    assert needs_commit_barrier(ParallelConfig.parse(parallel), whole_tensors=False)
+    assert needs_commit_barrier(ParallelConfig.parse(parallel), lambda: True) is needed
+    assert needs_commit_barrier(ParallelConfig.parse(parallel), lambda: False)
 
 
 def test_a_state_with_a_range_of_a_tensor_is_not_whole():

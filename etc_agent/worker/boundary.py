@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -67,18 +68,18 @@ def boundary_vote(
     return BoundaryVote(pending, bool(any_due), bool(any_busy), bool(any_fenced), slowest_us / 1e6, bool(barrier))
 
 
-def needs_commit_barrier(config: ParallelConfig, whole_tensors: bool) -> bool:
+def needs_commit_barrier(config: ParallelConfig, whole_tensors: Callable[[], bool]) -> bool:
     """Whether a generation's steps need the commit barrier before every optimizer step (a
     one-element all-reduce: a peer that died during the step then fails every rank before any
     optimizer steps). Not where the layout is plain replicas over every rank (tp = pp = 1, no ZeRO,
-    no FSDP) and the state holds whole tensors only (``whole_tensors``): a survivor that stepped
+    no FSDP) and the state holds whole tensors only (``whole_tensors()``, asked only then): a survivor that stepped
     before the failure surfaced and one that did not each hold a whole copy, so the next layout
     has a step with every tensor (the newest), whatever the others did. With any shard, a group
     away from the failure could step while the shard's holders could not, and no step would then
     cover every shard. Every rank votes its answer (:func:`boundary_vote`): one with a shard turns
     the barrier on for all."""
     replicas = config.tp == 1 and config.pp == 1 and config.zero == 0 and config.dp_shard == 1
-    return not (replicas and whole_tensors)
+    return not (replicas and whole_tensors())
 
 
 def hold_fenced(generation: int, step: int, rank: int, said_at: int) -> int:

@@ -259,7 +259,7 @@ class Job:
         before_step = self._before_optimizer_step if barrier else None
         hook_optimizers(state, not ctx.restoring, before_step, self._on_optimizer_step)
         if self.commit_barrier is None:
-            self._barrier_wanted = boundary.needs_commit_barrier(ctx.config, holds_only_whole_tensors(state))
+            self._barrier_wanted = boundary.needs_commit_barrier(ctx.config, lambda: holds_only_whole_tensors(state))
         return state
 
     def _checkpoint(self) -> None:
