@@ -574,7 +574,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.global_batch % args.micro_batch:
         raise ValueError("--global-batch must be a multiple of --micro-batch")
     dataset = open_dataset(args)
-    job = etc_agent.init(parallel=args.parallel)
+    # The elementwise update reduces nothing across ranks: without the commit barrier a peer's death
+    # would surface only at the next vote, after steps trained without the dead rank's share.
+    job = etc_agent.init(parallel=args.parallel, commit_barrier=True if args.elementwise else None)
     job.start(make_build(args, dataset))
     for step in job.steps(args.steps if args.stop_at is None else min(args.stop_at, args.steps)):
         replica_share(args, job.ctx.config, job.ctx.dp_rank)  # a layout that cannot share the batch: one line

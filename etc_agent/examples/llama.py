@@ -362,7 +362,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.global_batch % args.micro_batch:
         raise ValueError("--global-batch must be a multiple of --micro-batch")
     dataset = open_dataset(args)
-    job = etc_agent.init(parallel=args.parallel)
+    # As the GPT example's: the elementwise update reduces nothing across ranks (see its main).
+    job = etc_agent.init(parallel=args.parallel, commit_barrier=True if args.elementwise else None)
     job.start(make_build(args, dataset))
     for step in job.steps(args.steps):
         replica_share(args, job.ctx.config, job.ctx.dp_rank)  # a layout that cannot share the batch: one line
