@@ -9,7 +9,7 @@ torchrun's.
 
     python scripts/bench_step_time.py                      # 5 runs each, 2 workers, dp=2
     python scripts/bench_step_time.py --runs 7 --steps 400
-    python scripts/bench_step_time.py --variant no-spare="--standby-workers 0"
+    python scripts/bench_step_time.py --parallel tp=2,pp=1,dp=1   # a sharded layout (commit barrier)
 
 ``--variant NAME="[KEY=VALUE ...] ETCRUN FLAGS"`` adds an etcrun run with those environment
 variables and extra flags to every round.
@@ -61,6 +61,8 @@ def run_once(name: str, extra: list[str], args: argparse.Namespace, work: Path) 
         "etc_agent.examples.gpt",
         "--steps",
         str(args.steps),
+        "--parallel",
+        args.parallel,
         *MODEL,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ETC_DATA_DIR": str(work), **variables}
@@ -86,6 +88,7 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2, help="workers per launch (dp = nproc)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=20, help="steps left out at the start of each run")
+    parser.add_argument("--parallel", default="tp=1,pp=1,dp=auto", help="the example's layout, under both launchers")
     parser.add_argument("--variant", action="append", default=[], help='NAME="extra etcrun flags"')
     args = parser.parse_args()
     runs = parse_variants(args.variant)
@@ -95,7 +98,8 @@ def main() -> None:
             for name, extra in runs.items():
                 gaps[name].append(run_once("torchrun" if name == "torchrun" else "etcrun", extra, args, Path(tmp)))
     median = {name: statistics.median(values) for name, values in gaps.items()}
-    table = Table(title=f"step time, example GPT, {args.nproc} workers, {args.runs} alternating runs each")
+    title = f"step time, example GPT, {args.parallel}, {args.nproc} workers, {args.runs} alternating runs each"
+    table = Table(title=title)
     for column in ("launcher", "median ms", "min ms", "max ms", "vs torchrun"):
         table.add_column(column, justify="left" if column == "launcher" else "right")
     for name, values in gaps.items():
@@ -107,6 +111,7 @@ def main() -> None:
     result = {
         "benchmark": "step_time",
         "nproc": args.nproc,
+        "parallel": args.parallel,
         "runs": args.runs,
         "steps": args.steps,
         "median_step_ms": {name: round(value * 1e3, 3) for name, value in median.items()},
