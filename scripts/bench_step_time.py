@@ -50,8 +50,10 @@ def step_gap_s(stdout: str, warmup: int) -> float:
 
 
 def run_once(name: str, extra: list[str], args: argparse.Namespace, work: Path) -> float:
-    variables = dict(token.split("=", 1) for token in extra if "=" in token and not token.startswith("-"))
-    extra = [token for token in extra if token.startswith("-") or "=" not in token]
+    # Leading KEY=VALUE tokens are the environment; the rest are flags (whose values may hold "=").
+    num_variables = next((i for i, token in enumerate(extra) if token.startswith("-") or "=" not in token), len(extra))
+    variables = dict(token.split("=", 1) for token in extra[:num_variables])
+    extra = extra[num_variables:]
     command = [
         *launcher(name, extra),
         "--standalone",
