@@ -34,6 +34,8 @@ class Case:
     meta: bool = False
     mem_cap: int = 1 << 30
     direct_min_bytes: int = 256 << 10
+    adopt: bool = False
+    """New shards equal to old ones take over the old storage (the worker does this for live state)."""
 
     @property
     def num_processes(self) -> int:
@@ -43,11 +45,11 @@ class Case:
 CASES = [
     Case("tp-up", "tp=1,dp=2", "n0:2", "tp=2", "n0:2"),
     Case("tp-down", "tp=4", "n0:4", "tp=2,dp=2", "n0:4", meta=True, direct_min_bytes=4096),
-    Case("pp-up", "tp=1,dp=4", "n0:4", "pp=4", "n0:4"),
+    Case("pp-up", "tp=1,dp=4", "n0:4", "pp=4", "n0:4", adopt=True),
     Case("pp-down", "tp=2,pp=2", "n0:4", "tp=2,dp=2", "n0:4"),
     Case("dp-up-join-node", "tp=2", "n0:2", "tp=2,dp=2", "n0:2,n1:2", meta=True),
-    Case("dp-down-node-leaves", "tp=2,dp=3", "n0:2,n1:2,n2:2", "tp=2,dp=2", "n0:2,n1:2"),
-    Case("zero-on", "tp=1,dp=4", "n0:4", "tp=1,dp=4,zero=1", "n0:4"),
+    Case("dp-down-node-leaves", "tp=2,dp=3", "n0:2,n1:2,n2:2", "tp=2,dp=2", "n0:2,n1:2", adopt=True),
+    Case("zero-on", "tp=1,dp=4", "n0:4", "tp=1,dp=4,zero=1", "n0:4", adopt=True),
     Case("zero-off", "tp=2,dp=2,zero=1", "n0:4", "tp=2,dp=2", "n0:4", meta=True),
     Case("device-leaves", "dp=3,zero=1", "n0:3", "dp=2,zero=1", "n0:[0,2]"),
     Case("device-joins", "pp=2", "n0:2", "dp=3,zero=1", "n0:3"),
@@ -152,12 +154,18 @@ def run_case(rank: int, case: Case) -> dict:
         tp=new_cfg.tp,
         options=options,
         direct_min_bytes=case.direct_min_bytes,
+        adopt_old=case.adopt,
     )
 
+    old_storage = {b.tensor.data_ptr() for b in old_state.values()}
+    num_adopted = 0
     after_wire = []
     for key, b in new_state.items():
         tensor = result.tensors[key]
         assert not tensor.is_meta
+        if not case.meta:
+            assert tensor is b.tensor, key  # filled in place: the state's own tensor objects
+            num_adopted += tensor.data_ptr() in old_storage
         after_wire.append((key, b.global_shape, b.offsets, b.lengths, b.flat_range, _as_int(tensor)))
     gathered_before = [None] * dist.get_world_size()
     gathered_after = [None] * dist.get_world_size()
@@ -170,6 +178,7 @@ def run_case(rank: int, case: Case) -> dict:
         "decision_bytes_moved": decision.bytes_moved,
         "num_rounds": result.plan.num_rounds,
         "metrics": result.metrics.to_json(),
+        "num_adopted": num_adopted,
     }
     if rank == 0:
 
@@ -228,5 +237,42 @@ def test_migration_is_bitwise_exact(world, cases):
         if case.name == "many-rounds":
             assert per_rank[0]["num_rounds"] > 1
             assert max(r["metrics"]["peak_buffer_bytes"] for r in per_rank) <= 2 * case.mem_cap + 4096
-        if case.meta:
+        if case.meta or case.adopt:
             assert sum(r["metrics"]["bytes_reused"] for r in per_rank) > 0, case.name
+        # Without adopt_old an allocated new shard is filled by copies and never shares old storage.
+        assert (sum(r["num_adopted"] for r in per_rank) > 0) == case.adopt, case.name
+
+
+def adopt_worker(rank: int, world: int) -> dict:
+    """Rank 0 holds ``w`` and ``v`` (a replica each); both ranks hold them in the new layout. Rank 0's
+    new ``w`` is a detached alias of a parameter (what ``state_dict()`` gives), its new ``v`` a tensor
+    of its own: only ``v`` may take the old storage over, and the parameter behind ``w`` is filled."""
+    shape = (64, 32)
+    old_w, old_v = torch.arange(2048.0).view(shape).clone(), torch.arange(2048.0, 4096.0).view(shape).clone()
+    param = torch.nn.Parameter(torch.full(shape, -1.0))
+    new_state = {"w": param.detach(), "v": torch.full(shape, -1.0)}
+    old_state = {"w": old_w, "v": old_v} if rank == 0 else None
+    result = migrate_state(
+        old_state,
+        new_state,
+        device=Device("n0", rank),
+        old_rank=0 if rank == 0 else None,
+        new_rank=rank,
+        tp=1,
+        adopt_old=True,
+    )
+    return {
+        "param_filled": bool(torch.equal(param.detach(), old_w if rank == 0 else torch.arange(2048.0).view(shape))),
+        "v_filled": bool(torch.equal(new_state["v"], torch.arange(2048.0, 4096.0).view(shape))),
+        "v_adopted": rank == 0 and new_state["v"].data_ptr() == old_v.data_ptr(),
+        "w_adopted": rank == 0 and param.data_ptr() == old_w.data_ptr(),
+        "bytes_reused": result.metrics.bytes_reused,
+    }
+
+
+def test_a_new_tensor_takes_an_old_storage_over_only_when_it_is_its_sole_owner():
+    first, second = run_workers(2, adopt_worker, timeout_s=120)
+    assert first["param_filled"] and second["param_filled"]
+    assert first["v_filled"] and second["v_filled"]
+    assert first["v_adopted"] and not first["w_adopted"]
+    assert first["bytes_reused"] == 64 * 32 * 4

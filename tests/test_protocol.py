@@ -207,6 +207,9 @@ def test_detection_after_a_failure_is_measured_even_when_a_replacement_reports_i
         exchange_s=0.0,
         local_s=0.0,
         plan_s=0.01,
+        check_s=0.0,
+        setup_s=0.0,
+        peer_wait_s=0.0,
         pack_s=0.0,
         transfer_s=0.02,
         unpack_s=0.0,
@@ -268,7 +271,8 @@ def test_a_stall_splits_into_consecutive_parts_that_add_up():
 
     clocks = Clocks(started=10.5, grouped=11.5, built=12.0, arrived=11.0, migration_grouped=12.25, exchanged=12.5)
     clocks.migrated = 14.0
-    parts = clocks.parts(10.0, MigrationTimes(describe_s=0.125, plan_s=0.25, transfer_s=1.0, local_copy_s=0.0625), 14.5)
+    times = MigrationTimes(describe_s=0.125, plan_s=0.25, transfer_s=0.75, local_copy_s=0.0625, peer_wait_s=0.25)
+    parts = clocks.parts(10.0, times, 14.5)
     assert parts == {
         "stop_s": 0.5,
         "arrive_s": 0.5,
@@ -279,8 +283,11 @@ def test_a_stall_splits_into_consecutive_parts_that_add_up():
         "settle_s": 0.5,
         "describe_s": 0.125,
         "plan_s": 0.25,
-        "transfer_s": 1.0,
+        "transfer_s": 0.75,
         "local_copy_s": 0.0625,
+        "plan_check_s": 0.0,
+        "setup_s": 0.0,
+        "peer_wait_s": 0.25,
         "migrate_other_s": 0.0625,
         "unaccounted_s": 0.0,
     }

@@ -13,7 +13,8 @@ transport whose process group was created fresh for this generation):
    (large pieces go straight from and into the tensors when contiguous), posts all sends and
    receives with ``batch_isend_irecv``, waits (bounded), and unpacks into the new shards;
 5. local: regions of new shards already resident are copied from the old shards; a new shard that
-   is exactly an old one and arrives on ``meta`` takes the old tensor itself (no copy, no allocation);
+   is exactly an old one and arrives on ``meta`` takes the old tensor itself (no copy, no allocation),
+   and with ``adopt_old`` one that was allocated takes the old storage over (no copy);
 6. restore (only with ``read_checkpoint``): regions that no live process holds are read from the
    checkpoint by the process that needs them, alone; nothing else is read from storage.
 
@@ -81,6 +82,10 @@ class MigrationMetrics:
     describe_s: float
     exchange_s: float
     plan_s: float
+    check_s: float
+    """Comparing the plan's hash across processes (waits for the slowest planner)."""
+    setup_s: float
+    """Setting up this process's part: new shards given storage, the pieces indexed."""
     local_s: float
     pack_s: float
     transfer_s: float
@@ -92,6 +97,8 @@ class MigrationMetrics:
     """Slowest process's pack + transfer + unpack time (the migration's data phase)."""
     achieved_gbps: float = 0.0
     """``bytes_moved_total`` / ``transfer_phase_s``, in GB/s."""
+    peer_wait_s: float = 0.0
+    """After this process's data phase, until every process finished its own (the slowest receiver)."""
 
     def to_json(self) -> dict[str, Any]:
         return {"event": "migration", **asdict(self)}
@@ -123,6 +130,7 @@ def migrate_state(
     read_checkpoint: Callable[[list[tuple[str, tuple[int, ...], torch.Tensor]]], None] | None = None,
     on_plan: Callable[[MigrationPlan], None] | None = None,
     same_keys: Mapping[str, Sequence[int]] | None = None,
+    adopt_old: bool = False,
 ) -> MigrationResult:
     """Move ``old_state`` (this process's shards of the old layout, if any) into ``new_state``.
 
@@ -136,6 +144,9 @@ def migrate_state(
     ``same_keys``: named groups of new ranks that must all hold the same tensors (a pipeline stage),
     except ZeRO flat ranges, which may leave a rank without a key; a ``ValueError`` names the key and
     the ranks without it, on every process, before anything moves.
+    ``adopt_old``: the caller drops ``old_state`` afterwards and nothing else writes to it, so a new
+    shard that is exactly an old one (same box, both tensors owning their storage) takes the old
+    storage over instead of a copy (``bytes_reused``); the old tensor then shares it.
     """
     started = time.perf_counter()
     transport = transport or TorchTransport()
@@ -151,14 +162,18 @@ def migrate_state(
     plan, peer_of, names = plan_from_descriptions(descriptions, tp, options, failed, lost, same_keys or {})
     planned = time.perf_counter()
     check_same_plan(transport, plan, names, device)
+    checked = time.perf_counter()
 
     if on_plan is not None:
         on_plan(plan)
-    runner = Runner(plan, device, old_local, new_local, buffer_device, direct_min_bytes)
+    runner = Runner(plan, device, old_local, new_local, buffer_device, direct_min_bytes, adopt_old)
+    set_up = time.perf_counter()
     _move(runner, transport, peer_of, names, timeout_s, read_checkpoint)
 
-    metrics = _metrics(runner, old_rank, new_rank, (started, described, exchanged, planned))
+    metrics = _metrics(runner, old_rank, new_rank, (started, described, exchanged, planned, checked, set_up))
+    moved = time.perf_counter()
     _gather_transfer_phase(metrics, runner, transport)
+    metrics.peer_wait_s = time.perf_counter() - moved
     log.info(json.dumps(metrics.to_json()))
     return MigrationResult(plan, metrics, runner.tensors)
 
@@ -179,12 +194,10 @@ def _move(
             runner.restore(read_checkpoint)
 
 
-def _metrics(
-    runner: Runner, old_rank: int | None, new_rank: int | None, marks: tuple[float, float, float, float]
-) -> MigrationMetrics:
+def _metrics(runner: Runner, old_rank: int | None, new_rank: int | None, marks: tuple[float, ...]) -> MigrationMetrics:
     """This process's metrics; ``marks`` are the ``perf_counter`` readings at the start and after the
-    describe, exchange and plan steps."""
-    started, described, exchanged, planned = marks
+    describe, exchange, plan, hash check and setup steps."""
+    started, described, exchanged, planned, checked, set_up = marks
     plan = runner.plan
     inter = plan.bytes_moved_inter_node
     return MigrationMetrics(
@@ -206,6 +219,8 @@ def _metrics(
         describe_s=described - started,
         exchange_s=exchanged - described,
         plan_s=planned - exchanged,
+        check_s=checked - planned,
+        setup_s=set_up - checked,
         local_s=runner.local_s,
         pack_s=runner.pack_s,
         transfer_s=runner.transfer_s,

@@ -142,6 +142,17 @@ class _Round:
             dst.copy_(data)
 
 
+def _sole_owner(tensor: torch.Tensor, num_views_held: int) -> bool:
+    """Whether no other tensor shares ``tensor``'s storage but the ``num_views_held`` views the caller
+    holds: not a view itself, and no alias such as the detached copy a ``state_dict()`` gives
+    (swapping an alias's storage would leave the parameter it stands for unfilled)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if tensor._base is not None or use_count is None:
+        return False
+    # One reference is the tensor's own, one the storage object made to ask.
+    return use_count(tensor.untyped_storage()._cdata) <= 2 + num_views_held
+
+
 class Runner:
     """This process's part of one plan: materialize the new shards, run the rounds, the local
     copies and the restores, and count what it did."""
@@ -154,8 +165,12 @@ class Runner:
         new_local: list[LocalShard],
         buffer_device: torch.device | None,
         direct_min_bytes: int,
+        adopt_old: bool = False,
     ):
         self.plan, self.device, self.direct_min_bytes = plan, device, direct_min_bytes
+        self.adopt_old = adopt_old
+        """Whether a new shard may take over an old shard's storage (the old state is discarded after)."""
+        self._adopted: set[int] = set()
         self.old_by_key: dict[str, list[LocalShard]] = {}
         for ls in old_local:
             self.old_by_key.setdefault(ls.shard.key, []).append(ls)
@@ -186,25 +201,52 @@ class Runner:
 
     @staticmethod
     def _find(shards: list[LocalShard] | None, key: str, region: Region, where: str) -> torch.Tensor:
+        return Runner._find_in(shards, key, region, where)[1]
+
+    @staticmethod
+    def _find_in(
+        shards: list[LocalShard] | None, key: str, region: Region, where: str
+    ) -> tuple[LocalShard, torch.Tensor]:
+        """The local shard holding ``region`` and the view of it there."""
         for ls in shards or []:
             try:
-                return ls.region_view(region.offsets, region.lengths)
+                return ls, ls.region_view(region.offsets, region.lengths)
             except ValueError:
                 continue  # another shard of this key (rare: several per rank) may hold it
         raise MigrationError(f"{where}: no local shard of {key} holds region {region.offsets}/{region.lengths}")
 
     def local_copies(self) -> None:
+        where = f"local copy on {self.device}"
         for copy in self.plan.local_copies:
             if copy.device != self.device:
                 continue
             for region in copy.regions:
                 for key in self.plan.groups[region.group].keys:
-                    src = self._find(self.old_by_key.get(key), key, region, f"local copy on {self.device}")
-                    dst = self._find(self.new_by_key.get(key), key, region, f"local copy on {self.device}")
+                    old, src = self._find_in(self.old_by_key.get(key), key, region, where)
+                    new, dst = self._find_in(self.new_by_key.get(key), key, region, where)
                     if src.data_ptr() == dst.data_ptr() and src.shape == dst.shape and src.stride() == dst.stride():
                         continue  # already there (reused old tensor)
+                    if self.adopt_old and self._adopt(old.tensor, src, new.tensor, dst):
+                        continue
                     dst.copy_(src)
                     self.bytes_copied += src.numel() * src.element_size()
+
+    def _adopt(self, old: torch.Tensor, src: torch.Tensor, new: torch.Tensor, dst: torch.Tensor) -> bool:
+        """Make the new tensor hold the old one's storage instead of copying it, when the region is the
+        whole of both and both own their storage (not views: a view's base, e.g. FSDP2's padded shard
+        or a flat parameter buffer, would not see the swap). Each old tensor is given away once."""
+        whole = src.numel() == old.numel() == new.numel() and dst.data_ptr() == new.data_ptr()
+        whole = whole and src.data_ptr() == old.data_ptr()
+        owners = (
+            old._base is None and _sole_owner(new, num_views_held=1) and old.is_contiguous() and new.is_contiguous()
+        )
+        fits = old.dtype == new.dtype and old.device == new.device and not new.is_meta
+        if not (whole and owners and fits) or old.data_ptr() in self._adopted:
+            return False
+        self._adopted.add(old.data_ptr())
+        new.set_(old.untyped_storage(), old.storage_offset(), new.shape, new.stride())
+        self.bytes_reused += new.numel() * new.element_size()
+        return True
 
     def restore(self, read_checkpoint: ReadCheckpoint) -> None:
         """Read this device's planned restores, straight into the new shards where they are contiguous."""

@@ -216,8 +216,15 @@ class StallParts(BaseModel):
     plan_s: float = Field(description="Computing the migration plan.")
     transfer_s: float = Field(description="The data phase: pack, send and receive, unpack.")
     local_copy_s: float = Field(description="Copies inside one process (regions that stay on their device).")
+    plan_check_s: float = Field(
+        0.0, description="The plan's hash compared across processes (includes waiting for the slowest planner)."
+    )
+    setup_s: float = Field(0.0, description="The new shards given storage and this process's pieces indexed.")
+    peer_wait_s: float = Field(
+        0.0, description="This process's data phase done, until every process finished its own (the slowest receiver)."
+    )
     migrate_other_s: float = Field(
-        description="The rest of the migration: the plan's hash checked across ranks, the versions chosen, waits between its steps."
+        description="The rest of the migration: the versions chosen, snapshots dropped, the executor's own bookkeeping."
     )
     settle_s: float = Field(description="Carrying the plain state and resuming, until the record.")
     unaccounted_s: float = Field(

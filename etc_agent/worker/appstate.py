@@ -111,9 +111,11 @@ def reshard_fsdp(app: Mapping[str, Any]) -> None:
                         sub.reshard()
 
 
-def split_state(app: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def split_state(app: Mapping[str, Any], keep_vars: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(tensors to migrate by key, plain values by entry name)`` of an app state; FSDP2 units are
-    resharded first (:func:`reshard_fsdp`)."""
+    resharded first (:func:`reshard_fsdp`). ``keep_vars``: a module's parameters and buffers
+    themselves (``state_dict(keep_vars=True)``) instead of detached aliases, so that a migration may
+    give them another storage (:meth:`~etc_agent.migrate.rounds.Runner.local_copies`)."""
     reshard_fsdp(app)
     tensors: dict[str, Any] = {}
     plain: dict[str, Any] = {}
@@ -137,7 +139,7 @@ def split_state(app: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
             tensors.update({f"{name}.{key}": box for key, box in boxes.items()})
             plain[name] = megatron.optimizer_plain(obj, name)
         elif isinstance(obj, nn.Module):
-            for fqn, value in obj.state_dict().items():
+            for fqn, value in obj.state_dict(keep_vars=keep_vars).items():
                 tensors[f"{name}.{fqn}"] = value
         elif isinstance(obj, torch.optim.Optimizer):
             groups = []

@@ -132,7 +132,8 @@ def _load(app: Mapping[str, Any], tensors: Mapping[str, Any], path: Path, api: C
         dcp.load(loaded, storage_reader=dcp.FileSystemReader(str(path)))
         _set_state_dict(app, loaded)
     else:
-        load_shards(describe_state(tensors), path)
+        with torch.no_grad():  # the new state's module tensors are its parameters (split_state keep_vars)
+            load_shards(describe_state(tensors), path)
 
 
 def save_and_exit(

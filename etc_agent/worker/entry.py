@@ -98,7 +98,7 @@ def form(job: JobView, assignment: Assignment, job_store: dist.Store, started: f
         )
         grouped = time.perf_counter()
         new_state = job.build_state(ctx)
-        new_tensors, _ = split_state(new_state)
+        new_tensors, _ = split_state(new_state, keep_vars=True)
         built = time.perf_counter()
     group = gloo_group(
         dist.PrefixStore(f"gen{generation}/migrate/", store),

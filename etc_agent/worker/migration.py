@@ -116,7 +116,11 @@ class Migration:
         if entry.new_rank is None:
             _pause_before_sending(entry)
         plan_hook = _announcer(entry, step, self.exchanged.live_step, restore_path)
-        result = self._execute(old_state, mine["old_rank"] if mine else None, lost_ranks, restore_path, plan_hook)
+        # A live state is dropped after the switch; a snapshot may still be written out in the background.
+        adopt = mine is not None and mine["kind"] == "live"
+        result = self._execute(
+            old_state, mine["old_rank"] if mine else None, lost_ranks, restore_path, plan_hook, adopt
+        )
         if sources:
             carried = sources[min(sources)]["plain"]
         else:
@@ -141,6 +145,7 @@ class Migration:
         lost_ranks: dict[int, tuple[Device, list]],
         restore_path: str | None,
         plan_hook: Any,
+        adopt_old: bool,
     ) -> MigrationResult:
         """Run the executor; its errors become the job's error families (a gap in the state stays
         :class:`StateLostError`, so that the caller tries an older step)."""
@@ -164,6 +169,7 @@ class Migration:
                 read_checkpoint=read_checkpoint,
                 on_plan=plan_hook,
                 same_keys=pipeline_stages(job.config_for(entry.assignment.parallel, entry.assignment.world_size)),
+                adopt_old=adopt_old,
             )
         except StateLostError:
             raise

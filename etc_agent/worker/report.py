@@ -42,13 +42,24 @@ class MigrationTimes:
     transfer_s: float = 0.0
     """This process's data phase: pack, send/receive, unpack (the local copies made meanwhile not included)."""
     local_copy_s: float = 0.0
+    plan_check_s: float = 0.0
+    setup_s: float = 0.0
+    peer_wait_s: float = 0.0
 
     @classmethod
     def of(cls, result: MigrationResult | None) -> MigrationTimes:
         if result is None:
             return cls()
         m = result.metrics
-        return cls(m.describe_s + m.exchange_s, m.plan_s, m.pack_s + m.transfer_s + m.unpack_s, m.local_s)
+        return cls(
+            m.describe_s + m.exchange_s,
+            m.plan_s,
+            m.pack_s + m.transfer_s + m.unpack_s,
+            m.local_s,
+            m.check_s,
+            m.setup_s,
+            m.peer_wait_s,
+        )
 
 
 @dataclass
@@ -87,6 +98,9 @@ class Clocks:
             "plan_s": migration.plan_s,
             "transfer_s": migration.transfer_s,
             "local_copy_s": migration.local_copy_s,
+            "plan_check_s": migration.plan_check_s,
+            "setup_s": migration.setup_s,
+            "peer_wait_s": migration.peer_wait_s,
         }
         out.update(named)
         out["migrate_other_s"] = max(0.0, migrate - sum(named.values()))
