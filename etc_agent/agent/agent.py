@@ -45,6 +45,8 @@ from etc_agent.agent.generations import Generations, StaticStore
 from etc_agent.agent.genwatch import GenerationWatch
 from etc_agent.agent.leader import Leader
 from etc_agent.agent.leaving import Leaving
+from etc_agent.agent.metrics import AgentMetrics, NodeView, metered
+from etc_agent.agent.metrics_server import MetricsServer
 from etc_agent.agent.node import Emit, Node
 from etc_agent.agent.node_state import NodeStateMachine
 from etc_agent.agent.records import RecordReader
@@ -79,8 +81,10 @@ class Agent:
         log_root = Path(spec.log_dir) if spec.log_dir else Path(tempfile.mkdtemp(prefix="etcrun-"))
         self.config = config
         self._outage_said = _EveryTenSeconds()
-        self.emit = emit or self._log_event
-        contact = StoreContact()
+        self.metrics = AgentMetrics(node_id, self._node_view) if config.metrics_port is not None else None
+        self._metrics_server: MetricsServer | None = None
+        self.emit = metered(emit or self._log_event, self.metrics)
+        contact = StoreContact(observe=self.metrics.observe_store if self.metrics else None)
         store = ContactedStore(store, contact)
         self.fence = Fence(node_id, config.lease_ttl, contact, self.emit)
         self.node = Node(
@@ -114,7 +118,12 @@ class Agent:
         )
         self.supervision = Supervision(self.node)
         self.commits = Commits(self.node)
-        self.channel = ControlChannel(self.node, self.leader.notify_peer_failure, self.commits)
+        self.channel = ControlChannel(
+            self.node,
+            self.leader.notify_peer_failure,
+            self.commits,
+            self.metrics.observe_progress if self.metrics else None,
+        )
 
     @property
     def leaving(self) -> threading.Event:
@@ -229,6 +238,7 @@ class Agent:
             lambda: self.fence.status_line(node.generation.number if node.generation else None)
         )
         try:
+            self._serve_metrics()
             self.supervision.warm_fork_server_before_joining()
             self.supervision.join_warm()
             self._register()
@@ -247,6 +257,25 @@ class Agent:
                 generation_watch.close()
         finally:
             self._close(control, worker_stores)
+
+    def _serve_metrics(self) -> None:
+        if self.metrics is None or self.config.metrics_port is None:
+            return
+        addr = self.config.metrics_addr or self.node.host
+        self._metrics_server = MetricsServer(addr, self.config.metrics_port, self.metrics.exposition)
+        self.emit("metrics_serving", {"url": f"http://{addr}:{self._metrics_server.port}/metrics"})
+
+    def _node_view(self) -> NodeView:
+        """What a metrics scrape reports of this node."""
+        gen = self.node.generation
+        leading = self.leader.is_leader
+        return NodeView(
+            phase=self.node.state.state.phase,
+            generation=gen.number if gen else None,
+            members=len(gen.members) if gen else 0,
+            spares=self.leader.num_spares(gen.members if gen else []) if leading else None,
+            leading=leading,
+        )
 
     def _open_control_channel(self) -> JsonLineServer:
         node = self.node
@@ -282,6 +311,8 @@ class Agent:
         node = self.node
         node.state.close()
         node.stop_workers("agent exiting")
+        if self._metrics_server is not None:
+            self._metrics_server.close()
         for t in self._threads:
             t.join(timeout=2)
         control.stop()

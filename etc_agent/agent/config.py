@@ -132,6 +132,18 @@ class AgentConfig(BaseModel):
         description="host:port the workers reach this agent on (ETC_AGENT_ADDR); default "
         "127.0.0.1 on a free port, or 127.0.0.1:29401 with --sidecar.",
     )
+    metrics_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="Serve this agent's Prometheus metrics on this port (GET /metrics only; 0: a free "
+        "port, said in the `metrics_serving` event). Default: none served.",
+    )
+    metrics_addr: str | None = Field(
+        None,
+        description="The address the metrics port listens on (default: the agent's own address, "
+        "--local-addr; 0.0.0.0 for every interface).",
+    )
 
     @property
     def job_restarts(self) -> int:

@@ -35,6 +35,7 @@ DEFAULT_CONSOLE_LEVEL = "notice"
 NOTICE_EVENTS = frozenset(
     {
         "generation_seen",
+        "metrics_serving",
         "signal",
         "departed",
         "store_host_staying",

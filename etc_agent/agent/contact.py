@@ -27,8 +27,12 @@ T = TypeVar("T")
 class StoreContact:
     """When the store last answered this agent; thread-safe."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, observe: Callable[[str, float, bool], None] | None = None
+    ) -> None:
+        """``observe(op, seconds, ok)`` sees every request's latency and outcome (the agent's metrics)."""
         self._clock = clock
+        self._observe = observe
         self._lock = threading.Lock()
         self._answered_at = clock()
         self._lease_confirmed_at = self._answered_at
@@ -90,15 +94,21 @@ class StoreContact:
         with self._lock:
             return max(0.0, self._clock() - self._answered_at)
 
-    def call(self, fn: Callable[[], T], lease: bool = False) -> T:
+    def call(self, fn: Callable[[], T], lease: bool = False, op: str = "request") -> T:
         token, at = self.sent()
         try:
             result = fn()
         except StoreError:
             self.failed(token)
+            self._observed(op, at, False)
             raise
         self.answered(token, at, lease)
+        self._observed(op, at, True)
         return result
+
+    def _observed(self, op: str, sent_at: float, ok: bool) -> None:
+        if self._observe is not None:
+            self._observe(op, self._clock() - sent_at, ok)
 
 
 class _ContactedLease(Lease):
@@ -107,10 +117,10 @@ class _ContactedLease(Lease):
         self.id, self.ttl = inner.id, inner.ttl
 
     def refresh(self) -> None:
-        self._contact.call(self._inner.refresh, lease=True)
+        self._contact.call(self._inner.refresh, lease=True, op="lease_refresh")
 
     def revoke(self) -> None:
-        self._contact.call(self._inner.revoke)
+        self._contact.call(self._inner.revoke, op="lease_revoke")
 
 
 class ContactedStore(MembershipStore):
@@ -121,25 +131,31 @@ class ContactedStore(MembershipStore):
         self.inner, self.contact = inner, contact
 
     def get(self, key: str) -> KeyValue | None:
-        return self.contact.call(lambda: self.inner.get(key))
+        return self.contact.call(lambda: self.inner.get(key), op="get")
 
     def get_prefix(self, prefix: str = "") -> list[KeyValue]:
-        return self.contact.call(lambda: self.inner.get_prefix(prefix))
+        return self.contact.call(lambda: self.inner.get_prefix(prefix), op="get_prefix")
 
     def put(self, key: str, value: str, lease: Lease | None = None) -> None:
-        self.contact.call(lambda: self.inner.put(key, value, _unwrap(lease)))
+        self.contact.call(lambda: self.inner.put(key, value, _unwrap(lease)), op="put")
 
     def compare_and_set(self, key: str, value: str, expected_version: int, lease: Lease | None = None) -> bool:
-        return self.contact.call(lambda: self.inner.compare_and_set(key, value, expected_version, _unwrap(lease)))
+        return self.contact.call(
+            lambda: self.inner.compare_and_set(key, value, expected_version, _unwrap(lease)), op="compare_and_set"
+        )
 
     def put_if_unchanged(self, key: str, value: str, guard_key: str, guard_revision: int) -> bool:
-        return self.contact.call(lambda: self.inner.put_if_unchanged(key, value, guard_key, guard_revision))
+        return self.contact.call(
+            lambda: self.inner.put_if_unchanged(key, value, guard_key, guard_revision), op="put_if_unchanged"
+        )
 
     def delete(self, key: str) -> bool:
-        return self.contact.call(lambda: self.inner.delete(key))
+        return self.contact.call(lambda: self.inner.delete(key), op="delete")
 
     def grant_lease(self, ttl: float) -> Lease:
-        return _ContactedLease(self.contact.call(lambda: self.inner.grant_lease(ttl), lease=True), self.contact)
+        return _ContactedLease(
+            self.contact.call(lambda: self.inner.grant_lease(ttl), lease=True, op="grant_lease"), self.contact
+        )
 
     def watch_prefix(
         self, prefix: str, callback: Callable[[WatchEvent], None], on_error: Callable[[Exception], None] | None = None

@@ -50,11 +50,19 @@ _SIDECAR_ENV_OMITS = ("LOCAL_RANK", "ETC_AGENT_LOCAL_RANK", "OMP_NUM_THREADS", a
 
 
 class ControlChannel:
-    def __init__(self, node: Node, notify_peer_failure: Callable[[], None], commits: Commits):
+    def __init__(
+        self,
+        node: Node,
+        notify_peer_failure: Callable[[], None],
+        commits: Commits,
+        progress: Callable[[int, int, float | None, int | None], None] | None = None,
+    ):
         """``notify_peer_failure``: wakes this node's leader loop (the leader may be the node whose
-        worker died); ``commits``: the node's checkpoint commits."""
+        worker died); ``commits``: the node's checkpoint commits; ``progress(local_rank, step,
+        step_s, data position)``: what a worker's poll says of its training (the metrics)."""
         self.node = node
         self.commits = commits
+        self._progress = progress
         self._notify_peer_failure = notify_peer_failure
         self._elastic_announced = False
         self._handlers: dict[type, Callable[[Any], ControlReply]] = {
@@ -140,6 +148,8 @@ class ControlChannel:
     def _on_assignment_query(self, req: AssignmentQuery) -> AssignmentReply:
         node = self.node
         node.contacts.seen[req.local_rank] = time.monotonic()
+        if self._progress is not None and req.step is not None:
+            self._progress(req.local_rank, req.step, req.step_s, req.data_position)
         latest = node.latest
         served = node.assignments.get(req.local_rank)
         if served is not None:

@@ -136,6 +136,10 @@ class Leader:
         """The registered nodes' ids in group order (the order of a first generation's members)."""
         return [record.node_id for record in ordered_nodes(self._store_read.nodes())]
 
+    def num_spares(self, members: list[str]) -> int:
+        """Nodes of the last read of the store that are outside ``members`` and not leaving."""
+        return sum(1 for r in self._probed if r.node_id not in members and not r.leaving)
+
     def notify_peer_failure(self) -> None:
         """This node's workers saw a peer fail: if the leader died with it, take over now."""
         self._peer_failure.set()

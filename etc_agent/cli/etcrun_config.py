@@ -45,6 +45,8 @@ AGENT_FLAGS = (
     "control_addr",
     "placement",
     "peer_timeout",
+    "metrics_port",
+    "metrics_addr",
 )
 """AgentConfig fields that take their flag's value as it is."""
 

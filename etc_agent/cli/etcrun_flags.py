@@ -43,6 +43,8 @@ SETTING_FLAGS: dict[str, str] = {
     "placement": "--placement",
     "sidecar": "--sidecar",
     "control_addr": "--control-addr",
+    "metrics_port": "--metrics-port",
+    "metrics_addr": "--metrics-addr",
 }
 """AgentConfig field -> the flag that sets it (and nothing else): the flag's help is the field's description."""
 SHARED_FLAG_PARAMS = {
@@ -188,6 +190,8 @@ class EtcrunFlags(BaseModel):
     placement: str = Field("fast", description=_describe("placement"))
     sidecar: bool = Field(False, description=_describe("sidecar"))
     control_addr: str | None = Field(None, description=_describe("control_addr"))
+    metrics_port: Annotated[int | None, TORCHRUN] = Field(None, description=_describe("metrics_port"))
+    metrics_addr: str | None = Field(None, description=_describe("metrics_addr"))
     config: Path | None = Field(
         None,
         description="Job YAML (configs/jobs/*.yaml): etcrun's options by name, "

@@ -58,6 +58,9 @@ class AssignmentQuery(_Request):
 
     op: Literal["assignment"] = "assignment"
     local_rank: int = Field(ge=0)
+    step: int | None = Field(None, ge=0, description="The next step this worker trains (None before training).")
+    step_s: float | None = Field(None, ge=0, description="Its last step's time, in seconds.")
+    data_position: int | None = Field(None, ge=0, description="Samples its data loader has handed out.")
 
 
 class GenerationQuery(_Request):

@@ -113,6 +113,8 @@ class VoteSchedule:
     evaluation, a slower input) delays the next one by at most this many of its steps."""
     next_vote: int = 0
     """The boundary (step number) of the next vote."""
+    last_step_s: float | None = None
+    """The time between this rank's last two boundaries (None right after a restart)."""
     _last_boundary_s: float | None = field(default=None, repr=False)
     _slowest_s: float = field(default=0.0, repr=False)
 
@@ -121,11 +123,13 @@ class VoteSchedule:
         self.next_vote = step
         self._last_boundary_s = None
         self._slowest_s = 0.0
+        self.last_step_s = None
 
     def boundary(self, now_s: float) -> None:
         """This rank reached a step boundary at ``now_s`` (a monotonic clock)."""
         if self._last_boundary_s is not None:
-            self._slowest_s = max(self._slowest_s, now_s - self._last_boundary_s)
+            self.last_step_s = now_s - self._last_boundary_s
+            self._slowest_s = max(self._slowest_s, self.last_step_s)
         self._last_boundary_s = now_s
 
     @property

@@ -185,6 +185,8 @@ class Job:
         while True:
             if self.elastic:
                 self.votes.boundary(time.perf_counter())
+                if self.link is not None:
+                    self.link.progress = (self.next_step, self.votes.last_step_s)
                 checkpoint_due = self._maybe_switch(num_steps)
             else:
                 checkpoint_due = self.checkpointer is not None and self.checkpointer.due(self.next_step)

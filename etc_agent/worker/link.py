@@ -48,6 +48,9 @@ class AgentLink:
         self.latest: int = -1
         """The newest generation number the agent has seen."""
         self.reply: AssignmentReply | None = None
+        self.progress: tuple[int, float | None] | None = None
+        """(the next step, the last step's seconds), set by the training loop and sent with each poll
+        (one tuple assigned: the poll thread reads it whole)."""
         self.error: str | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -93,10 +96,12 @@ class AgentLink:
         failures = 0
         while not self._stop.is_set():
             try:
+                progress = self.progress
+                query = AssignmentQuery(local_rank=self.local_rank)
+                if progress is not None:
+                    query = AssignmentQuery(local_rank=self.local_rank, step=progress[0], step_s=progress[1])
                 reply = AssignmentReply.model_validate(
-                    request(
-                        self.address, AssignmentQuery(local_rank=self.local_rank).model_dump(), timeout=10, key=self.key
-                    )
+                    request(self.address, query.model_dump(exclude_none=True), timeout=10, key=self.key)
                 )
                 failures = 0
                 if reply.stop and not self._stopping:
