@@ -27,6 +27,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -290,25 +291,28 @@ def run_scenario(
     gap_before: dict[str, int] | None = None,
     slow_during_events: float | None = 4.0,
     hosts: list[tuple[list[str], str | None]] | None = None,
+    watch: Callable[[Cluster, threading.Event], None] | None = None,
 ) -> dict:
     """Run the elastic scenario; return losses, migration records and exit codes.
 
-    ``wait_migrations=False``: do not wait for a migration after each event (a run expected to fail).
-    ``stop_after``: once the last event's migration is done and this many more steps trained, kill the
-    job instead of training to the end (benchmarks; exit codes are then None).
-    ``min_nodes`` (default ``initial_agents``): ``--nnodes`` MIN; below ``initial_agents`` (so that a
-    leave does not drop the job below it), the events wait until a generation runs with all the
-    initial agents, and only the migrations after that are returned. ``event_after_text``: before each
-    event, also wait until an agent's output has a line containing it (e.g. a checkpoint written).
-    ``gap_before``: event -> steps that must be trained after the previous event's migration resumed
-    before it comes (a join takes effect seconds after its agent starts, which on a busy machine can
-    be most of ``event_steps``' spacing; a kill right after a layout change would find no periodic
-    checkpoint of the new layout yet). ``slow_during_events``: seconds per step, from each event until
-    its migration is seen, for the last steps of the run (3 per event still to come; the example's
-    ``--slow-while``), so that however long a busy machine takes to start a joining agent or notice a
-    crash, the run does not reach its end first, and a quick one costs nothing; ``None`` keeps the
-    ``step_delay`` pace throughout (benchmarks, whose runs are long and whose records time the switch,
-    not the steps). ``hosts``: where each agent runs (:class:`Cluster`)."""
+        ``wait_migrations=False``: do not wait for a migration after each event (a run expected to fail).
+        ``stop_after``: once the last event's migration is done and this many more steps trained, kill the
+        job instead of training to the end (benchmarks; exit codes are then None).
+        ``min_nodes`` (default ``initial_agents``): ``--nnodes`` MIN; below ``initial_agents`` (so that a
+        leave does not drop the job below it), the events wait until a generation runs with all the
+        initial agents, and only the migrations after that are returned. ``event_after_text``: before each
+        event, also wait until an agent's output has a line containing it (e.g. a checkpoint written).
+        ``gap_before``: event -> steps that must be trained after the previous event's migration resumed
+        before it comes (a join takes effect seconds after its agent starts, which on a busy machine can
+        be most of ``event_steps``' spacing; a kill right after a layout change would find no periodic
+        checkpoint of the new layout yet). ``slow_during_events``: seconds per step, from each event until
+        its migration is seen, for the last steps of the run (3 per event still to come; the example's
+        ``--slow-while``), so that however long a busy machine takes to start a joining agent or notice a
+        crash, the run does not reach its end first, and a quick one costs nothing; ``None`` keeps the
+        ``step_delay`` pace throughout (benchmarks, whose runs are long and whose records time the switch,
+        not the steps). ``hosts``: where each agent runs (:class:`Cluster`). ``watch(cluster, stop)`` runs in a
+    thread from the first agent's start until the agents are done (``stop`` is set then): an observer
+    of the running job (tests scrape the agents' metrics with it)."""
     loss_log = work / "loss.jsonl"
     state_file = work / "state.pt"
     slow_file = work / "slow-steps"
@@ -352,8 +356,12 @@ def run_scenario(
     events_done: list[dict] = []
     skipped = 0
     started = time.monotonic()
+    stop_watch = threading.Event()
+    watcher = threading.Thread(target=watch, args=(cluster, stop_watch), daemon=True) if watch else None
     try:
         cluster.add_agent(host_store=True)
+        if watcher is not None:
+            watcher.start()
         for _ in range(initial_agents - 1):
             cluster.add_agent()
 
@@ -501,6 +509,9 @@ def run_scenario(
         else:
             codes = cluster.finish(timeout=600 if wait_migrations else 180)
     finally:
+        stop_watch.set()
+        if watcher is not None and watcher.is_alive():
+            watcher.join(timeout=30)
         slow_file.unlink(missing_ok=True)
         for a in [*cluster.agents, *(p for p in cluster.launchers if p is not None)]:
             if a.poll() is None:

@@ -135,105 +135,9 @@ class AgentMetrics:
         self.node_id = node_id
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_NodeCollector(node_id, view))
-        r, node = self.registry, ["node"]
-        self.switches = Counter(
-            "etc_agent_switches", "Switches reported by this node's workers.", [*node, "kind", "outcome"], registry=r
-        )
-        self.stall = Histogram(
-            "etc_agent_stall_seconds",
-            "A switch's stall (slowest rank).",
-            [*node, "kind"],
-            buckets=STALL_BUCKETS,
-            registry=r,
-        )
-        self.stall_part = Histogram(
-            "etc_agent_stall_part_seconds",
-            "The stall's named parts.",
-            [*node, "part"],
-            buckets=PART_BUCKETS,
-            registry=r,
-        )
-        self.bytes_moved = Counter(
-            "etc_agent_bytes_moved", "Bytes a switch moved between processes.", [*node, "scope"], registry=r
-        )
-        self.transfer_rate = Gauge(
-            "etc_agent_transfer_bytes_per_second", "The last switch's bytes over its data phase.", node, registry=r
-        )
-        self.plan = Histogram(
-            "etc_agent_plan_seconds",
-            "Computing a switch's migration plan (slowest rank).",
-            node,
-            buckets=PART_BUCKETS,
-            registry=r,
-        )
-        self.published = Counter(
-            "etc_agent_generations_published", "Generations this agent published as the leader.", node, registry=r
-        )
-        self.ready_layout = Counter(
-            "etc_agent_ready_layouts",
-            "Published generations whose layout was ready before the event.",
-            node,
-            registry=r,
-        )
-        self.layout_time = Histogram(
-            "etc_agent_layout_seconds",
-            "The leader's time on a generation's layout.",
-            node,
-            buckets=PART_BUCKETS,
-            registry=r,
-        )
-        self.abandoned = Counter(
-            "etc_agent_generations_abandoned", "Generations abandoned mid-switch.", node, registry=r
-        )
-        self.commits = Counter("etc_agent_checkpoint_commits", "Periodic checkpoints committed.", node, registry=r)
-        self.commit_wait = Histogram(
-            "etc_agent_checkpoint_commit_seconds",
-            "From the worker's ask to the commit.",
-            node,
-            buckets=PART_BUCKETS,
-            registry=r,
-        )
-        self.commits_refused = Counter(
-            "etc_agent_checkpoint_commits_refused", "Commits refused (a newer generation).", node, registry=r
-        )
-        self.fenced = Counter(
-            "etc_agent_fenced", "Times this agent fenced itself (lost the store alone).", node, registry=r
-        )
-        self.store_latency = Histogram(
-            "etc_agent_store_request_seconds", "Store requests.", [*node, "op"], buckets=STORE_BUCKETS, registry=r
-        )
-        self.store_errors = Counter("etc_agent_store_errors", "Failed store requests.", [*node, "op"], registry=r)
-        self.lease_renewals = Counter(
-            "etc_agent_lease_renewals", "Lease refreshes the store answered.", node, registry=r
-        )
-        self.lease_misses = Counter(
-            "etc_agent_lease_misses",
-            "Lease refreshes that failed (the lease found expired included).",
-            node,
-            registry=r,
-        )
-        self.worker_exits = Counter(
-            "etc_agent_worker_failures",
-            "Workers that failed, by cause (error: exit code > 0; signal).",
-            [*node, "cause"],
-            registry=r,
-        )
-        self.worker_restarts = Counter("etc_agent_worker_restarts", "Workers restarted in place.", node, registry=r)
-        self.steps = Counter(
-            "etc_agent_steps", "Steps trained, as the workers report them.", [*node, "local_rank"], registry=r
-        )
-        self.step_time = Gauge(
-            "etc_agent_step_seconds",
-            "The last step's time, as the worker reports it.",
-            [*node, "local_rank"],
-            registry=r,
-        )
-        self.data_position = Gauge(
-            "etc_agent_data_position",
-            "Samples the worker's data loader has handed out.",
-            [*node, "local_rank"],
-            registry=r,
-        )
+        self._add_switch_metrics()
+        self._add_job_metrics()
+        self._add_process_metrics()
         self._last_step: dict[int, int] = {}
         self._lock = threading.Lock()
         self._handlers: dict[str, Callable[[Mapping[str, Any]], None]] = {
@@ -245,6 +149,72 @@ class AgentMetrics:
             "fenced": lambda _: self.fenced.labels(node_id).inc(),
             "workers_failed": self._on_workers_failed,
         }
+
+    def _counter(self, name: str, doc: str, *labels: str) -> Counter:
+        return Counter(name, doc, ["node", *labels], registry=self.registry)
+
+    def _gauge(self, name: str, doc: str, *labels: str) -> Gauge:
+        return Gauge(name, doc, ["node", *labels], registry=self.registry)
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...], *labels: str) -> Histogram:
+        return Histogram(name, doc, ["node", *labels], buckets=buckets, registry=self.registry)
+
+    def _add_switch_metrics(self) -> None:
+        self.switches = self._counter(
+            "etc_agent_switches", "Switches reported by this node's workers.", "kind", "outcome"
+        )
+        self.stall = self._histogram(
+            "etc_agent_stall_seconds", "A switch's stall (slowest rank).", STALL_BUCKETS, "kind"
+        )
+        self.stall_part = self._histogram(
+            "etc_agent_stall_part_seconds", "The stall's named parts.", PART_BUCKETS, "part"
+        )
+        self.bytes_moved = self._counter("etc_agent_bytes_moved", "Bytes a switch moved between processes.", "scope")
+        self.transfer_rate = self._gauge(
+            "etc_agent_transfer_bytes_per_second", "The last switch's bytes over its data phase."
+        )
+        self.plan = self._histogram(
+            "etc_agent_plan_seconds", "Computing a switch's migration plan (slowest rank).", PART_BUCKETS
+        )
+        self.abandoned = self._counter("etc_agent_generations_abandoned", "Generations abandoned mid-switch.")
+
+    def _add_job_metrics(self) -> None:
+        self.published = self._counter(
+            "etc_agent_generations_published", "Generations this agent published as the leader."
+        )
+        self.ready_layout = self._counter(
+            "etc_agent_ready_layouts", "Published generations whose layout was ready before the event."
+        )
+        self.layout_time = self._histogram(
+            "etc_agent_layout_seconds", "The leader's time on a generation's layout.", PART_BUCKETS
+        )
+        self.commits = self._counter("etc_agent_checkpoint_commits", "Periodic checkpoints committed.")
+        self.commit_wait = self._histogram(
+            "etc_agent_checkpoint_commit_seconds", "From the worker's ask to the commit.", PART_BUCKETS
+        )
+        self.commits_refused = self._counter(
+            "etc_agent_checkpoint_commits_refused", "Commits refused (a newer generation)."
+        )
+        self.fenced = self._counter("etc_agent_fenced", "Times this agent fenced itself (lost the store alone).")
+
+    def _add_process_metrics(self) -> None:
+        self.store_latency = self._histogram("etc_agent_store_request_seconds", "Store requests.", STORE_BUCKETS, "op")
+        self.store_errors = self._counter("etc_agent_store_errors", "Failed store requests.", "op")
+        self.lease_renewals = self._counter("etc_agent_lease_renewals", "Lease refreshes the store answered.")
+        self.lease_misses = self._counter(
+            "etc_agent_lease_misses", "Lease refreshes that failed (the lease found expired included)."
+        )
+        self.worker_exits = self._counter(
+            "etc_agent_worker_failures", "Workers that failed, by cause (error: exit code > 0; signal).", "cause"
+        )
+        self.worker_restarts = self._counter("etc_agent_worker_restarts", "Workers restarted in place.")
+        self.steps = self._counter("etc_agent_steps", "Steps trained, as the workers report them.", "local_rank")
+        self.step_time = self._gauge(
+            "etc_agent_step_seconds", "The last step's time, as the worker reports it.", "local_rank"
+        )
+        self.data_position = self._gauge(
+            "etc_agent_data_position", "Samples the worker's data loader has handed out.", "local_rank"
+        )
 
     # ---- feeds --------------------------------------------------------------------------
     def observe_event(self, event: str, fields: Mapping[str, Any]) -> None:

@@ -169,13 +169,20 @@ def migrate_state(
     runner = Runner(plan, device, old_local, new_local, buffer_device, direct_min_bytes, adopt_old)
     set_up = time.perf_counter()
     _move(runner, transport, peer_of, names, timeout_s, read_checkpoint)
+    metrics = _finish(runner, transport, old_rank, new_rank, (started, described, exchanged, planned, checked, set_up))
+    return MigrationResult(plan, metrics, runner.tensors)
 
-    metrics = _metrics(runner, old_rank, new_rank, (started, described, exchanged, planned, checked, set_up))
+
+def _finish(
+    runner: Runner, transport: Transport, old_rank: int | None, new_rank: int | None, marks: tuple[float, ...]
+) -> MigrationMetrics:
+    """This process's metrics, with the slowest process's data phase (collective) and the wait for it."""
+    metrics = _metrics(runner, old_rank, new_rank, marks)
     moved = time.perf_counter()
     _gather_transfer_phase(metrics, runner, transport)
     metrics.peer_wait_s = time.perf_counter() - moved
     log.info(json.dumps(metrics.to_json()))
-    return MigrationResult(plan, metrics, runner.tensors)
+    return metrics
 
 
 def _move(

@@ -38,6 +38,7 @@ from etc_agent.migrate.storage import load_shards, save_shards
 from etc_agent.protocol.phases import RESTART_EXIT
 from etc_agent.utils.plainstate import to_json
 from etc_agent.worker.appstate import split_state
+from etc_agent.worker.logs import say
 
 __all__ = ["checkpoint_api", "load_checkpoint", "load_shards", "save_and_exit", "save_shards"]
 
@@ -167,11 +168,9 @@ def save_and_exit(
         }
         (path / "etc_state.json").write_text(json.dumps(meta))
     dist.barrier()
-    print(
-        f"[etc_agent] rank {rank}: saved to {path} in {save_s:.3f} s ({api}); exiting for generation {pending} "
+    say(
+        f"rank {rank}: saved to {path} in {save_s:.3f} s ({api}); exiting for generation {pending} "
         "(--migration checkpoint)",
-        file=sys.stderr,
-        flush=True,
     )
     sys.stdout.flush()
     os._exit(RESTART_EXIT)  # no interpreter teardown: the saved state is all that matters now

@@ -14,7 +14,6 @@ unchanged); a rank's failure surfaces in the step's own collectives as before.""
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from etc_agent.layout.config import ParallelConfig
+from etc_agent.worker.logs import say
 
 if TYPE_CHECKING:
     from etc_agent.worker.checkpoint import PeriodicCheckpointer
@@ -87,11 +87,9 @@ def hold_fenced(generation: int, step: int, rank: int, said_at: int) -> int:
     generation or the fence to lift; none trains the next step in a generation that may be over.
     Rank 0 says so once per boundary; returns the boundary it was said at."""
     if said_at != step and rank == 0:
-        print(
-            f"[etc_agent] generation {generation}: an agent lost the store while its peers reach it; "
+        say(
+            f"generation {generation}: an agent lost the store while its peers reach it; "
             f"every rank holds before step {step}",
-            file=sys.stderr,
-            flush=True,
         )
     time.sleep(0.1)
     return step
@@ -165,10 +163,8 @@ def agree_on_checkpoint(checkpointer: PeriodicCheckpointer, timeout_s: float, ra
         return True
     checkpointer.drop_group()
     if rank == 0:
-        print(
-            f"[etc_agent] checkpoint of step {step} skipped on every rank: a rank's previous "
+        say(
+            f"checkpoint of step {step} skipped on every rank: a rank's previous "
             f"checkpoint was still being written after {timeout_s / 2:g} s",
-            file=sys.stderr,
-            flush=True,
         )
     return False

@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -47,6 +46,7 @@ from etc_agent.protocol.checkpoints import (
 from etc_agent.protocol.control import CommitReply
 from etc_agent.protocol.settings import WorkerSettings
 from etc_agent.worker.connect import gloo_group
+from etc_agent.worker.logs import say, write_json
 
 log = logging.getLogger("etc_agent.worker")
 
@@ -100,10 +100,8 @@ def resumable_checkpoints(directory: str | Path) -> dict[int, str]:
                 raise ValueError("DCP's .metadata is missing")
             _check_data_files(checkpoint.path)
         except (OSError, ValueError) as err:
-            print(
-                f"[etc_agent] checkpoint {checkpoint.path} is not usable ({err}); an older one is used instead",
-                file=sys.stderr,
-                flush=True,
+            say(
+                f"checkpoint {checkpoint.path} is not usable ({err}); an older one is used instead",
             )
             continue
         usable[checkpoint.step] = str(checkpoint.path)
@@ -213,11 +211,9 @@ class PeriodicCheckpointer:
         """Snapshot this rank's shards now and write them in the background. Every rank calls it."""
         in_flight = self._write.step if self._write is not None else None
         if not self.settle(failure=False):  # it also forgets the write it gave up on
-            print(
-                f"[etc_agent] rank {rank}: the checkpoint of step {in_flight} is still being written; "
+            say(
+                f"rank {rank}: the checkpoint of step {in_flight} is still being written; "
                 f"skipping the one of step {step}",
-                file=sys.stderr,
-                flush=True,
             )
             return
         started = time.perf_counter()
@@ -259,10 +255,8 @@ class PeriodicCheckpointer:
             pause_s = _fault_commit_pause_s()
             if pause_s > 0 and transport.rank == 0 and not self._fault_paused:
                 self._fault_paused = True
-                print(
-                    f"[etc_agent] fault injection: the commit of checkpoint step {snapshot.step} pauses {pause_s:g} s",
-                    file=sys.stderr,
-                    flush=True,
+                say(
+                    f"fault injection: the commit of checkpoint step {snapshot.step} pauses {pause_s:g} s",
                 )
                 time.sleep(pause_s)
             write.stats["write_s"] = time.perf_counter() - t0
@@ -296,10 +290,8 @@ class PeriodicCheckpointer:
             write.done = True
         except Exception as err:  # noqa: BLE001 - a peer failed or storage did: this checkpoint stays incomplete
             write.error = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-            print(
-                f"[etc_agent] checkpoint of step {snapshot.step} not completed: {write.error}",
-                file=sys.stderr,
-                flush=True,
+            say(
+                f"checkpoint of step {snapshot.step} not completed: {write.error}",
             )
 
     def _commit(self, snapshot: Snapshot, path: Path, said: dict[str, Any]) -> None:
@@ -313,13 +305,11 @@ class PeriodicCheckpointer:
         else:
             reply = self.commit(snapshot.step, snapshot.generation, str(path))
             outcome = reply.outcome if reply is not None else "unanswered"
-        print(json.dumps({**said, "commit": outcome}), file=sys.stderr, flush=True)
+        write_json({**said, "commit": outcome})
         if reply is not None and reply.outcome != "committed":
-            print(
-                f"[etc_agent] checkpoint of step {snapshot.step} (generation {snapshot.generation}) written, "
+            say(
+                f"checkpoint of step {snapshot.step} (generation {snapshot.generation}) written, "
                 f"{'commit refused' if reply.outcome == 'refused' else 'its commit waits'}: {reply.reason}",
-                file=sys.stderr,
-                flush=True,
             )
 
     def wait_commit(self, limit_s: float) -> None:
@@ -344,10 +334,8 @@ class PeriodicCheckpointer:
             limit_s = FAILURE_SETTLE_S if failure else self.timeout_s
         write.thread.join(timeout=limit_s)
         if write.thread.is_alive():
-            print(
-                f"[etc_agent] checkpoint of step {write.step} abandoned (still writing after {limit_s:g} s)",
-                file=sys.stderr,
-                flush=True,
+            say(
+                f"checkpoint of step {write.step} abandoned (still writing after {limit_s:g} s)",
             )
             write.abandoned = True
             write.snapshot.reusable = False  # the next snapshot gets fresh buffers: the thread may still read these

@@ -32,10 +32,8 @@ checkpoint baseline), :mod:`~etc_agent.worker.checkpoint` (periodic checkpoints)
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import os
-import sys
 import threading
 import time
 import traceback
@@ -62,7 +60,7 @@ from etc_agent.worker.errors import ArrivalTimeout, JobError, JobFinished, State
 from etc_agent.worker.gather import gather_state
 from etc_agent.worker.groups import destroy_all_groups, mark_loaded_modules_clean
 from etc_agent.worker.link import AgentLink
-from etc_agent.worker.logs import configure_worker_logging
+from etc_agent.worker.logs import configure_worker_logging, say, write_json
 from etc_agent.worker.report import Stopped
 from etc_agent.worker.switch import Switch
 from etc_agent.worker.switch_view import JobView, Resumed
@@ -376,11 +374,9 @@ class Job:
         # group's connections only when its last reference goes, and peers blocked on this process
         # fail fast only then.
         traceback.clear_frames(err.__traceback__)
-        print(
-            f"[etc_agent] rank {self.rank}: communication failed at step {self.next_step} ({first_line}); "
+        say(
+            f"rank {self.rank}: communication failed at step {self.next_step} ({first_line}); "
             "keeping the state, waiting for the next generation",
-            file=sys.stderr,
-            flush=True,
         )
         if self.link is not None:
             # The leader then checks which member agents are gone instead of waiting for their leases.
@@ -412,10 +408,8 @@ class Job:
             Switch(self._switch_view(), stopped, failure).run(at_least, why)
         except JobFinished:
             self.phase.to(Phase.FINISHED)
-            print(
-                f"[etc_agent] {self.node_id}:{self.local_rank}: training finished before this process got into the job; exiting",
-                file=sys.stderr,
-                flush=True,
+            say(
+                f"{self.node_id}:{self.local_rank}: training finished before this process got into the job; exiting",
             )
             if self.link is not None:
                 self.link.close()
@@ -469,7 +463,7 @@ class Job:
         """Keep, log and hand one migration record to the agent (which stores it for `etc-agent status`)."""
         fields = record.model_dump(exclude={"schema_version"})
         self.migrations.append(fields)
-        print(json.dumps({"event": "etc_migration", **fields}), file=sys.stderr, flush=True)
+        write_json({"event": "etc_migration", **fields})
         if self.link is not None:
             self.link.send(Migration(record=record))
 

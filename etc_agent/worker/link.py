@@ -10,7 +10,6 @@ import logging
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 
@@ -30,6 +29,7 @@ from etc_agent.utils import auth
 from etc_agent.utils.jsonline import JsonLineError, hold, parse_address, request
 from etc_agent.utils.sever import sever
 from etc_agent.worker.errors import JobError, JobFinished
+from etc_agent.worker.logs import say
 
 log = logging.getLogger("etc_agent.worker")
 
@@ -107,10 +107,8 @@ class AgentLink:
                 if reply.stop and not self._stopping:
                     # Sidecar mode: the agent cannot signal a process it did not start; it asks instead.
                     self._stopping = True
-                    print(
-                        f"[etc_agent] local_rank {self.local_rank}: the agent asks this worker to stop",
-                        file=sys.stderr,
-                        flush=True,
+                    say(
+                        f"local_rank {self.local_rank}: the agent asks this worker to stop",
                     )
                     os.kill(os.getpid(), signal.SIGTERM)
                 if reply.unreachable_hosts and reply.latest is not None and reply.latest > self._severed_for:
@@ -135,11 +133,9 @@ class AgentLink:
         (:mod:`etc_agent.utils.sever`); the failure then switches this worker to that generation."""
         severed = sever(hosts)
         if severed:
-            print(
-                f"[etc_agent] local_rank {self.local_rank}: generation {generation} dropped unreachable "
+            say(
+                f"local_rank {self.local_rank}: generation {generation} dropped unreachable "
                 f"{', '.join(hosts)}: shut {severed} connections to them",
-                file=sys.stderr,
-                flush=True,
             )
 
     def assignment(self, at_least: int, timeout_s: float, why: str) -> Assignment:

@@ -4,19 +4,43 @@ default text format the script's own logging setup decides, as before."""
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 
 from etc_agent.protocol.settings import WorkerSettings
-from etc_agent.utils.structlog import JsonFormatter
+from etc_agent.utils.structlog import JsonFormatter, json_line
 
 _HANDLER_NAME = "etc_agent.worker.json"
+_json_context: tuple[str, int] | None = None
+"""(node, local rank) once ``--log-format json`` is configured in this process."""
+
+
+def say(message: str) -> None:
+    """One line for the user on stderr: ``[etc_agent] message``, or with ``--log-format json`` one
+    ``worker_log`` record. One write per line, so that lines from several threads never share one."""
+    if _json_context is None:
+        line = f"[etc_agent] {message}\n"
+    else:
+        node, local_rank = _json_context
+        fields = {"local_rank": local_rank, "level": "NOTICE", "logger": "etc_agent.worker", "message": message}
+        line = json_line("worker_log", node, fields)
+    sys.stderr.write(line)
+    sys.stderr.flush()
+
+
+def write_json(record: dict) -> None:
+    """A JSON record the tools read from a worker's stderr, written as one line in one write."""
+    sys.stderr.write(json.dumps(record, default=str) + "\n")
+    sys.stderr.flush()
 
 
 def configure_worker_logging(settings: WorkerSettings) -> None:
     """Once per process (a second call changes nothing)."""
+    global _json_context
     if settings.log_format != "json":
         return
+    _json_context = (settings.node_id, settings.local_rank)
     package = logging.getLogger("etc_agent")
     if any(h.get_name() == _HANDLER_NAME for h in package.handlers):
         return

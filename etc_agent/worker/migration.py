@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from etc_agent.planner.validate import PlanValidationError
 from etc_agent.protocol.settings import WorkerSettings
 from etc_agent.worker.entry import Entry
 from etc_agent.worker.errors import BuildMismatch, PlannerBug, StateLost
+from etc_agent.worker.logs import say
 from etc_agent.worker.switch_view import JobView
 from etc_agent.worker.versions import Exchanged, Held, candidate_states
 
@@ -202,12 +202,10 @@ def _announcer(
 
     def announce(plan) -> None:
         if not assignment.started and plan.restores:
-            print(
-                f"[etc_agent] generation {assignment.generation}: resuming the job from {restore_path} at step "
+            say(
+                f"generation {assignment.generation}: resuming the job from {restore_path} at step "
                 f"{step} in layout {assignment.parallel or 'the default'}; each rank reads only its regions "
                 f"({plan.bytes_restored} bytes in all); etcrun --fresh-start would start from scratch",
-                file=sys.stderr,
-                flush=True,
             )
             return
         if not plan.restores and (live_step is None or step >= live_step):
@@ -223,10 +221,8 @@ def _announcer(
             else "the survivors' snapshots hold every shard"
         )
         redo = f", training {live_step - step} steps again" if live_step is not None and step < live_step else ""
-        print(
-            f"[etc_agent] generation {assignment.generation}: {what}; resuming at step {step}{redo}",
-            file=sys.stderr,
-            flush=True,
+        say(
+            f"generation {assignment.generation}: {what}; resuming at step {step}{redo}",
         )
 
     return announce
@@ -236,10 +232,8 @@ def _pause_before_sending(entry: Entry) -> None:
     """Fault injection for tests: a window in which a sender can be killed mid-migration."""
     pause_s = _fault_sender_pause_s()
     if pause_s > 0:
-        print(
-            f"[etc_agent] {entry.device}: fault injection: pausing {pause_s:g} s before sending",
-            file=sys.stderr,
-            flush=True,
+        say(
+            f"{entry.device}: fault injection: pausing {pause_s:g} s before sending",
         )
         time.sleep(pause_s)
 

@@ -31,7 +31,6 @@ the job's settings there and changes the job's state only through that view's ca
 
 from __future__ import annotations
 
-import sys
 import time
 import traceback
 
@@ -43,6 +42,7 @@ from etc_agent.utils.plainstate import from_json
 from etc_agent.worker.appstate import load_state
 from etc_agent.worker.entry import Entry, arrive, form
 from etc_agent.worker.errors import JobFinished, is_peer_failure
+from etc_agent.worker.logs import say
 from etc_agent.worker.migration import Migration, Source
 from etc_agent.worker.report import Stopped, checkpoint_record, live_record
 from etc_agent.worker.switch_view import JobView, Resumed
@@ -104,11 +104,9 @@ class Switch:
         job = self.job
         job.phase.to(Phase.RECOVERING, assignment.generation)
         first_line = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-        print(
-            f"[etc_agent] {job.node_id}:{job.local_rank}: switch to generation {assignment.generation} failed "
+        say(
+            f"{job.node_id}:{job.local_rank}: switch to generation {assignment.generation} failed "
             f"({first_line}); waiting for the next generation",
-            file=sys.stderr,
-            flush=True,
         )
         traceback.clear_frames(err.__traceback__)
         del err
@@ -178,17 +176,13 @@ class Switch:
             job.phase.to(Phase.DEPARTING, assignment.generation)
             self._report(entry, source, None, 0)
             if assignment.standby_after:
-                print(
-                    f"[etc_agent] {entry.device}: state sent for generation {assignment.generation}; waiting as a "
+                say(
+                    f"{entry.device}: state sent for generation {assignment.generation}; waiting as a "
                     "standby until this node rejoins",
-                    file=sys.stderr,
-                    flush=True,
                 )
                 raise _Standby()
-            print(
-                f"[etc_agent] {entry.device}: state sent for generation {assignment.generation}; leaving the job",
-                file=sys.stderr,
-                flush=True,
+            say(
+                f"{entry.device}: state sent for generation {assignment.generation}; leaving the job",
             )
             job.link.close()
             raise SystemExit(0)

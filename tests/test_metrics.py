@@ -1,0 +1,251 @@
+"""The agents' Prometheus metrics (``etcrun --metrics-port``): the pure mapping from records to
+metrics, the read-only endpoint, and a real job over etcd scraped during and after a join, a
+planned leave and a worker SIGKILL, its figures checked against the migration records."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from conftest import ROOT, etcd_rdzv
+from prometheus_client.parser import text_string_to_metric_families
+
+from etc_agent.agent.metrics import (
+    STALL_PHASES,
+    SWITCH_KINDS,
+    AgentMetrics,
+    NodeView,
+    stall_phases,
+    switch_kind,
+    switch_outcome,
+)
+from etc_agent.agent.metrics_server import MAX_CONCURRENT, MetricsServer
+from etc_agent.protocol.phases import Phase
+from etc_agent.rendezvous.records import StallParts
+
+sys.path.insert(0, str(ROOT / "scripts"))
+from elastic_demo import run_scenario
+
+URL = re.compile(r"metrics_serving.*?(http://[0-9.]+:\d+/metrics)")
+
+
+def _record(**kw) -> dict:
+    base = {
+        "old_config": "tp=2,pp=1,dp=2,zero=0",
+        "old_world_size": 4,
+        "new_world_size": 4,
+        "lost": [],
+        "bytes_moved": 0,
+        "bytes_moved_inter_node": 0,
+        "total_stall_s": 0.5,
+        "transfer_s": 0.0,
+        "plan_s": 0.01,
+    }
+    return {**base, **kw}
+
+
+def test_a_record_names_its_switch_kind_and_outcome():
+    assert switch_kind(_record(new_world_size=6)) == "join"
+    assert switch_kind(_record(new_world_size=2)) == "planned_leave"
+    assert switch_kind(_record(new_world_size=2, lost=["b:1"])) == "crash_replica"
+    assert switch_kind(_record(lost=["b:1"])) == "restart_in_place"
+    assert switch_kind(_record(restored_from="/ckpt/step8-g3")) == "resume"
+    assert switch_kind(_record(old_config=None)) == "resume"
+    assert switch_kind(_record()) == "reconfigure"
+    assert {switch_kind(_record(new_world_size=n)) for n in (2, 4, 6)} <= set(SWITCH_KINDS)
+    assert switch_outcome(_record()) == "live"
+    assert switch_outcome(_record(redone_steps=2)) == "redone"
+    assert switch_outcome(_record(bytes_restored=10, redone_steps=2)) == "restored"
+
+
+def test_the_stall_phases_cover_every_part_once_and_add_up():
+    named = [name for names in STALL_PHASES.values() for name in names]
+    assert sorted(named) == sorted(StallParts.model_fields), "each part of the record in exactly one phase"
+    parts = {name: 0.125 * (i + 1) for i, name in enumerate(StallParts.model_fields)}
+    assert sum(stall_phases(parts).values()) == pytest.approx(sum(parts.values()))
+
+
+def _scrape(text: str) -> dict[tuple[str, tuple], float]:
+    """``(sample name, sorted labels) -> value`` of one exposition."""
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def _total(samples: dict, name: str, **match) -> float:
+    return sum(
+        v for (n, labels), v in samples.items() if n == name and all(dict(labels).get(k) == w for k, w in match.items())
+    )
+
+
+def test_a_migration_event_becomes_a_switch_its_stall_and_its_bytes():
+    view = NodeView(phase=Phase.RUNNING, generation=3, members=2, spares=None, leading=False)
+    metrics = AgentMetrics("a", lambda: view)
+    parts = {name: 0.01 for name in StallParts.model_fields}
+    record = _record(new_world_size=6, bytes_moved=1000, bytes_moved_inter_node=600, transfer_s=0.5, stall_parts=parts)
+    metrics.observe_event("migration", record)
+    metrics.observe_event("workers_failed", {"exit_codes": {"1": -9}, "action": "restarting local ranks [1] (1/3)"})
+    metrics.observe_store("lease_refresh", 0.002, False)
+    metrics.observe_progress(0, 10, 0.04, None)
+    metrics.observe_progress(0, 14, 0.05, 128)
+    samples = _scrape(metrics.exposition().decode())
+    assert _total(samples, "etc_agent_switches_total", kind="join", outcome="live") == 1
+    assert _total(samples, "etc_agent_stall_seconds_count", kind="join") == 1
+    assert _total(samples, "etc_agent_stall_seconds_sum") == 0.5
+    assert _total(samples, "etc_agent_stall_part_seconds_count") == len(STALL_PHASES)
+    assert _total(samples, "etc_agent_bytes_moved_total", scope="inter_node") == 600
+    assert _total(samples, "etc_agent_bytes_moved_total") == 1000
+    assert _total(samples, "etc_agent_transfer_bytes_per_second") == 2000
+    assert _total(samples, "etc_agent_worker_failures_total", cause="signal") == 1
+    assert _total(samples, "etc_agent_worker_restarts_total") == 1
+    assert _total(samples, "etc_agent_lease_misses_total") == 1
+    assert _total(samples, "etc_agent_store_errors_total", op="lease_refresh") == 1
+    assert _total(samples, "etc_agent_steps_total", local_rank="0") == 4  # 10 -> 14
+    assert _total(samples, "etc_agent_step_seconds", local_rank="0") == 0.05
+    assert _total(samples, "etc_agent_data_position", local_rank="0") == 128
+    assert _total(samples, "etc_agent_generation") == 3
+    assert _total(samples, "etc_agent_node_state", etc_agent_node_state="running") == 1
+    assert not any(n == "etc_agent_spares" for n, _ in samples), "spares come from the leader only"
+    # Bounded labels: no sample carries a step, generation or sample number.
+    label_names = {k for _, labels in samples for k, _ in labels}
+    assert label_names <= {"node", "kind", "outcome", "part", "scope", "op", "cause", "local_rank", "le"} | {
+        "etc_agent_node_state"
+    }
+
+
+def _http(port: int, method: str, path: str) -> int:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=5) as answer:
+            return answer.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def test_the_metrics_port_answers_only_get_of_the_metrics_path_and_a_flood_does_not_hold_it():
+    server = MetricsServer("127.0.0.1", 0, lambda: b"etc_agent_x 1\n")
+    try:
+        assert _http(server.port, "GET", "/metrics") == 200
+        assert _http(server.port, "GET", "/") == 404
+        assert _http(server.port, "GET", "/metrics/../admin") == 404
+        for method in ("POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"):
+            assert _http(server.port, method, "/metrics") == 405, method
+        assert _http(server.port, "BREW", "/metrics") == 501
+        # Idle connections that never send a request: at most MAX_CONCURRENT of them are served at
+        # once (the others are refused at once), and each is dropped after its read timeout.
+        idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(4 * MAX_CONCURRENT)]
+        time.sleep(0.5)
+        threads_while_flooded = threading.active_count()
+        refused = 0
+        for sock in idle:
+            sock.settimeout(0.2)
+            try:
+                refused += sock.recv(64).startswith(b"HTTP/1.0 503")
+            except TimeoutError:
+                pass
+        assert refused >= 4 * MAX_CONCURRENT - MAX_CONCURRENT - 1
+        for sock in idle:
+            sock.close()
+        assert threads_while_flooded < 4 * MAX_CONCURRENT
+        deadline = time.monotonic() + 10
+        while _http(server.port, "GET", "/metrics") != 200:
+            assert time.monotonic() < deadline, "the endpoint did not come back after the flood"
+            time.sleep(0.2)
+    finally:
+        server.close()
+
+
+class Scraper:
+    """Scrapes every agent's metrics URL (read from its output) until the job ends; keeps each
+    agent's last exposition and how many scrapes succeeded."""
+
+    def __init__(self) -> None:
+        self.last: dict[int, dict] = {}
+        self.num_scrapes = 0
+
+    def __call__(self, cluster, stop: threading.Event) -> None:
+        urls: dict[int, str] = {}
+        while not stop.is_set():
+            for i, lines in enumerate(list(cluster.outputs)):
+                if i not in urls:
+                    match = next((m for line in list(lines) if (m := URL.search(line))), None)
+                    if match:
+                        urls[i] = match.group(1)
+            for i, url in urls.items():
+                try:
+                    with urllib.request.urlopen(url, timeout=2) as answer:
+                        self.last[i] = _scrape(answer.read().decode())
+                        self.num_scrapes += 1
+                except OSError:
+                    pass  # not serving yet, or gone
+            stop.wait(0.3)
+
+
+def test_agents_metrics_match_the_records_through_a_join_a_leave_and_a_kill(etcd_server, tmp_path):
+    """2 agents x 2 workers (tp=2) over a real etcd with --metrics-port 0, then a third agent joins,
+    one leaves (SIGTERM) and a worker is SIGKILLed (the others go on, its node restarts it and rejoins). Every agent
+    is scraped all along; summed over agents, the last scrapes give one switch per record, by kind,
+    the records' bytes, one stall observation per switch, and the last generation."""
+    scraper = Scraper()
+    result = run_scenario(
+        "tp=2,pp=1,dp=auto",
+        2,
+        44,
+        0.1,
+        tmp_path,
+        echo=False,
+        rdzv=etcd_rdzv(etcd_server, "metrics"),
+        events=("join", "leave", "kill"),
+        agent_args=["--metrics-port", "0", "--log-format", "json"],
+        min_nodes=1,  # the killed worker's node leaves while it restarts: a crash the replica covers
+        watch=scraper,
+    )
+    logs = result["cluster"].tail(40)
+    assert result["codes"] == [0, 0, 0], f"agents exited {result['codes']}\n{logs}"
+    records = [m for m in result["migrations"] if m.get("method", "live") == "live"]
+    assert len(scraper.last) == 3 and scraper.num_scrapes > 30, (scraper.num_scrapes, sorted(scraper.last))
+    scrapes = list(scraper.last.values())
+
+    def total(name: str, **match) -> float:
+        return sum(_total(s, name, **match) for s in scrapes)
+
+    assert total("etc_agent_switches_total") == len(records), (records, scrapes)
+    for kind in SWITCH_KINDS:
+        expected = sum(switch_kind(r) == kind for r in records)
+        assert total("etc_agent_switches_total", kind=kind) == expected, kind
+    assert {switch_kind(r) for r in records} >= {"join", "planned_leave", "crash_replica"}, records
+    assert total("etc_agent_stall_seconds_count") == len(records)
+    assert total("etc_agent_stall_seconds_sum") == pytest.approx(sum(r["total_stall_s"] for r in records))
+    assert total("etc_agent_bytes_moved_total") == sum(r["bytes_moved"] for r in records)
+    assert total("etc_agent_worker_failures_total", cause="signal") >= 1
+    assert max(_total(s, "etc_agent_generation") for s in scrapes) >= max(r["generation"] for r in records)
+    assert total("etc_agent_is_leader") <= 1
+    assert total("etc_agent_steps_total") > 0
+    assert _not_one_record(result["cluster"].outputs) == []
+
+
+def _not_one_record(outputs: list[list[str]]) -> list[str]:
+    """The lines of the agents' outputs (their workers' included) that come from etc_agent and are
+    not exactly one JSON object; a library's own warnings (torch's, Python's) are not ours to shape."""
+    bad = []
+    for lines in outputs:
+        for line in lines:
+            text = line.strip()
+            if text.startswith("{"):
+                try:
+                    if not isinstance(json.loads(text), dict):
+                        bad.append(line)
+                except json.JSONDecodeError:
+                    bad.append(line)  # two records on one line, or one cut short
+            elif "[etc_agent]" in text or re.match(r"\d{4}-\d\d-\d\d [\d:,]+ etcrun ", text) or "}{" in text:
+                bad.append(line)
+    return bad
