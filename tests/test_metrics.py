@@ -249,3 +249,54 @@ def _not_one_record(outputs: list[list[str]]) -> list[str]:
             elif "[etc_agent]" in text or re.match(r"\d{4}-\d\d-\d\d [\d:,]+ etcrun ", text) or "}{" in text:
                 bad.append(line)
     return bad
+
+
+def _exported_names() -> set[str]:
+    """Every sample name the agent's registry can export (a counter's ``_total``, a histogram's
+    ``_bucket``/``_sum``/``_count``), labelled metrics included before their first sample."""
+    view = NodeView(phase=Phase.RUNNING, generation=1, members=1, spares=0, leading=True)
+    names: set[str] = set()
+    for family in AgentMetrics("a", lambda: view).registry.collect():
+        suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}.get(family.type, ("",))
+        names.update(family.name + suffix for suffix in suffixes)
+    return names
+
+
+def test_every_expression_of_the_grafana_dashboard_names_metrics_the_agent_exports():
+    dashboard = json.loads((ROOT / "configs" / "grafana" / "etc-agent.json").read_text())
+    exported = _exported_names()
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    exprs += [v["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+    assert len(exprs) >= 12
+    used = set()
+    for expr in exprs:
+        names = set(re.findall(r"\betc_agent_[a-z_]+\b", expr))
+        assert names, f"no metric in {expr!r}"
+        assert names <= exported, f"{expr!r} names {sorted(names - exported)}, which no agent exports"
+        used |= names
+    # The issue's panels: generation and members, stalls by kind, bytes and rate, step time, store latency.
+    for needed in (
+        "etc_agent_generation",
+        "etc_agent_members",
+        "etc_agent_stall_seconds_bucket",
+        "etc_agent_bytes_moved_total",
+        "etc_agent_transfer_bytes_per_second",
+        "etc_agent_step_seconds",
+        "etc_agent_store_request_seconds_bucket",
+    ):
+        assert needed in used, needed
+
+
+def test_the_kubernetes_scrape_example_points_at_the_port_the_agents_serve():
+    import yaml
+
+    job = list(yaml.safe_load_all((ROOT / "configs" / "k8s" / "etc-agent-job.yaml").read_text()))[2]
+    pod = job["spec"]["template"]
+    args = pod["spec"]["containers"][0]["args"]
+    port = int(next(a.split("=", 1)[1] for a in args if a.startswith("--metrics-port=")))
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(port)
+    service, monitor = yaml.safe_load_all((ROOT / "configs" / "k8s" / "etc-agent-metrics.yaml").read_text())
+    assert service["spec"]["selector"] == pod["metadata"]["labels"]
+    assert service["spec"]["ports"][0]["port"] == port
+    assert monitor["kind"] == "ServiceMonitor" and monitor["spec"]["endpoints"][0]["path"] == "/metrics"
+    assert monitor["spec"]["selector"]["matchLabels"] == service["metadata"]["labels"]
