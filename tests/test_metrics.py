@@ -300,3 +300,13 @@ def test_the_kubernetes_scrape_example_points_at_the_port_the_agents_serve():
     assert service["spec"]["ports"][0]["port"] == port
     assert monitor["kind"] == "ServiceMonitor" and monitor["spec"]["endpoints"][0]["path"] == "/metrics"
     assert monitor["spec"]["selector"]["matchLabels"] == service["metadata"]["labels"]
+
+
+def test_a_bound_loader_reports_the_samples_its_job_consumed():
+    from etc_agent.data import loader
+
+    data = loader.ElasticData(list(range(100)), global_batch=8, dp=2, dp_rank=0, num_workers=0)
+    step = {"next": 0}
+    data.bind_step(lambda: step["next"])
+    step["next"] = 5
+    assert loader.reported_position() == 40  # 5 steps of 8 samples, whatever this rank's share

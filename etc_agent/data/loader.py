@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -48,6 +49,19 @@ class StepSampler(Sampler[list[int]]):
         while True:
             yield self.order.share(self.position.at(step), self.position.global_batch, self.dp, self.dp_rank)
             step += 1
+
+
+_BOUND: weakref.WeakSet[ElasticData] = weakref.WeakSet()
+"""The loaders a job bound (the one of the current generation, until the old one is collected)."""
+
+
+def reported_position() -> int | None:
+    """The samples the newest bound loader's job has consumed up to its next step (what a worker
+    reports to its agent's metrics); None without one."""
+    for data in sorted(_BOUND, key=lambda d: d.position.step, reverse=True):
+        if data.step_now is not None:
+            return data.position.at(data.step_now())
+    return None
 
 
 class ElasticData:
@@ -86,6 +100,7 @@ class ElasticData:
         """The job tells where it is (its next step); called by the job for every app state entry
         that has this method."""
         self.step_now = step_now
+        _BOUND.add(self)
 
     def state_dict(self) -> dict[str, int]:
         """The position at the job's next step: what the completed steps consumed."""

@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 
@@ -96,10 +97,7 @@ class AgentLink:
         failures = 0
         while not self._stop.is_set():
             try:
-                progress = self.progress
-                query = AssignmentQuery(local_rank=self.local_rank)
-                if progress is not None:
-                    query = AssignmentQuery(local_rank=self.local_rank, step=progress[0], step_s=progress[1])
+                query = self._query()
                 reply = AssignmentReply.model_validate(
                     request(self.address, query.model_dump(exclude_none=True), timeout=10, key=self.key)
                 )
@@ -127,6 +125,16 @@ class AgentLink:
                         self.error = f"agent at {self.address[0]}:{self.address[1]} unreachable: {err}"
                         self._changed.notify_all()
             self._stop.wait(self.poll_interval)
+
+    def _query(self) -> AssignmentQuery:
+        """The poll, with this worker's progress once it trains (the agent's metrics)."""
+        progress = self.progress
+        if progress is None:
+            return AssignmentQuery(local_rank=self.local_rank)
+        # Only a job that uses the elastic loader has a data position; this thread never imports it.
+        loader = sys.modules.get("etc_agent.data.loader")
+        position = loader.reported_position() if loader is not None else None
+        return AssignmentQuery(local_rank=self.local_rank, step=progress[0], step_s=progress[1], data_position=position)
 
     def _sever(self, generation: int, hosts: list[str]) -> None:
         """The newest generation dropped ``hosts`` as unreachable: end any collective blocked on them
