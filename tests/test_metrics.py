@@ -190,12 +190,16 @@ class Scraper:
             stop.wait(0.3)
 
 
-def test_agents_metrics_match_the_records_through_a_join_a_leave_and_a_kill(etcd_server, tmp_path):
+def test_agents_metrics_logs_and_timeline_match_the_records_through_a_join_a_leave_and_a_kill(etcd_server, tmp_path):
     """2 agents x 2 workers (tp=2) over a real etcd with --metrics-port 0, then a third agent joins,
-    one leaves (SIGTERM) and a worker is SIGKILLed (the others go on, its node restarts it and rejoins). Every agent
-    is scraped all along; summed over agents, the last scrapes give one switch per record, by kind,
-    the records' bytes, one stall observation per switch, and the last generation."""
+    one leaves (SIGTERM) and a worker is SIGKILLed (the others go on, its node restarts it and
+    rejoins). Every agent is scraped all along; summed over agents, the last scrapes give one switch
+    per record, by kind, the records' bytes, one stall observation per switch, and the last
+    generation. Every etc_agent line of the run is one JSON record. ``etc-agent timeline`` on the
+    run's log directory draws every switch of the records (one run serves the three checks: it is
+    the slow part)."""
     scraper = Scraper()
+    log_dir = tmp_path / "logs"
     result = run_scenario(
         "tp=2,pp=1,dp=auto",
         2,
@@ -205,7 +209,7 @@ def test_agents_metrics_match_the_records_through_a_join_a_leave_and_a_kill(etcd
         echo=False,
         rdzv=etcd_rdzv(etcd_server, "metrics"),
         events=("join", "leave", "kill"),
-        agent_args=["--metrics-port", "0", "--log-format", "json"],
+        agent_args=["--metrics-port", "0", "--log-format", "json", "--log-dir", str(log_dir)],
         min_nodes=1,  # the killed worker's node leaves while it restarts: a crash the replica covers
         watch=scraper,
     )
@@ -231,6 +235,29 @@ def test_agents_metrics_match_the_records_through_a_join_a_leave_and_a_kill(etcd
     assert total("etc_agent_is_leader") <= 1
     assert total("etc_agent_steps_total") > 0
     assert _not_one_record(result["cluster"].outputs) == []
+    _check_timeline(log_dir, records)
+
+
+def _check_timeline(log_dir, records: list[dict]) -> None:
+    """``etc-agent timeline`` writes both files, and each record's switch is in the page with its
+    kind, stall and bytes, drawn on the rows of the nodes it ran on."""
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-m", "etc_agent.cli.main", "timeline", str(log_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    png, page = log_dir / "timeline.png", (log_dir / "timeline.html").read_text()
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    drawn = re.findall(r'class="switch" data-generation="(\d+)" data-kind="(\w+)"', page)
+    assert sorted(drawn) == sorted((str(r["generation"]), switch_kind(r)) for r in records), (drawn, records)
+    for r in records:
+        assert f"generation {r['generation']}: {switch_kind(r)}, stall {r['total_stall_s']:.2f} s" in page
+    assert page.count('data-kind="crash"') >= 1 and page.count('data-kind="leave"') >= 1
 
 
 def _not_one_record(outputs: list[list[str]]) -> list[str]:

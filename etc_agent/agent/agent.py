@@ -35,7 +35,7 @@ from pathlib import Path
 
 from etc_agent.agent.commits import Commits
 from etc_agent.agent.config import AgentConfig
-from etc_agent.agent.console import CONSOLE_ATTR, event_level
+from etc_agent.agent.console import CONSOLE_ATTR, EventFile, event_level
 from etc_agent.agent.contact import ContactedStore, StoreContact
 from etc_agent.agent.control_channel import ControlChannel
 from etc_agent.agent.controlauth import ControlKeys
@@ -103,6 +103,8 @@ class Agent:
         self.node_id = node_id
         self.log_file = self.node.run_dir / "agent.log"
         """Every event of this agent (etcrun writes it; the console shows those at its --log-level)."""
+        self.events = EventFile(self.node.run_dir / "events.jsonl")
+        """Every event as a JSON line (``etc-agent timeline`` reads it)."""
         self._static_store = workers_store
         self._threads: list[threading.Thread] = []
         self.leader = Leader(
@@ -144,12 +146,13 @@ class Agent:
         level, :mod:`etc_agent.agent.console`); with ``--log-format json`` the console gets each
         event as one JSON line on stdout instead, whatever its level."""
         as_json = self.config.log_format == "json"
+        line = json_line(event, self.node_id, fields)
+        self.events.write(line)
         if event == "store_unreachable" and not self._outage_said.due():
             # One line per outage on the console, not one per failed request of each thread.
             log.debug("[%s] %s %s", self.node_id, event, fields, extra={CONSOLE_ATTR: False})
             return
         if as_json:
-            line = json_line(event, self.node_id, fields)
             with _STDOUT_LOCK:  # one write per record: print() writes the newline separately
                 sys.stdout.write(line)
                 sys.stdout.flush()

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TextIO
 
 from etc_agent.utils.structlog import json_line
 
@@ -149,3 +151,25 @@ def add_log_file(path: Path) -> logging.Handler:
     handler.setFormatter(logging.Formatter(FORMAT))
     logging.getLogger().addHandler(handler)
     return handler
+
+
+class EventFile:
+    """Every event of one agent as one JSON line in ``path`` (``events.jsonl`` beside ``agent.log``),
+    whatever the console's level and format: what ``etc-agent timeline`` reads. Opened on the first
+    event; each line written and flushed whole, under a lock (events come from several threads)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._lock = threading.Lock()
+        self._file: TextIO | None = None
+
+    def write(self, line: str) -> None:
+        with self._lock:
+            try:
+                if self._file is None:
+                    self.path.parent.mkdir(parents=True, exist_ok=True)
+                    self._file = self.path.open("a", encoding="utf-8")
+                self._file.write(line)
+                self._file.flush()
+            except OSError:
+                pass  # a full or vanished log directory must not stop the agent; agent.log says the rest

@@ -28,6 +28,7 @@ from etc_agent.cli.options import OptionsError
 from etc_agent.cli.plan import parse_failed, plan
 from etc_agent.cli.simulate import simulate
 from etc_agent.cli.status import migration_table, status
+from etc_agent.cli.timeline import timeline
 from etc_agent.protocol import keys
 from etc_agent.rendezvous.store import MembershipStore, StoreError
 
@@ -104,6 +105,7 @@ def reconfigure(
 
 
 app.command()(simulate)
+app.command()(timeline)
 
 
 def _check_fits_the_job(spec: ParallelSpec, store: MembershipStore, rdzv_id: str) -> None:
