@@ -67,7 +67,10 @@ TEST_LAYERS: dict[str, tuple[str, dict[str, list[str]]]] = {
     "test_genwatch.py": ("unit", {}),  # the embedded store serves from a thread of this process
     "test_leader.py": ("unit", {}),
     "test_timeline.py": ("unit", {}),
-    "test_metrics.py": ("unit", {"e2e": ["test_agents_metrics_logs_and_timeline_*"]}),
+    "test_metrics.py": (
+        "unit",
+        {"e2e": ["test_agents_metrics_logs_and_timeline_*", "test_a_flood_on_the_metrics_port_*"]},
+    ),
     "test_netaddr.py": ("unit", {}),
     "test_node_state.py": ("unit", {}),
     "test_settings.py": ("unit", {}),

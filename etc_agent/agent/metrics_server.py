@@ -2,9 +2,11 @@
 
 It answers ``GET /metrics`` with the Prometheus text format and nothing else: any other path is a
 404, any other method a 405, and no request changes anything. A flood cannot hold it or the agent:
-at most :data:`MAX_CONCURRENT` requests are served at once (the rest get a 503 and are closed), each
-connection has :data:`READ_TIMEOUT_S` to send its request line and headers, and a request body is
-never read. Its threads are daemons: the agent's exit does not wait for a slow scraper.
+at most :data:`MAX_CONCURRENT` connections are served at once and at most :data:`MAX_WAITING` more
+wait up to :data:`SLOT_WAIT_S` for a turn (the rest get a 503 and are closed at once), each has
+:data:`READ_TIMEOUT_S` to send its request line and headers (a scraper sends them as soon as it
+connects; an idle connection gives its turn up quickly), and a request body is never read. Its
+threads are daemons: the agent's exit does not wait for a slow scraper.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ log = logging.getLogger("etc_agent.agent")
 
 METRICS_PATH = "/metrics"
 MAX_CONCURRENT = 8
-READ_TIMEOUT_S = 5.0
+MAX_WAITING = 16
+SLOT_WAIT_S = 2.0
+READ_TIMEOUT_S = 1.0
 
 
 class _Server(ThreadingHTTPServer):
@@ -31,6 +35,7 @@ class _Server(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], exposition: Callable[[], bytes]):
         self.exposition = exposition
         self.slots = threading.BoundedSemaphore(MAX_CONCURRENT)
+        self.waiting = threading.BoundedSemaphore(MAX_WAITING)
         super().__init__(address, _Handler)
 
     def handle_error(self, request, client_address) -> None:
@@ -44,7 +49,7 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.0"  # one request per connection: nothing lingers after the answer
 
     def handle(self) -> None:
-        if not self.server.slots.acquire(blocking=False):
+        if not self._turn():
             self._refuse_busy()
             return
         try:
@@ -53,6 +58,18 @@ class _Handler(BaseHTTPRequestHandler):
             pass  # a client that went away or never finished its request
         finally:
             self.server.slots.release()
+
+    def _turn(self) -> bool:
+        """A slot at once, or after a bounded wait among a bounded number of waiters."""
+        server = self.server
+        if server.slots.acquire(blocking=False):
+            return True
+        if not server.waiting.acquire(blocking=False):
+            return False
+        try:
+            return server.slots.acquire(timeout=SLOT_WAIT_S)
+        finally:
+            server.waiting.release()
 
     def _refuse_busy(self) -> None:
         try:
