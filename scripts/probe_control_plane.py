@@ -255,6 +255,11 @@ def main() -> None:
         ),
         ("flood", f"{counts['idle_opened']} idle, {counts['churn']} churned, {counts['long']} 20 MB lines"),
     ]
+    print_report(rows, result)
+
+
+def print_report(rows: list[tuple[str, str]], result: dict) -> None:
+    """The probe's table (figure, value) and its JSON line."""
     width = max(len(r[0]) for r in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")

@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from probe_control_plane import _proc_status, flood  # noqa: E402
+from probe_control_plane import _proc_status, flood, print_report  # noqa: E402
 
 
 def _status(url: str, method: str = "GET") -> int:
@@ -143,10 +143,7 @@ def main() -> None:
         ("agent threads before / peak / after", f"{before[1]} / {peak[1]} / {after[1]}"),
         ("flood", f"{counts['idle_opened']} idle, {counts['churn']} churned, {counts['long']} 20 MB lines"),
     ]
-    width = max(len(r[0]) for r in rows)
-    for name, value in rows:
-        print(f"{name:<{width}}  {value}")
-    print(json.dumps(result))
+    print_report(rows, result)
 
 
 if __name__ == "__main__":

@@ -280,6 +280,34 @@ class EtcdServer:
                 self.proc.wait(timeout=10)
 
 
+def run_script_json(script: str, *args: str, timeout: float = 300) -> dict:
+    """Run ``scripts/<script>`` with ``args`` to completion; its last stdout line, a JSON object
+    (every benchmark and probe ends with one). A non-zero exit fails with the script's output."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_cli(*args: str, timeout: float = 120):
+    """``python -m etc_agent.cli.main ARGS`` (the ``etc-agent`` command) to completion, output as text."""
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-m", "etc_agent.cli.main", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
 def etcd_rdzv(etcd_server, name: str) -> list[str]:
     """etcrun's rendezvous flags for a new job called ``name-<random>`` on the test's etcd."""
     run_id = f"{name}-{uuid.uuid4().hex[:6]}"

@@ -10,7 +10,7 @@ import signal
 import time
 
 import pytest
-from conftest import ROOT, EtcdServer
+from conftest import ROOT, EtcdServer, run_script_json
 from test_etcrun import Job, finish, job, launch  # noqa: F401 - job is a fixture
 
 from etc_agent.rendezvous.records import LeaderRecord, NodeRecord
@@ -25,6 +25,13 @@ def events(text: str) -> list[dict]:
             except ValueError:
                 continue
     return out
+
+
+def _one_record(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
 
 
 def _or_none(read):
@@ -130,6 +137,9 @@ def test_etcd_restart_keeps_training_and_membership(tmp_path, job):  # noqa: F81
         started = [e for e in events(texts) if e.get("event") == "workers_started"]
         assert {e["generation"] for e in started} == {running.number}
         assert any(e.get("event") == "store_unreachable" for e in events(texts))
+        # --log-format json through the outage: every line of every agent (events from several
+        # threads, the store client's errors, its watch failures) is one whole JSON record.
+        assert [line for line in texts.splitlines() if line.strip() and not _one_record(line)] == []
         final = j.generation()
         assert final.status == "succeeded" and final.number == running.number + 1
     finally:
@@ -245,33 +255,22 @@ def test_forged_requests_are_refused_and_a_flood_leaves_the_job_training_and_the
     finished, hello with pid 1), then 6 s of idle connections, connect/close churn and 20 MB
     unsigned lines. Every forged request is refused, the job trains to its last step and exits 0,
     the store still answers the job's own clients, and the agent's RSS comes back within 50 MB."""
-    import subprocess
-    import sys
 
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "probe_control_plane.py"),
-            "--flood-s",
-            "6",
-            "--idle",
-            "300",
-            "--churn-threads",
-            "6",
-            "--long-lines",
-            "6",
-            "--steps",
-            "100",
-            "--step-delay",
-            "0.1",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
+    result = run_script_json(
+        "probe_control_plane.py",
+        "--flood-s",
+        "6",
+        "--idle",
+        "300",
+        "--churn-threads",
+        "6",
+        "--long-lines",
+        "6",
+        "--steps",
+        "100",
+        "--step-delay",
+        "0.1",
     )
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["forged_accepted"] == [] and result["forged_requests"] == 21, result
     assert result["exit_code"] == 0 and result["steps_trained"] == result["steps_expected"], result
     assert result["flood"]["idle_opened"] > 100 and result["flood"]["churn"] > 100, result

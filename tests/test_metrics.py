@@ -14,7 +14,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from conftest import ROOT, etcd_rdzv
+from conftest import ROOT, etcd_rdzv, run_cli, run_script_json
 from prometheus_client.parser import text_string_to_metric_families
 
 from etc_agent.agent.metrics import (
@@ -244,15 +244,7 @@ def test_agents_metrics_logs_and_timeline_match_the_records_through_a_join_a_lea
 def _check_timeline(log_dir, records: list[dict]) -> None:
     """``etc-agent timeline`` writes both files, and each record's switch is in the page with its
     kind, stall and bytes, drawn on the rows of the nodes it ran on."""
-    import subprocess
-
-    out = subprocess.run(
-        [sys.executable, "-m", "etc_agent.cli.main", "timeline", str(log_dir)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = run_cli("timeline", str(log_dir))
     assert out.returncode == 0, out.stderr[-2000:]
     png, page = log_dir / "timeline.png", (log_dir / "timeline.html").read_text()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
@@ -348,30 +340,19 @@ def test_a_flood_on_the_metrics_port_leaves_training_and_scrapes_going():
     scrape a second. Other methods and paths are refused; the endpoint answers after the flood (a
     scrape during it may be refused: the probe reports how many); the agent's threads stay bounded;
     the step time does not grow beyond noise."""
-    import subprocess
-
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "probe_metrics_port.py"),
-            "--quiet-s",
-            "5",
-            "--flood-s",
-            "6",
-            "--idle",
-            "300",
-            "--churn-threads",
-            "4",
-            "--long-lines",
-            "4",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
+    result = run_script_json(
+        "probe_metrics_port.py",
+        "--quiet-s",
+        "5",
+        "--flood-s",
+        "6",
+        "--idle",
+        "300",
+        "--churn-threads",
+        "4",
+        "--long-lines",
+        "4",
     )
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["refused"] == {"POST": 405, "PUT": 405, "DELETE": 405, "GET /": 404}, result
     assert result["answers_after"] == 200 and result["alive_after"], result
     assert result["threads"][1] - result["threads"][0] <= MAX_CONCURRENT + MAX_WAITING + 4, result

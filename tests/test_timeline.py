@@ -4,11 +4,9 @@ one-line refusal of a directory without records. A real run is drawn in tests/te
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
-from conftest import ROOT
+from conftest import run_cli
 
 from etc_agent.agent.timeline import build_timeline, read_events
 from etc_agent.rendezvous.records import StallParts
@@ -76,12 +74,6 @@ def test_records_are_read_from_every_agent_directory_and_a_directory_without_any
     assert len(read_events(tmp_path)) == sum(e["node"] in ("a", "b") for e in _run())
     empty = tmp_path / "empty"
     empty.mkdir()
-    out = subprocess.run(
-        [sys.executable, "-m", "etc_agent.cli.main", "timeline", str(empty)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = run_cli("timeline", str(empty))
     assert out.returncode != 0 and "no agent records" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
