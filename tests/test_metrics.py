@@ -105,7 +105,7 @@ def test_a_migration_event_becomes_a_switch_its_stall_and_its_bytes():
     assert _total(samples, "etc_agent_bytes_moved_total", scope="inter_node") == 600
     assert _total(samples, "etc_agent_bytes_moved_total") == 1000
     assert _total(samples, "etc_agent_transfer_bytes_per_second") == 2000
-    assert _total(samples, "etc_agent_worker_failures_total", cause="signal") == 1
+    assert _total(samples, "etc_agent_worker_failures_total", cause="signal", code="-9") == 1
     assert _total(samples, "etc_agent_worker_restarts_total") == 1
     assert _total(samples, "etc_agent_lease_misses_total") == 1
     assert _total(samples, "etc_agent_store_errors_total", op="lease_refresh") == 1
@@ -117,7 +117,7 @@ def test_a_migration_event_becomes_a_switch_its_stall_and_its_bytes():
     assert not any(n == "etc_agent_spares" for n, _ in samples), "spares come from the leader only"
     # Bounded labels: no sample carries a step, generation or sample number.
     label_names = {k for _, labels in samples for k, _ in labels}
-    assert label_names <= {"node", "kind", "outcome", "part", "scope", "op", "cause", "local_rank", "le"} | {
+    assert label_names <= {"node", "kind", "outcome", "part", "scope", "op", "cause", "code", "local_rank", "le"} | {
         "etc_agent_node_state"
     }
 

@@ -205,7 +205,10 @@ class AgentMetrics:
             "etc_agent_lease_misses", "Lease refreshes that failed (the lease found expired included)."
         )
         self.worker_exits = self._counter(
-            "etc_agent_worker_failures", "Workers that failed, by cause (error: exit code > 0; signal).", "cause"
+            "etc_agent_worker_failures",
+            "Workers that failed: cause error (exit code > 0) or signal, and the exit code (-N: signal N).",
+            "cause",
+            "code",
         )
         self.worker_restarts = self._counter("etc_agent_worker_restarts", "Workers restarted in place.")
         self.steps = self._counter("etc_agent_steps", "Steps trained, as the workers report them.", "local_rank")
@@ -278,7 +281,7 @@ class AgentMetrics:
         codes = fields.get("exit_codes") or {}
         for code in codes.values():
             if code is not None and code != 0:
-                self.worker_exits.labels(self.node_id, "signal" if code < 0 else "error").inc()
+                self.worker_exits.labels(self.node_id, "signal" if code < 0 else "error", str(code)).inc()
         if str(fields.get("action", "")).startswith("restarting local ranks"):
             self.worker_restarts.labels(self.node_id).inc(len(codes))
 
