@@ -1,127 +1,133 @@
 """The read-only HTTP endpoint of an agent's metrics (``etcrun --metrics-port``).
 
 It answers ``GET /metrics`` with the Prometheus text format and nothing else: any other path is a
-404, any other method a 405, and no request changes anything. A flood cannot hold it or the agent:
-at most :data:`MAX_CONCURRENT` connections are served at once and at most :data:`MAX_WAITING` more
-wait up to :data:`SLOT_WAIT_S` for a turn (the rest get a 503 and are closed at once), each has
-:data:`READ_TIMEOUT_S` to send its request line and headers (a scraper sends them as soon as it
-connects; an idle connection gives its turn up quickly), and a request body is never read. Its
-threads are daemons: the agent's exit does not wait for a slow scraper.
+404, any other method a 405, a request it cannot parse a 400, and no request changes anything. One
+thread serves every connection (an asyncio loop of its own), so a flood of connections costs the
+agent no threads: at most :data:`MAX_OPEN` connections are open at once (the rest are closed as they
+come), each has :data:`READ_TIMEOUT_S` to send its request line and headers (a scraper sends them as
+it connects; an idle connection is dropped), a line longer than :data:`MAX_LINE` ends it, and a
+request body is never read. A scraper's request is answered as soon as it arrives, whatever the
+flood's other connections do.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
 log = logging.getLogger("etc_agent.agent")
 
 METRICS_PATH = "/metrics"
-MAX_CONCURRENT = 8
-MAX_WAITING = 16
-SLOT_WAIT_S = 2.0
+MAX_OPEN = 256
 READ_TIMEOUT_S = 1.0
+MAX_LINE = 8192
+MAX_HEADERS = 64
+KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "CONNECT"})
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    request_queue_size = 64
-
-    def __init__(self, address: tuple[str, int], exposition: Callable[[], bytes]):
-        self.exposition = exposition
-        self.slots = threading.BoundedSemaphore(MAX_CONCURRENT)
-        self.waiting = threading.BoundedSemaphore(MAX_WAITING)
-        super().__init__(address, _Handler)
-
-    def handle_error(self, request, client_address) -> None:
-        # Through the agent's log (one JSON line in json mode), not socketserver's print to stderr.
-        log.exception("metrics request from %s failed", client_address[0])
+def answer(request_line: bytes) -> tuple[int, bytes | None]:
+    """The status of a request line and whether it gets the metrics (``None`` body: the metrics)."""
+    parts = request_line.decode("latin-1").strip().split()
+    if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+        return 400, b"bad request\n"
+    method, path = parts[0], parts[1].split("?", 1)[0]
+    if method != "GET":
+        return (405 if method in KNOWN_METHODS else 501), f"read-only: only GET {METRICS_PATH}\n".encode()
+    if path != METRICS_PATH:
+        return 404, f"only {METRICS_PATH} is served here\n".encode()
+    return 200, None
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
-    timeout = READ_TIMEOUT_S
-    protocol_version = "HTTP/1.0"  # one request per connection: nothing lingers after the answer
-
-    def handle(self) -> None:
-        if not self._turn():
-            self._refuse_busy()
-            return
-        try:
-            super().handle()
-        except (OSError, TimeoutError):
-            pass  # a client that went away or never finished its request
-        finally:
-            self.server.slots.release()
-
-    def _turn(self) -> bool:
-        """A slot at once, or after a bounded wait among a bounded number of waiters."""
-        server = self.server
-        if server.slots.acquire(blocking=False):
-            return True
-        if not server.waiting.acquire(blocking=False):
-            return False
-        try:
-            return server.slots.acquire(timeout=SLOT_WAIT_S)
-        finally:
-            server.waiting.release()
-
-    def _refuse_busy(self) -> None:
-        try:
-            self.wfile.write(b"HTTP/1.0 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
-        except OSError:
-            pass
-
-    def do_GET(self) -> None:
-        if self.path.split("?", 1)[0] != METRICS_PATH:
-            self._plain(404, f"only {METRICS_PATH} is served here\n")
-            return
-        body = self.server.exposition()
-        self.send_response(200)
-        self.send_header("Content-Type", CONTENT_TYPE_LATEST)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def _not_allowed(self) -> None:
-        self._plain(405, f"read-only: only GET {METRICS_PATH}\n", allow=True)
-
-    do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = do_TRACE = do_CONNECT = _not_allowed
-
-    def _plain(self, code: int, text: str, allow: bool = False) -> None:
-        body = text.encode()
-        self.send_response(code)
-        if allow:
-            self.send_header("Allow", "GET")
-        self.send_header("Content-Type", "text/plain; charset=utf-8")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
-
-    def log_message(self, format: str, *args) -> None:
-        log.debug("metrics %s: " + format, self.client_address[0], *args)
+REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 501: "Not Implemented"}
 
 
 class MetricsServer:
     """Serve ``exposition()`` on ``addr:port`` from a daemon thread until :meth:`close`."""
 
     def __init__(self, addr: str, port: int, exposition: Callable[[], bytes]):
-        try:
-            self._server = _Server((addr, port), exposition)
-        except OSError as err:
-            raise ValueError(f"--metrics-port {port}: cannot listen on {addr}:{port}: {err.strerror or err}") from None
-        self.port: int = self._server.server_address[1]
+        self.exposition = exposition
+        self.num_open = 0
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._loop = asyncio.new_event_loop()
+        self._server: asyncio.Server | None = None
+        started = threading.Event()
+        failure: list[BaseException] = []
         self._thread = threading.Thread(
-            target=self._server.serve_forever, kwargs={"poll_interval": 0.5}, name="etc-agent-metrics", daemon=True
+            target=self._run, args=(addr, port, started, failure), name="etc-agent-metrics", daemon=True
         )
         self._thread.start()
+        started.wait()
+        if failure:
+            err = failure[0]
+            detail = err.strerror if isinstance(err, OSError) and err.strerror else err
+            raise ValueError(f"--metrics-port {port}: cannot listen on {addr}:{port}: {detail}")
+        assert self._server is not None
+        self.port: int = self._server.sockets[0].getsockname()[1]
+
+    def _run(self, addr: str, port: int, started: threading.Event, failure: list[BaseException]) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._server = self._loop.run_until_complete(
+                asyncio.start_server(self._serve, addr, port, limit=MAX_LINE, backlog=128)
+            )
+        except OSError as err:
+            failure.append(err)
+            started.set()
+            return
+        started.set()
+        self._loop.run_forever()
+        self._loop.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.num_open >= MAX_OPEN:
+            writer.close()
+            return
+        self.num_open += 1
+        self._writers.add(writer)
+        try:
+            status, body = await asyncio.wait_for(self._read(reader), READ_TIMEOUT_S)
+            if body is None:
+                body = self.exposition()
+                headers = f"Content-Type: {CONTENT_TYPE_LATEST}\r\n"
+            else:
+                headers = "Content-Type: text/plain; charset=utf-8\r\n" + ("Allow: GET\r\n" if status == 405 else "")
+            head = f"HTTP/1.0 {status} {REASONS[status]}\r\n{headers}Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            writer.write(head.encode() + body)
+            await asyncio.wait_for(writer.drain(), READ_TIMEOUT_S * 5)
+        except (TimeoutError, asyncio.LimitOverrunError, ValueError, ConnectionError):
+            pass  # idle, too long, cut short or gone: dropped
+        except Exception:  # a bug here must not end the loop that serves the next scrape
+            log.exception("metrics request failed")
+        finally:
+            self.num_open -= 1
+            self._writers.discard(writer)
+            writer.close()
+
+    @staticmethod
+    async def _read(reader: asyncio.StreamReader) -> tuple[int, bytes | None]:
+        """The request line's answer, once the headers are read (never a body)."""
+        request_line = await reader.readline()
+        for _ in range(MAX_HEADERS):
+            line = await reader.readline()
+            if line in (b"\r\n", b"\n", b""):
+                return answer(request_line)
+        return 400, b"too many headers\n"
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        """Stop listening, drop every open connection, end the thread."""
+        if self._loop.is_closed():
+            return
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
+        self._thread.join(timeout=5)
+
+    async def _shutdown(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in list(self._writers):
+            writer.close()
+        await asyncio.sleep(0.05)  # the transports' closing callbacks run
+        asyncio.get_running_loop().stop()
