@@ -131,3 +131,14 @@ def test_ranks_with_different_paces_vote_at_the_same_boundaries():
     assert 10 <= switch_at <= 10 + 64 and switch_at in votes, (switch_at, votes)
     late = [b - a for a, b in zip(votes, votes[1:]) if a >= 22]
     assert late and max(late) <= 4, votes  # rank 2's slower steps (30 ms of a 0.1 s interval) shortened the gaps
+
+
+def test_the_last_step_time_is_the_gap_between_the_last_two_boundaries_and_a_restart_forgets_it():
+    schedule = VoteSchedule(0.5)
+    schedule.boundary(10.0)
+    assert schedule.last_step_s is None  # one boundary: no step measured yet
+    schedule.boundary(10.25)
+    schedule.boundary(10.75)
+    assert schedule.last_step_s == 0.5 and schedule.slowest_step_s == 0.5
+    schedule.restart(7)
+    assert schedule.last_step_s is None
