@@ -365,9 +365,9 @@ def test_a_bound_loader_reports_the_samples_its_job_consumed():
 def test_a_flood_on_the_metrics_port_leaves_training_and_scrapes_going():
     """scripts/probe_metrics_port.py, bounded: a job with --metrics-port trains while its metrics
     port takes 6 s of the control-plane probe's flood (idle connections, churn, 20 MB lines) and a
-    scrape a second. Other methods and paths are refused; the endpoint answers after the flood (a
-    scrape during it may be refused: the probe reports how many); the agent's threads stay bounded;
-    the step time does not grow beyond noise."""
+    scrape a second. Other methods and paths are refused; most scrapes are answered during the flood
+    and the endpoint answers after it; the agent's threads stay bounded; the step time does not grow
+    beyond noise."""
     result = run_script_json(
         "probe_metrics_port.py",
         "--quiet-s",
@@ -383,6 +383,7 @@ def test_a_flood_on_the_metrics_port_leaves_training_and_scrapes_going():
     )
     assert result["refused"] == {"POST": 405, "PUT": 405, "DELETE": 405, "GET /": 404}, result
     assert result["answers_after"] == 200 and result["alive_after"], result
+    assert result["scrapes_answered_in_flood"] > result["scrapes_refused_in_flood"], result
     assert result["threads"][1] - result["threads"][0] <= 4, result  # one thread serves every connection
     assert result["flood"]["idle_opened"] >= 100 and result["steps_flooded"] > 50, result
     assert result["ratio"] < 1.5, result  # 2 shared cores: the figure is the benchmark's, the bound is loose
