@@ -93,7 +93,7 @@ def test_a_migration_event_becomes_a_switch_its_stall_and_its_bytes():
     parts = {name: 0.01 for name in StallParts.model_fields}
     record = _record(new_world_size=6, bytes_moved=1000, bytes_moved_inter_node=600, transfer_s=0.5, stall_parts=parts)
     metrics.observe_event("migration", record)
-    metrics.observe_event("workers_failed", {"exit_codes": {"1": -9}, "action": "restarting local ranks [1] (1/3)"})
+    metrics.observe_event("workers_failed", {"exit_codes": {"1": -9}, "restarting": [1]})
     metrics.observe_store("lease_refresh", 0.002, False)
     metrics.observe_progress(0, 10, 0.04, None)
     metrics.observe_progress(0, 14, 0.05, 128)

@@ -40,7 +40,7 @@ def _run() -> list[dict]:
             devices=["a:0", "b:0", "c:0"],
         ),
         _event(106.0, "c", "workers_started", generation=1),
-        _event(108.0, "b", "workers_failed", exit_codes={"1": -9}, action="restarting local ranks [1] (1/3)"),
+        _event(108.0, "b", "workers_failed", exit_codes={"1": -9}, restarting=[1]),
         _event(109.0, "b", "workers_warm"),
         _event(110.0, "c", "signal", signal="SIGTERM"),
         _event(110.5, "c", "departed"),

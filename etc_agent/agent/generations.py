@@ -238,6 +238,7 @@ class Generations:
                 {
                     "generation": gen.number,
                     "exit_codes": died,
+                    "restarting": sorted(died),
                     "action": f"restarting local ranks {sorted(died)} into generation {gen.number} as receivers "
                     f"({node.num_crash_restarts}/{node.config.node_crash_restarts})",
                 },

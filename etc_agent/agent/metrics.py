@@ -282,8 +282,9 @@ class AgentMetrics:
         for code in codes.values():
             if code is not None and code != 0:
                 self.worker_exits.labels(self.node_id, "signal" if code < 0 else "error", str(code)).inc()
-        if str(fields.get("action", "")).startswith("restarting local ranks"):
-            self.worker_restarts.labels(self.node_id).inc(len(codes))
+        restarting = fields.get("restarting") or ()
+        if restarting:
+            self.worker_restarts.labels(self.node_id).inc(len(restarting))
 
 
 def metered(emit: Callable[[str, dict], None], metrics: AgentMetrics | None) -> Callable[[str, dict], None]:

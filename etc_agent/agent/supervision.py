@@ -159,6 +159,7 @@ class Supervision:
             {
                 "generation": gen.number,
                 "exit_codes": failed,
+                "restarting": sorted(failed),
                 "action": f"restarting local ranks {sorted(failed)} ({node.num_crash_restarts}/{limit}); "
                 "the others go on, this node rejoins once they run",
             },

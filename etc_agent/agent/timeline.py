@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from etc_agent.agent.metrics import stall_phases, switch_kind
+from etc_agent.layout.devices import Device
 
 EVENTS_FILE = "events.jsonl"
 
@@ -140,7 +141,7 @@ def _segments(node: str, events: list[Mapping[str, Any]], t0: float) -> list[Seg
         if name in ENDS:
             new = None
         elif name == "workers_failed":
-            new = "restarting" if str(e.get("action", "")).startswith("restarting") else None
+            new = "restarting" if e.get("restarting") else None
         elif name in STARTS:
             new = STARTS[name]
         else:
@@ -157,11 +158,14 @@ def _segments(node: str, events: list[Mapping[str, Any]], t0: float) -> list[Seg
 
 def _marker(node: str, e: Mapping[str, Any], t0: float) -> Marker:
     kind = MARKS[e["event"]]
-    detail = {
-        "crash": lambda: f"exit codes {e.get('exit_codes')}",
-        "leave": lambda: str(e.get("signal") or e.get("reason") or "departing"),
-        "fence": lambda: str(e.get("reason", "")),
-    }.get(kind, lambda: "")()
+    if kind == "crash":
+        detail = f"exit codes {e.get('exit_codes')}"
+    elif kind == "leave":
+        detail = str(e.get("signal") or e.get("reason") or "departing")
+    elif kind == "fence":
+        detail = str(e.get("reason", ""))
+    else:
+        detail = ""
     return Marker(node, e["ts"] - t0, kind, f"{kind}: {detail}" if detail else kind)
 
 
@@ -173,7 +177,7 @@ def _switch(e: Mapping[str, Any], t0: float) -> SwitchSpan:
     for name, seconds in stall_phases(e.get("stall_parts") or {}).items():
         parts.append((name, at, at + seconds))
         at += seconds
-    nodes = tuple(dict.fromkeys(str(d).rsplit(":", 1)[0] for d in e.get("devices") or []))
+    nodes = tuple(dict.fromkeys(Device.parse(d).node for d in e.get("devices") or []))
     kind = switch_kind(e)
     moved = int(e.get("bytes_moved") or 0)
     label = f"generation {e['generation']}: {kind}, stall {stall:.2f} s, {moved} bytes moved"
