@@ -9,23 +9,25 @@ import logging
 import sys
 
 from etc_agent.protocol.settings import WorkerSettings
-from etc_agent.utils.structlog import JsonFormatter, json_line
+from etc_agent.utils.structlog import JsonFormatter
 
 _HANDLER_NAME = "etc_agent.worker.json"
-_json_context: tuple[str, int] | None = None
-"""(node, local rank) once ``--log-format json`` is configured in this process."""
+NOTICE = 25
+"""What the user is told (between INFO and WARNING, as the agent's console level of that name)."""
+logging.addLevelName(NOTICE, "NOTICE")
+_said = logging.getLogger("etc_agent.worker")
+_as_json = False
+"""Whether ``--log-format json`` is configured in this process."""
 
 
 def say(message: str) -> None:
     """One line for the user on stderr: ``[etc_agent] message``, or with ``--log-format json`` one
-    ``worker_log`` record. One write per line, so that lines from several threads never share one."""
-    if _json_context is None:
-        line = f"[etc_agent] {message}\n"
-    else:
-        node, local_rank = _json_context
-        fields = {"local_rank": local_rank, "level": "NOTICE", "logger": "etc_agent.worker", "message": message}
-        line = json_line("worker_log", node, fields)
-    sys.stderr.write(line)
+    ``worker_log`` record (through the JSON handler). One write per line, so that lines from several
+    threads never share one."""
+    if _as_json:
+        _said.log(NOTICE, message)
+        return
+    sys.stderr.write(f"[etc_agent] {message}\n")
     sys.stderr.flush()
 
 
@@ -37,10 +39,10 @@ def write_json(record: dict) -> None:
 
 def configure_worker_logging(settings: WorkerSettings) -> None:
     """Once per process (a second call changes nothing)."""
-    global _json_context
+    global _as_json
     if settings.log_format != "json":
         return
-    _json_context = (settings.node_id, settings.local_rank)
+    _as_json = True
     package = logging.getLogger("etc_agent")
     if any(h.get_name() == _HANDLER_NAME for h in package.handlers):
         return
