@@ -85,7 +85,7 @@ def test_with_log_format_json_the_workers_records_are_json_lines_like_the_agents
     import json
     import logging
 
-    from etc_agent.worker.logs import configure_worker_logging
+    from etc_agent.worker.logs import configure_worker_logging, say
 
     package = logging.getLogger("etc_agent")
     saved = (list(package.handlers), package.level, package.propagate)
@@ -105,7 +105,11 @@ def test_with_log_format_json_the_workers_records_are_json_lines_like_the_agents
             "message": "moved 42 bytes",
             "local_rank": 0,
         }
+        say("told the user")
+        assert json.loads(capsys.readouterr().err)["message"] == "told the user"
     finally:
         package.handlers[:] = saved[0]
         package.setLevel(saved[1])
         package.propagate = saved[2]
+    say("told the user")  # the handler gone, the mode is gone with it
+    assert capsys.readouterr().err == "[etc_agent] told the user\n"

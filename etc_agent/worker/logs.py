@@ -16,15 +16,20 @@ NOTICE = 25
 """What the user is told (between INFO and WARNING, as the agent's console level of that name)."""
 logging.addLevelName(NOTICE, "NOTICE")
 _said = logging.getLogger("etc_agent.worker")
-_as_json = False
-"""Whether ``--log-format json`` is configured in this process."""
+_package = logging.getLogger("etc_agent")
+
+
+def _json_configured() -> bool:
+    """Whether ``--log-format json`` is configured in this process: the handler itself is the one
+    record of it, so that removing the handler (a test, an embedding program) also ends the mode."""
+    return any(h.get_name() == _HANDLER_NAME for h in _package.handlers)
 
 
 def say(message: str) -> None:
     """One line for the user on stderr: ``[etc_agent] message``, or with ``--log-format json`` one
     ``worker_log`` record (through the JSON handler). One write per line, so that lines from several
     threads never share one."""
-    if _as_json:
+    if _json_configured():
         _said.log(NOTICE, message)
         return
     sys.stderr.write(f"[etc_agent] {message}\n")
@@ -39,16 +44,11 @@ def write_json(record: dict) -> None:
 
 def configure_worker_logging(settings: WorkerSettings) -> None:
     """Once per process (a second call changes nothing)."""
-    global _as_json
-    if settings.log_format != "json":
-        return
-    _as_json = True
-    package = logging.getLogger("etc_agent")
-    if any(h.get_name() == _HANDLER_NAME for h in package.handlers):
+    if settings.log_format != "json" or _json_configured():
         return
     handler = logging.StreamHandler(sys.stderr)
     handler.set_name(_HANDLER_NAME)
     handler.setFormatter(JsonFormatter(settings.node_id, {"local_rank": settings.local_rank}))
-    package.addHandler(handler)
-    package.setLevel(logging.INFO)
-    package.propagate = False  # each record once, as JSON, not again through the script's root handlers
+    _package.addHandler(handler)
+    _package.setLevel(logging.INFO)
+    _package.propagate = False  # each record once, as JSON, not again through the script's root handlers
