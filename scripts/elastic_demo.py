@@ -407,8 +407,14 @@ def run_scenario(
             if event == "join":
                 cluster.add_agent()
             elif event in ("leave", "leave-crash"):
-                # SIGTERM the last-started agent still running that does not host the store.
+                # SIGTERM the last-started agent still running that does not host the store. With
+                # sidecars, as a terminating pod does: its workers' launcher first (which asks the
+                # sidecar to leave), then the sidecar itself, neither stopping the workers early.
                 target = max(i for i, a in enumerate(cluster.agents) if a.poll() is None and i != 0)
+                launcher = cluster.launchers[target] if cluster.sidecar else None
+                if launcher is not None:
+                    launcher.send_signal(signal.SIGTERM)
+                    time.sleep(0.2)
                 cluster.agents[target].send_signal(signal.SIGTERM)
                 if event == "leave-crash":
                     # A sender dies mid-migration (needs ETC_AGENT_FAULT_SENDER_PAUSE_S in the environment).

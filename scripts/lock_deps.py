@@ -1,68 +1,130 @@
-"""Regenerate ``constraints.txt``: the exact versions a fresh install of ``.[test,megatron]`` takes.
+"""Regenerate the lock files: the exact versions a fresh install of ``.[test,megatron]`` takes, one
+file per torch flavour.
 
-    python scripts/lock_deps.py            # writes constraints.txt
-    python scripts/lock_deps.py --check    # exit 1 if constraints.txt differs from a fresh resolve
+    python scripts/lock_deps.py                    # writes constraints.txt and constraints-cuda.txt
+    python scripts/lock_deps.py --flavour cuda     # one of them
+    python scripts/lock_deps.py --check            # exit 1 where a file differs from a fresh resolve
 
-It makes a new virtual environment in a temporary directory, installs the project with every extra
-(torch pinned by pyproject, so pip takes the CPU wheel where one is on its find-links), and writes
-``pip freeze`` of that environment, without the project itself. The README, ``.ci/run`` and the
-Dockerfile install with ``-c constraints.txt``.
+- ``constraints.txt`` (flavour ``cpu``): torch's CPU build. The README, ``.ci/run`` and the image's
+  default flavour install with it. pip takes the CPU wheel where one is on its find-links (this
+  machine's pip configuration) or on ``--cpu-index`` (https://download.pytorch.org/whl/cpu); the
+  resolve fails where it would take a CUDA build instead.
+- ``constraints-cuda.txt`` (flavour ``cuda``): torch's CUDA build from the package index, with
+  every nvidia, CUDA and triton package it pulls pinned; the image's ``FLAVOUR=cuda`` installs with
+  it. Resolved with pip's configuration files and find-links ignored, so that a local CPU wheel
+  cannot stand in for it.
+
+Each is pip's own resolution (``pip install --dry-run --ignore-installed --report``: metadata only,
+nothing is installed or downloaded whole), for CPython 3.11 on Linux x86_64, without the project
+itself; setuptools stays in (torch imports it at run time).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import subprocess
 import sys
 import tempfile
-import venv
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LOCK = ROOT / "constraints.txt"
 EXTRAS = "test,megatron"
-HEADER = f"""\
-# Exact versions for a fresh install of etc-agent[{EXTRAS}] (Python {sys.version_info.major}.{sys.version_info.minor}).
-# Regenerate with `python scripts/lock_deps.py` after changing dependencies in pyproject.toml.
-# Used as: pip install -c constraints.txt -e '.[{EXTRAS}]'
-"""
+TOOLING = ("pip", "wheel")
+"""Never pinned: the installer's own packages (the venv's pip is whatever the machine has)."""
 
 
-def resolve() -> str:
+@dataclass(frozen=True)
+class Flavour:
+    """One lock file: which torch build it pins and how pip is told where to find it."""
+
+    name: str
+    """``cpu`` or ``cuda`` (the image's ``FLAVOUR`` build argument)."""
+    path: Path
+    """The lock file written."""
+    isolated: bool
+    """Ignore pip's configuration files and find-links (a local CPU wheel must not satisfy it)."""
+
+    def header(self) -> str:
+        build = "torch's CPU build" if self.name == "cpu" else "torch's CUDA build and every package it pulls"
+        return (
+            f"# Exact versions for a fresh install of etc-agent[{EXTRAS}] with {build}\n"
+            f"# (CPython {sys.version_info.major}.{sys.version_info.minor}, Linux x86_64). Regenerate with "
+            f"`python scripts/lock_deps.py --flavour {self.name}`\n"
+            f"# after changing dependencies in pyproject.toml. Used as: pip install -c {self.path.name} ...\n"
+        )
+
+    def check_torch(self, version: str) -> None:
+        """A resolve that took the wrong build of torch is refused, not written."""
+        local = version.partition("+")[2]
+        if self.name == "cpu" and local != "cpu":
+            sys.exit(
+                f"the cpu flavour resolved torch {version}, not a CPU build: put the CPU wheel on pip's "
+                "find-links or pass --cpu-index https://download.pytorch.org/whl/cpu"
+            )
+        if self.name == "cuda" and local == "cpu":
+            sys.exit(f"the cuda flavour resolved torch {version}, a CPU build")
+
+
+FLAVOURS = {
+    "cpu": Flavour("cpu", ROOT / "constraints.txt", isolated=False),
+    "cuda": Flavour("cuda", ROOT / "constraints-cuda.txt", isolated=True),
+}
+
+
+def pip_environment(flavour: Flavour) -> dict[str, str]:
+    env = dict(os.environ)
+    if flavour.isolated:
+        env["PIP_CONFIG_FILE"] = os.devnull
+        for name in ("PIP_FIND_LINKS", "PIP_CONSTRAINT", "PIP_NO_INDEX", "PIP_EXTRA_INDEX_URL"):
+            env.pop(name, None)
+    return env
+
+
+def resolve(flavour: Flavour, cpu_index: str | None) -> str:
+    """The lock file's text from a fresh resolve."""
     with tempfile.TemporaryDirectory(prefix="etc-lock-") as tmp:
-        env_dir = Path(tmp) / "venv"
-        venv.create(env_dir, with_pip=True)
-        python = str(env_dir / "bin" / "python")
-        subprocess.run([python, "-m", "pip", "install", "-q", "--no-cache-dir", f"{ROOT}[{EXTRAS}]"], check=True)
-        frozen = subprocess.run(
-            [python, "-m", "pip", "freeze", "--all", "--exclude", "etc-agent"],
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout
-    lines = []
-    for line in sorted(frozen.splitlines(), key=lambda text: text.split("==")[0].lower()):
-        name = line.split("==")[0].lower()
-        if name in ("pip", "setuptools", "wheel") or not line.strip():
+        report_path = Path(tmp) / "report.json"
+        command = [sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed"]
+        command += ["--report", str(report_path), f"{ROOT}[{EXTRAS}]"]
+        if flavour.name == "cpu" and cpu_index:
+            command += ["--extra-index-url", cpu_index]
+        subprocess.run(command, check=True, env=pip_environment(flavour))
+        report = json.loads(report_path.read_text())
+    pins: dict[str, str] = {}
+    for item in report["install"]:
+        name, version = item["metadata"]["name"], item["metadata"]["version"]
+        if name.lower() == "torch":
+            flavour.check_torch(version)
+            version = version.partition("+")[0]  # the plain version matches the local build (2.13.0+cpu)
+        if name.lower().replace("_", "-") == "etc-agent" or name.lower() in TOOLING:
             continue
-        # A local label (+cpu) is the build a find-links directory offers; the plain version
-        # matches it and also PyPI's build where no local wheel exists.
-        lines.append(line.split("+")[0] if name == "torch" else line)
-    return HEADER + "\n".join(lines) + "\n"
+        pins[name] = version
+    lines = [f"{name}=={pins[name]}" for name in sorted(pins, key=str.lower)]
+    return flavour.header() + "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="compare with constraints.txt instead of writing it")
+    parser.add_argument("--flavour", choices=[*FLAVOURS, "all"], default="all", help="which lock file (default all)")
+    parser.add_argument("--check", action="store_true", help="compare with the files instead of writing them")
+    parser.add_argument("--cpu-index", default=None, help="an index with torch's CPU wheels, for the cpu flavour")
     args = parser.parse_args()
-    text = resolve()
+    stale = []
+    for flavour in FLAVOURS.values() if args.flavour == "all" else [FLAVOURS[args.flavour]]:
+        text = resolve(flavour, args.cpu_index)
+        if args.check:
+            current = flavour.path.read_text() if flavour.path.exists() else ""
+            stale += [flavour.path.name] if current != text else []
+            continue
+        flavour.path.write_text(text)
+        print(f"wrote {flavour.path} ({len(text.splitlines()) - flavour.header().count(chr(10))} packages)")
+    if stale:
+        sys.exit(f"out of date: {', '.join(stale)}: run python scripts/lock_deps.py")
     if args.check:
-        if LOCK.read_text() != text:
-            sys.exit("constraints.txt is out of date: run python scripts/lock_deps.py")
-        print("constraints.txt is up to date")
-        return
-    LOCK.write_text(text)
-    print(f"wrote {LOCK} ({len(text.splitlines()) - HEADER.count(chr(10))} packages)")
+        print("the lock files are up to date")
 
 
 if __name__ == "__main__":

@@ -49,8 +49,9 @@ TEST_LAYERS: dict[str, tuple[str, dict[str, list[str]]]] = {
         {},
     ),  # also marked cluster: hosts made of network namespaces  # etc-agent plan in a subprocess, about 2 s each
     "test_control_plane.py": ("e2e", {}),
+    "test_controlauth.py": ("unit", {}),
     "test_decision.py": ("unit", {}),
-    "test_dependencies.py": ("unit", {}),
+    "test_dependencies.py": ("unit", {"e2e": ["test_the_cuda_lock_pins_every_package_the_cuda_wheel_pulls"]}),
     "test_elastic.py": ("e2e", {}),
     "test_etcd_auth.py": ("e2e", {}),
     "test_etcd_tls.py": ("e2e", {}),

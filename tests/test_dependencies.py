@@ -14,6 +14,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -128,20 +129,25 @@ def test_runtime_ranges_are_bounded_above():
     assert unbounded == []
 
 
-def _lock() -> dict[str, str]:
+LOCKS = ("constraints.txt", "constraints-cuda.txt")
+"""One lock per torch flavour (scripts/lock_deps.py): the CPU build, and the CUDA build with all it pulls."""
+
+
+def _lock(name: str = "constraints.txt") -> dict[str, str]:
     pins = {}
-    for line in (ROOT / "constraints.txt").read_text().splitlines():
+    for line in (ROOT / name).read_text().splitlines():
         line = line.strip()
         if not line or line.startswith("#"):
             continue
         match = re.fullmatch(r"([A-Za-z0-9_.\-]+)==([^\s;]+)", line)
-        assert match, f"constraints.txt: {line!r} is not an exact pin"
+        assert match, f"{name}: {line!r} is not an exact pin"
         pins[canonicalize_name(match.group(1))] = match.group(2)
     return pins
 
 
-def test_the_lock_pins_every_declared_dependency_within_its_range():
-    pins = _lock()
+@pytest.mark.parametrize("lock", LOCKS)
+def test_the_lock_pins_every_declared_dependency_within_its_range(lock):
+    pins = _lock(lock)
     problems = []
     for text in PYPROJECT["project"]["dependencies"] + [
         r for reqs in PYPROJECT["project"]["optional-dependencies"].values() for r in reqs
@@ -149,11 +155,9 @@ def test_the_lock_pins_every_declared_dependency_within_its_range():
         requirement = Requirement(text)
         pinned = pins.get(canonicalize_name(requirement.name))
         if pinned is None:
-            problems.append(f"{requirement.name}: not in constraints.txt")
+            problems.append(f"{requirement.name}: not in {lock}")
         elif not requirement.specifier.contains(pinned, prereleases=True):
-            problems.append(
-                f"{requirement.name}: constraints.txt has {pinned}, pyproject allows {requirement.specifier}"
-            )
+            problems.append(f"{requirement.name}: {lock} has {pinned}, pyproject allows {requirement.specifier}")
     assert problems == []
 
 
@@ -169,3 +173,53 @@ def test_the_installed_environment_matches_the_lock():
         if installed.split("+")[0] != version:
             drift.append(f"{name}: installed {installed}, lock {version}")
     assert drift == []
+
+
+def test_the_flavours_differ_only_in_torchs_build_and_keep_setuptools():
+    """The CPU and CUDA images run the same versions of everything but torch's own CUDA packages;
+    setuptools is pinned in both (torch imports it at run time)."""
+    cpu, cuda = _lock("constraints.txt"), _lock("constraints-cuda.txt")
+    assert "setuptools" in cpu and "setuptools" in cuda
+    assert {name: version for name, version in cuda.items() if name in cpu} == cpu
+    cuda_only = set(cuda) - set(cpu)
+    assert "triton" in cuda_only and "nvidia-nccl-cu13" in cuda_only
+    assert all(name.startswith(("nvidia-", "cuda-")) or name == "triton" for name in cuda_only), cuda_only
+
+
+def _index_reachable(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=15):
+            return True
+    except OSError:
+        return False
+
+
+def test_the_cuda_lock_pins_every_package_the_cuda_wheel_pulls(tmp_path):
+    """pip's own resolve of the project with torch's CUDA wheel (metadata from the index, nothing
+    installed), held to constraints-cuda.txt: it must succeed and take nothing the lock leaves out."""
+    import json
+    import os
+    import subprocess
+
+    index = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple")
+    if not _index_reachable(f"{index.rstrip('/')}/torch/"):
+        pytest.skip(f"the package index {index} is not reachable from here")
+    env = {k: v for k, v in os.environ.items() if k not in ("PIP_FIND_LINKS", "PIP_CONSTRAINT", "PIP_NO_INDEX")}
+    env["PIP_CONFIG_FILE"] = os.devnull  # a local CPU wheel on find-links must not stand in for the CUDA one
+    report = tmp_path / "report.json"
+    command = [sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed", "--report"]
+    command += [str(report), "-c", str(ROOT / "constraints-cuda.txt"), f"{ROOT}[test,megatron]"]
+    subprocess.run(command, check=True, env=env, timeout=600)
+    resolved = {
+        canonicalize_name(item["metadata"]["name"]): item["metadata"]["version"]
+        for item in json.loads(report.read_text())["install"]
+    }
+    assert not resolved["torch"].endswith("+cpu")
+    pins = _lock("constraints-cuda.txt")
+    unpinned = sorted(name for name in resolved if name not in pins and name not in ("etc-agent", "pip", "wheel"))
+    assert unpinned == []
+    assert {name: pins[name] for name in resolved if name in pins} == {
+        name: version.partition("+")[0] for name, version in resolved.items() if name in pins
+    }

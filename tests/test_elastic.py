@@ -67,6 +67,9 @@ def test_elastic_training_through_join_leave_and_crash(name, etcd_server, tmp_pa
         assert '"worker_attached"' in text and "starting it again" in text, (
             logs
         )  # the killed worker came back through its launcher
+        # The leave signalled the workers' launcher first, as a terminating pod does: it asked its
+        # sidecar to leave instead of stopping the workers, who handed their state over.
+        assert '"departure_requested"' in text and "the sidecar leaves the job" in text, logs
 
     # Every step trained once to completion, in order, across every event.
     losses = result["losses"]

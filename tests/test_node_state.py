@@ -97,3 +97,22 @@ def test_closing_stops_the_threads_but_is_no_hard_stop():
     node.close()
     assert node.stop_event.is_set() and node.state.stop_requested
     assert not node.hard_stop_event.is_set() and not node.state.leaving
+
+
+def test_a_launchers_request_to_leave_never_escalates_and_the_first_signal_after_it_is_a_first_one():
+    """A terminating pod signals the sidecar's and the workers' containers together: the launcher's
+    request (Leave) may come first, and the sidecar's own SIGTERM must not turn it into a stop."""
+    node = NodeStateMachine("n")
+    assert node.leave(None, asked=True) is True
+    assert node.state.lifecycle == Lifecycle.LEAVING and node.state.cause is None
+    assert node.leave(None, asked=True) is False  # asked again: nothing new
+    assert node.leave(signal.SIGTERM) is False
+    assert node.state.lifecycle == Lifecycle.LEAVING and node.state.cause == signal.SIGTERM
+    assert not node.hard_stop_event.is_set()
+    assert node.leave(signal.SIGTERM) is False  # the second signal stops now, as ever
+    assert node.state.stopping_now and node.state.cause == signal.SIGTERM
+    # The other order: the sidecar's signal first, the launcher's request after it changes nothing.
+    other = NodeStateMachine("n")
+    other.leave(signal.SIGTERM)
+    assert other.leave(None, asked=True) is False
+    assert other.state.lifecycle == Lifecycle.LEAVING and not other.hard_stop_event.is_set()

@@ -36,6 +36,7 @@ from etc_agent.protocol.control import (
     Heartbeat,
     Hello,
     HelloReply,
+    Leave,
     Migration,
     PeerFailed,
     SwitchFailed,
@@ -78,6 +79,7 @@ class ControlChannel:
             Trained: self._on_trained,
             Migration: self._on_migration,
             GenerationQuery: self._on_generation_query,
+            Leave: self._on_leave,
             CommitCheckpoint: self.commits.request,
         }
 
@@ -208,6 +210,11 @@ class ControlChannel:
         if self.node.put_or_say(keys.migration(record.generation), record.dumps(), "migration record"):
             self.node.put_or_say(keys.LAST_MIGRATION, record.dumps(), "migration record")
         self.node.emit("migration", record.model_dump(exclude={"schema_version"}))
+        return Ack()
+
+    def _on_leave(self, req: Leave) -> Ack:
+        self.node.emit("departure_requested", {"by": "workers launcher", "reason": req.reason[:200]})
+        self.node.request_departure(None, asked=True)
         return Ack()
 
     def _on_generation_query(self, req: GenerationQuery) -> GenerationReply:

@@ -9,7 +9,9 @@ comes from. On top of that, what a request claims must fit what the agent knows:
   through a wrapper); a sidecar's workers are started by another launcher, so there any pid goes;
 - ``finished``, ``trained`` and ``migration`` are the reports of training rank 0: accepted only from
   the local rank that was training rank 0 of the generation they name (``trained`` names none: the
-  rank 0 of the generation this node serves).
+  rank 0 of the generation this node serves);
+- ``leave`` (a planned departure of the node) only where workers come from another launcher (a
+  sidecar): etcrun's own workers leave when their agent does, never on their own say.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
-from etc_agent.protocol.control import CommitCheckpoint, Finished, Hello, Migration, Trained
+from etc_agent.protocol.control import CommitCheckpoint, Finished, Hello, Leave, Migration, Trained
 from etc_agent.utils import auth
 from etc_agent.utils.auth import Key
 
@@ -84,6 +86,8 @@ class ControlKeys:
         claimed = getattr(req, "local_rank", local_rank)
         if claimed != local_rank:
             raise NotAllowed(f"signed by local rank {local_rank}'s key but names local rank {claimed}")
+        if isinstance(req, Leave) and not self.sidecar:
+            raise NotAllowed("leave comes from a sidecar's worker launcher; this agent started its workers itself")
         if isinstance(req, Hello) and req.pid is not None and not self.sidecar:
             started = started_pid(local_rank)
             if started is not None and not is_descendant(req.pid, started):

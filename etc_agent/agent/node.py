@@ -235,10 +235,10 @@ class Node:
             return AttachedWorkers(self.attachments, [int(env["ETC_AGENT_LOCAL_RANK"]) for env in envs])
         return WorkerGroup(self.spec, envs, attempt_dir, forkserver=self.forkserver)
 
-    def request_departure(self, cause: signal.Signals | None = None) -> None:
+    def request_departure(self, cause: signal.Signals | None = None, asked: bool = False) -> None:
         """Planned departure: leave the membership, let the others go on without this node (a second
-        signal while leaving: stop now)."""
-        self.state.leave(cause)
+        signal while leaving: stop now). ``asked``: the workers' launcher asked (sidecar mode)."""
+        self.state.leave(cause, asked)
         self.wake.set()
 
     def script_name(self) -> str:

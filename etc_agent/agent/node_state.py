@@ -91,6 +91,9 @@ class NodeState:
     lifecycle: Lifecycle = Lifecycle.SERVING
     cause: signal.Signals | None = None
     """The first signal that asked this node to leave (reported when that ends an unfinished job)."""
+    asked_to_leave: bool = False
+    """The departure began with the workers' launcher's request (sidecar mode; no signal of the
+    agent's own): the agent's first signal after it is still a first one, not a "stop now"."""
     closed: bool = False
     """The agent's run ended: its threads stop."""
 
@@ -204,16 +207,23 @@ class NodeStateMachine:
         with self._lock:
             self._set(new)
 
-    def leave(self, cause: signal.Signals | None = None) -> bool:
-        """A planned departure; a second request (a second signal) stops everything now. Returns
-        whether this was the first."""
+    def leave(self, cause: signal.Signals | None = None, asked: bool = False) -> bool:
+        """A planned departure; a second request (a second signal) stops everything now. ``asked``:
+        the workers' launcher asked (:class:`~etc_agent.protocol.control.Leave`), which never
+        escalates, and after which the agent's own first signal is still a first one: a pod's
+        termination signals the agent's and the workers' containers together, in either order.
+        Returns whether this started the departure."""
         with self._lock:
             state = self._state
             if state.lifecycle == Lifecycle.SERVING:
-                self._set(dataclasses.replace(state, lifecycle=Lifecycle.LEAVING, cause=cause))
+                self._set(dataclasses.replace(state, lifecycle=Lifecycle.LEAVING, cause=cause, asked_to_leave=asked))
                 return True
-            if cause is not None:
-                self._set(dataclasses.replace(state, lifecycle=Lifecycle.STOPPING, cause=state.cause or cause))
+            if cause is None:
+                return False
+            if state.lifecycle == Lifecycle.LEAVING and state.asked_to_leave and state.cause is None:
+                self._set(dataclasses.replace(state, cause=cause))
+                return False
+            self._set(dataclasses.replace(state, lifecycle=Lifecycle.STOPPING, cause=state.cause or cause))
             return False
 
     def close(self) -> None:

@@ -8,6 +8,12 @@ job goes on. A process that exits 0 (training finished, or its node left the job
 state) is not restarted. Exits 0 once every process exited 0, 1 when the job failed or a process
 kept failing.
 
+SIGTERM (or SIGINT) is a planned departure of the node, as the same signal to the sidecar is: a
+terminating pod signals every container at once, and the workers must not die before they hand
+their state over. The launcher asks the sidecar to leave (:class:`~etc_agent.protocol.control.Leave`)
+and waits up to ``--departure-timeout`` for the workers to exit on their own, then sends them
+SIGTERM; a second signal, or a sidecar that cannot be asked, sends it at once.
+
     etc-agent workers --nproc-per-node 8 --agent 127.0.0.1:29401 train.py --lr 3e-4
 
 Under Slurm, run one task per node that starts the sidecar and this (``srun --ntasks-per-node 1``);
@@ -30,7 +36,7 @@ from pydantic import ValidationError
 from etc_agent.agent._exec_with_parent import dying_with_this_process
 from etc_agent.agent.forkserver import ForkedProcess, ForkServer
 from etc_agent.agent.workers import WorkerSpec
-from etc_agent.protocol.control import GenerationQuery, GenerationReply
+from etc_agent.protocol.control import GenerationQuery, GenerationReply, Leave
 from etc_agent.utils import auth
 from etc_agent.utils.jsonline import JsonLineError, parse_address, request
 
@@ -61,6 +67,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=60.0,
         help="Seconds to wait for the sidecar to answer before starting anything (containers start in any order).",
     )
+    ap.add_argument(
+        "--departure-timeout",
+        type=float,
+        default=60.0,
+        help="After SIGTERM: seconds the workers get to hand their state over and exit before they get SIGTERM.",
+    )
     ap.add_argument("-m", "--module", action="store_true", help="Run the script as a Python module.")
     ap.add_argument(
         "--start-method",
@@ -85,6 +97,16 @@ def _agent_answers(address: tuple[str, int]) -> str | None:
     try:
         key = auth.worker_key(f"{address[0]}:{address[1]}", 0)
         request(address, GenerationQuery().model_dump(), timeout=5, key=key)
+    except (OSError, JsonLineError, auth.AuthError) as err:
+        return str(err)
+    return None
+
+
+def _ask_departure(address: tuple[str, int], why: str) -> str | None:
+    """None when the sidecar took the departure request; else why it could not be asked."""
+    try:
+        key = auth.worker_key(f"{address[0]}:{address[1]}", 0)
+        request(address, Leave(reason=why).model_dump(), timeout=5, key=key)
     except (OSError, JsonLineError, auth.AuthError) as err:
         return str(err)
     return None
@@ -131,6 +153,9 @@ class _Workers:
         self.procs = {r: self.start(r) for r in range(args.nproc_per_node)}
         self.restarts = {r: 0 for r in self.procs}
         self.stopping = False
+        self.signals: list[signal.Signals] = []
+        self.departure_deadline: float | None = None
+        self.terminated = False
 
     def start(self, local_rank: int) -> subprocess.Popen | ForkedProcess:
         env = {**os.environ, "LOCAL_RANK": str(local_rank), "ETC_AGENT_ADDR": f"{self.address[0]}:{self.address[1]}"}
@@ -142,10 +167,34 @@ class _Workers:
         return subprocess.Popen(self.command, env=env)
 
     def _on_term(self, signum: int, frame: object) -> None:
-        self.stopping = True
+        # The departure request is a network call: the supervision loop makes it, not the handler.
+        self.signals.append(signal.Signals(signum))
+
+    def _terminate(self) -> None:
         for p in self.procs.values():
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
+
+    def _handle_signals(self) -> None:
+        """The first signal asks the sidecar for a planned departure; a second one, a sidecar that
+        cannot be asked, or the departure timeout sends SIGTERM to the workers."""
+        if self.signals and self.departure_deadline is None:
+            name = self.signals[0].name
+            self.stopping = True
+            why = _ask_departure(self.address, f"{name} to etc-agent workers")
+            if why is None:
+                _say(f"{name}: the sidecar leaves the job; the workers exit once their state is handed over")
+                self.departure_deadline = time.monotonic() + self.args.departure_timeout
+            else:
+                _say(f"{name}: the sidecar cannot be asked to leave ({why}); stopping the workers")
+                self.departure_deadline = time.monotonic()
+                self._terminate()
+        elif self.departure_deadline is not None and not self.terminated:
+            second = len(self.signals) > 1
+            if second or time.monotonic() >= self.departure_deadline:
+                _say("a second signal: stopping the workers" if second else "departure timeout: stopping the workers")
+                self.terminated = True
+                self._terminate()
 
     def supervise(self) -> int:
         signal.signal(signal.SIGTERM, self._on_term)
@@ -153,6 +202,7 @@ class _Workers:
         done: dict[int, int] = {}
         while len(done) < len(self.procs):
             time.sleep(0.2)
+            self._handle_signals()
             for r, p in list(self.procs.items()):
                 if r in done or (code := p.poll()) is None:
                     continue

@@ -123,6 +123,15 @@ class Migration(_Request):
     record: MigrationRecord
 
 
+class Leave(_Request):
+    """Sidecar mode: the workers' launcher (``etc-agent workers``) got SIGTERM, as every container of a
+    terminating pod does: a planned departure of this node, as the agent's own SIGTERM would start
+    (the workers hand their state over and exit 0). Idempotent; it never escalates a departure."""
+
+    op: Literal["leave"] = "leave"
+    reason: str = Field("", max_length=MAX_REASON)
+
+
 class CommitCheckpoint(_Request):
     """Training rank 0 wrote a periodic checkpoint (its state file still ``etc_state.json.pending``):
     the agent commits it in the store, fenced on the revision of ``generation``."""
@@ -146,6 +155,7 @@ ControlRequest = Annotated[
     | Finished
     | Trained
     | Migration
+    | Leave
     | CommitCheckpoint,
     Field(discriminator="op"),
 ]

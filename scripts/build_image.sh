@@ -1,0 +1,164 @@
+#!/usr/bin/env bash
+# Build the etc-agent image and smoke-test it.
+#
+#   scripts/build_image.sh [--flavour cpu|cuda] [--tag NAME] [--base IMAGE] [--ca-bundle FILE]
+#                          [--wheels DIR] [--no-smoke]
+#
+# Engine: docker where a daemon answers, else podman (buildah's chroot isolation, the host's
+# network: no daemon, no nested namespaces needed for the build). Base: the Dockerfile's
+# python:3.11-slim-bookworm digest; where it cannot be pulled, a local stand-in is made once
+# (debootstrap --variant=minbase bookworm with Debian's python3 and venv, imported as
+# localhost/etc-agent-base:bookworm). torch's CPU wheel: from the Dockerfile's CPU index, or, where
+# that is out of reach, from a local directory of wheels (--wheels, default $PIP_FIND_LINKS),
+# served to the build over 127.0.0.1. A CA bundle for networks that re-sign TLS (--ca-bundle,
+# default $PIP_CERT) goes to the build as the secret ca_bundle.
+#
+# The smoke test (the cpu flavour): etcrun --help; the example GPT trained for 20 steps by two
+# workers; the user is 10001, not root; then two containers as two nodes of one job (host network,
+# the embedded store): SIGTERM to the second one's PID 1 (tini) must be a planned departure (its
+# etcrun exits 0 saying the job goes on) and the first must finish the job alone with exit 0.
+# Prints the image size, the build time and each check; exits non-zero when any fails.
+# docs/deployment.md#the-image.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+flavour=cpu
+tag=""
+base=""
+ca_bundle="${PIP_CERT:-}"
+wheels="${PIP_FIND_LINKS:-}"
+smoke=1
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --flavour) flavour="$2"; shift 2 ;;
+        --tag) tag="$2"; shift 2 ;;
+        --base) base="$2"; shift 2 ;;
+        --ca-bundle) ca_bundle="$2"; shift 2 ;;
+        --wheels) wheels="$2"; shift 2 ;;
+        --no-smoke) smoke=0; shift ;;
+        -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+        *) echo "build_image.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+    esac
+done
+case "$flavour" in cpu|cuda) ;; *) echo "--flavour must be cpu or cuda, not $flavour" >&2; exit 2 ;; esac
+tag="${tag:-etc-agent:$flavour}"
+say() { printf '[build_image] %s\n' "$*"; }
+
+if command -v docker >/dev/null 2>&1 && docker info >/dev/null 2>&1; then
+    engine=(docker)
+    build=(docker build)
+    export DOCKER_BUILDKIT=1
+elif command -v podman >/dev/null 2>&1; then
+    # vfs: works inside a container or a sandbox, where overlay mounts are refused.
+    engine=(podman --storage-driver "${ETC_PODMAN_STORAGE_DRIVER:-vfs}")
+    build=("${engine[@]}" build --isolation chroot --network host --layers)
+else
+    echo "build_image.sh: neither a docker daemon nor podman is here (apt-get install podman buildah debootstrap)" >&2
+    exit 3
+fi
+say "engine: ${engine[*]}"
+
+dockerfile_base=$(sed -n 's/^ARG BASE_IMAGE=//p' Dockerfile)
+standin=localhost/etc-agent-base:bookworm
+if [ -z "$base" ]; then
+    if "${engine[@]}" image exists "$dockerfile_base" 2>/dev/null \
+        || timeout 120 "${engine[@]}" pull -q "$dockerfile_base" >/dev/null 2>&1; then
+        base="$dockerfile_base"
+    else
+        base="$standin"
+        if ! "${engine[@]}" image inspect "$standin" >/dev/null 2>&1; then
+            say "$dockerfile_base cannot be pulled here: making the stand-in $standin (debootstrap)"
+            command -v debootstrap >/dev/null || { echo "debootstrap is needed for the stand-in base" >&2; exit 3; }
+            rootfs=$(mktemp -d -t etc-base-XXXXXX)
+            started=$(date +%s)
+            debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
+                bookworm "$rootfs" http://deb.debian.org/debian >/dev/null
+            rm -rf "$rootfs"/var/lib/apt/lists/* "$rootfs"/var/cache/apt/archives/*.deb
+            tar -C "$rootfs" -c . | "${engine[@]}" import \
+                --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+                --change 'CMD ["python3"]' - "$standin" >/dev/null
+            rm -rf "$rootfs"
+            say "stand-in base made in $(( $(date +%s) - started )) s"
+        fi
+    fi
+fi
+say "base: $base"
+
+build_args=(--build-arg "FLAVOUR=$flavour" --build-arg "BASE_IMAGE=$base"
+            --build-arg "REVISION=$(git rev-parse HEAD 2>/dev/null || echo unknown)")
+if [ -n "$ca_bundle" ]; then
+    [ -s "$ca_bundle" ] || { echo "--ca-bundle $ca_bundle: no such file" >&2; exit 2; }
+    build_args+=(--secret "id=ca_bundle,src=$ca_bundle")
+fi
+server_pid=""
+cleanup() {
+    if [ -n "$server_pid" ]; then kill "$server_pid" 2>/dev/null || true; fi
+    "${engine[@]}" rm -f etc-smoke-a etc-smoke-b >/dev/null 2>&1 || true
+}
+trap cleanup EXIT
+cpu_index=$(sed -n 's/^ARG TORCH_CPU_INDEX=//p' Dockerfile)
+if [ "$flavour" = cpu ] && ! curl -sf --max-time 15 -o /dev/null "$cpu_index/torch/"; then
+    first_dir="${wheels%% *}"
+    if [ -z "$first_dir" ] || ! ls "$first_dir"/torch-*+cpu-*.whl >/dev/null 2>&1; then
+        echo "$cpu_index is out of reach and no directory of torch CPU wheels was given (--wheels DIR)" >&2
+        exit 3
+    fi
+    port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    python3 -m http.server "$port" --bind 127.0.0.1 --directory "$first_dir" >/dev/null 2>&1 &
+    server_pid=$!
+    sleep 1
+    say "$cpu_index is out of reach: torch's CPU wheel from $first_dir (served on 127.0.0.1:$port)"
+    build_args+=(--build-arg "TORCH_CPU_INDEX=" --build-arg "PIP_FIND_LINKS=http://127.0.0.1:$port/")
+fi
+
+started=$(date +%s)
+"${build[@]}" "${build_args[@]}" -t "$tag" .
+build_s=$(( $(date +%s) - started ))
+size_bytes=$("${engine[@]}" image inspect "$tag" --format '{{.Size}}')
+size_text=$(python3 -c "print(f'{$size_bytes / 1e9:.2f} GB')")
+say "built $tag in $build_s s; image size $size_text ($size_bytes bytes)"
+if [ "$smoke" = 0 ] || [ "$flavour" != cpu ]; then
+    say "smoke test skipped (${flavour} flavour or --no-smoke)"
+    exit 0
+fi
+
+run=("${engine[@]}" run --rm --network host)
+check() { say "ok: $*"; }
+fail() { say "FAILED: $*"; exit 1; }
+
+"${run[@]}" "$tag" --help | grep -q -- "--nproc-per-node" && check "etcrun --help" || fail "etcrun --help"
+[ "$("${run[@]}" --entrypoint id "$tag" -u)" = 10001 ] && check "runs as UID 10001" || fail "runs as root"
+[ "$("${run[@]}" --entrypoint sh "$tag" -c 'readlink /proc/1/exe')" = /usr/bin/tini ] \
+    && check "PID 1 is tini" || fail "PID 1 is not tini"
+
+started=$(date +%s.%N)
+"${run[@]}" "$tag" --standalone --nproc-per-node 2 -m etc_agent.examples.gpt --steps 20 > /tmp/etc-smoke-train.log 2>&1 \
+    || { tail -20 /tmp/etc-smoke-train.log; fail "the example GPT, 20 steps"; }
+check "the example GPT trained 20 steps on 2 workers and exited 0 in $(python3 -c "import time; print(f'{time.time() - $started:.1f}')") s"
+
+port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+node() {  # NAME IS_HOST: one node of a two-node job over the embedded store on the host's loopback
+    "${engine[@]}" run -d --name "$1" --network host "$tag" --nnodes 1:2 --nproc-per-node 1 \
+        --rdzv-backend c10d --rdzv-endpoint "127.0.0.1:$port" --rdzv-id smoke --rdzv-conf "is_host=$2" \
+        --reconfig-delay 0.5 --local-addr 127.0.0.1 -m etc_agent.examples.gpt --steps 300 >/dev/null
+}
+node etc-smoke-a 1
+sleep 2
+node etc-smoke-b 0
+deadline=$(( $(date +%s) + 180 ))
+until "${engine[@]}" logs etc-smoke-a 2>&1 | grep -q "world_size=2\|world size 2\|-> 2 workers\|2 workers"; do
+    [ "$(date +%s)" -lt "$deadline" ] || { "${engine[@]}" logs etc-smoke-a 2>&1 | tail -20; fail "two nodes never trained together"; }
+    sleep 1
+done
+sleep 3
+"${engine[@]}" kill --signal TERM etc-smoke-b >/dev/null
+departed=$("${engine[@]}" wait etc-smoke-b)
+finished=$("${engine[@]}" wait etc-smoke-a)
+b_log=$("${engine[@]}" logs etc-smoke-b 2>&1)
+a_log=$("${engine[@]}" logs etc-smoke-a 2>&1)
+[ "$departed" = 0 ] && grep -q "goes on with 1 node" <<<"$b_log" \
+    && check "SIGTERM to PID 1 of node b: a planned departure, exit 0 ($(grep -o 'generation [0-9]* goes on with 1 node(s)' <<<"$b_log" | tail -1))" \
+    || { tail -20 <<<"$b_log"; fail "SIGTERM to node b: exit $departed"; }
+[ "$finished" = 0 ] && check "node a finished the job alone, exit 0" \
+    || { tail -20 <<<"$a_log"; fail "node a exit $finished"; }
+say "smoke test passed: $tag, $size_text, built in $build_s s"
