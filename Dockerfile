@@ -36,7 +36,7 @@ RUN --mount=type=secret,id=ca_bundle,required=false \
     if [ -s /run/secrets/ca_bundle ]; then export PIP_CERT=/run/secrets/ca_bundle; fi; \
     case "$FLAVOUR" in \
       cpu) lock=constraints.txt; torch="torch==$(sed -n 's/^torch==//p' constraints.txt)+cpu"; \
-           set -- --extra-index-url "$TORCH_CPU_INDEX" ;; \
+           set -- ${TORCH_CPU_INDEX:+--extra-index-url "$TORCH_CPU_INDEX"} ;; \
       cuda) lock=constraints-cuda.txt; torch="torch==$(sed -n 's/^torch==//p' constraints-cuda.txt)"; set -- ;; \
       *) echo "FLAVOUR must be cpu or cuda, not $FLAVOUR" >&2; exit 2 ;; \
     esac; \
@@ -54,6 +54,12 @@ RUN --mount=type=secret,id=ca_bundle,required=false \
     && pip install -q -c "$lock" "${wheel}${EXTRAS:+[$EXTRAS]}" \
     && pip check \
     && python -c "import pyetcd, torch, etc_agent; print('etc-agent', etc_agent.__version__, 'torch', torch.__version__)"
+# The C++ test programs and protoc that torch's wheel ships (about 130 MB) are neither imported nor
+# run; torch_shm_manager (shared-memory tensors between processes) stays.
+RUN torch_dir=$(python -c "import os, torch; print(os.path.dirname(torch.__file__))") \
+    && rm -rf "$torch_dir/test" \
+    && find "$torch_dir/bin" -mindepth 1 -maxdepth 1 ! -name torch_shm_manager -exec rm -rf {} + \
+    && python -c "import torch.distributed, etc_agent.cli.etcrun"
 COPY configs /opt/etc-agent/share/configs
 
 FROM ${BASE_IMAGE} AS runtime

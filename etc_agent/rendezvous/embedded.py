@@ -13,6 +13,7 @@ quotas :mod:`~etc_agent.rendezvous.embedded_state`.
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -33,6 +34,10 @@ from etc_agent.rendezvous.store import (
 from etc_agent.utils import auth
 from etc_agent.utils.auth import Key
 from etc_agent.utils.jsonline import JsonLineError, Unauthenticated, parse_address, request
+
+log = logging.getLogger(__name__)
+SAY_WAITING_AFTER_S = 5.0
+"""A client still without its store after this long says why once (its wait may last minutes)."""
 
 __all__ = ["EmbeddedStore", "EmbeddedStoreServer", "StoreLimits", "host_secret", "is_loopback", "store_secret"]
 
@@ -150,7 +155,9 @@ class EmbeddedStore(MembershipStore):
         self.timeout_s = timeout_s
         self._watches: list[_EmbeddedWatch] = []
         self._key: Key | None = Key(auth.STORE_KEY_ID, secret) if secret else None
-        deadline = time.monotonic() + connect_timeout_s
+        started = time.monotonic()
+        deadline = started + connect_timeout_s
+        said = False
         while True:
             if self._key is None:
                 found = store_secret(endpoint, run_id, secret_file)
@@ -169,6 +176,10 @@ class EmbeddedStore(MembershipStore):
                     self._key = None  # a stale file of an earlier run: read it again
                 if time.monotonic() >= deadline:
                     raise
+                if not said and time.monotonic() - started >= SAY_WAITING_AFTER_S:
+                    # A wait of minutes must not be a silent one (a missing secret is a setup mistake).
+                    log.warning("%s; trying again for up to %.0f s more", err, deadline - time.monotonic())
+                    said = True
                 time.sleep(0.2)
 
     def _probe(self) -> None:
