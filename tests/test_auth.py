@@ -75,7 +75,9 @@ def test_a_client_refuses_a_reply_not_signed_with_the_job_key():
         impostor.stop()
 
 
-def test_a_store_that_listens_on_the_network_needs_a_secret_and_a_loopback_one_finds_its_file(monkeypatch, tmp_path):
+def test_a_store_that_listens_on_the_network_needs_a_secret_and_a_loopback_one_finds_its_file(
+    monkeypatch, tmp_path, caplog
+):
     from etc_agent.rendezvous.embedded import host_secret, store_secret
 
     monkeypatch.delenv(auth.SECRET_ENV, raising=False)
@@ -101,6 +103,17 @@ def test_a_store_that_listens_on_the_network_needs_a_secret_and_a_loopback_one_f
     assert client.get("k").value == "v"
     with pytest.raises(StoreError, match="no secret"):
         EmbeddedStore(server.endpoint, "another-run")
+    # A client that may wait (its join timeout) says why once it has waited a while, not silently.
+    import logging
+
+    import etc_agent.rendezvous.embedded as embedded
+
+    monkeypatch.setattr(embedded, "SAY_WAITING_AFTER_S", 0.2)
+    with caplog.at_level(logging.WARNING, logger="etc_agent.rendezvous.embedded"):
+        with pytest.raises(StoreError, match="no secret"):
+            EmbeddedStore(server.endpoint, "another-run", connect_timeout_s=0.6)
+    [said] = [r.getMessage() for r in caplog.records if r.name == "etc_agent.rendezvous.embedded"]
+    assert "no secret for it here" in said and "ETC_AGENT_SECRET" in said and "trying again" in said
     server.stop()
     assert not path.exists()
 
