@@ -155,6 +155,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if not any(item.get_closest_marker(mark) for mark in LAYER_MARKS):
             item.add_marker(getattr(pytest.mark, layer_of_test(item)))
+    items.sort(key=_run_order)
+
+
+def _run_order(item: pytest.Item) -> int:
+    """Under the README's two xdist workers, handed out one at a time in this order: the ``alone``
+    tests first (each waits only for the other worker's first test, not for whatever long test it
+    is in the middle of), then the end-to-end layer, the multi-process one and the unit tests last
+    (the run's tail is short tests, not one worker idle beside a minute-long scenario). The sort is
+    stable: within a group, files and tests keep their order."""
+    if item.get_closest_marker("alone") is not None:
+        return 0
+    for rank, layer in enumerate(("e2e", "multiproc"), start=1):
+        if item.get_closest_marker(layer) is not None:
+            return rank
+    return 3
 
 
 class _RunAlone:
