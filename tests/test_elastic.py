@@ -392,7 +392,9 @@ def test_checkpoint_baseline_through_etcrun(etcd_server, tmp_path):
     assert [(r["old_world_size"], r["new_world_size"]) for r in records] == [(4, 6), (6, 4)]
     for r in records:
         assert r["state_bytes"] > 0 and r["bytes_moved"] > r["state_bytes"] and r["total_stall_s"] > r["transfer_s"] > 0
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["gen1", "gen2"]
+    # One save per change, named by the generation that loaded it (on a busy machine the two first
+    # agents may start apart, so the numbers need not be 1 and 2).
+    assert sorted(p.name for p in checkpoints.iterdir()) == [f"gen{r['generation']}" for r in records]
     reference, _ = reference_losses(steps, tmp_path)
     worst = max(abs(result["losses"][s] - reference[s]) / abs(reference[s]) for s in range(steps))
     assert worst <= 1e-4
