@@ -17,7 +17,8 @@
 # workers; the user is 10001, not root; then two containers as two nodes of one job (host network,
 # the embedded store): SIGTERM to the second one's PID 1 (tini) must be a planned departure (its
 # etcrun exits 0 saying the job goes on) and the first must finish the job alone with exit 0.
-# Prints the image size, the build time and each check; exits non-zero when any fails. --no-build
+# Prints the image size, the build time and each check; exits 1 when a build step or a check
+# fails, 3 when this machine cannot build or run images at all (no engine, no base, no wheels). --no-build
 # smoke-tests the image already tagged.
 # docs/deployment.md#the-image.
 set -euo pipefail
@@ -85,7 +86,8 @@ if [ -z "$base" ]; then
             rootfs=$(mktemp -d -t etc-base-XXXXXX)
             started=$(date +%s)
             debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
-                bookworm "$rootfs" http://deb.debian.org/debian >/dev/null
+                bookworm "$rootfs" http://deb.debian.org/debian >/dev/null \
+                || { echo "debootstrap could not make the stand-in base (is deb.debian.org reachable?)" >&2; exit 3; }
             rm -rf "$rootfs"/var/lib/apt/lists/* "$rootfs"/var/cache/apt/archives/*.deb
             chmod 755 "$rootfs"  # mktemp's 0700 would become the image's / and lock every other user out
             tar -C "$rootfs" -c . | "${engine[@]}" import \
@@ -97,6 +99,16 @@ if [ -z "$base" ]; then
     fi
 fi
 say "base: $base"
+# Whether this machine can build at all (isolation, storage), apart from what the Dockerfile does.
+probe_dir=$(mktemp -d -t etc-probe-XXXXXX)
+printf 'FROM %s\nRUN true\n' "$base" > "$probe_dir/Dockerfile"
+if ! probe_out=$("${build[@]}" -t localhost/etc-agent-probe:latest "$probe_dir" 2>&1); then
+    rm -rf "$probe_dir"
+    say "this machine cannot build images: $(tail -1 <<<"$probe_out")"
+    exit 3
+fi
+rm -rf "$probe_dir"
+"${engine[@]}" rmi -f localhost/etc-agent-probe:latest >/dev/null 2>&1 || true
 
 build_args=(--build-arg "FLAVOUR=$flavour" --build-arg "BASE_IMAGE=$base"
             --build-arg "REVISION=$(git rev-parse HEAD 2>/dev/null || echo unknown)")
@@ -137,7 +149,7 @@ run_opts=()
 if ! "${engine[@]}" run --rm --network host --entrypoint true "$tag" >/dev/null 2>&1; then
     run_opts=(--runtime runc --ulimit "nofile=$(ulimit -Hn):$(ulimit -Hn)" --ulimit nproc=32768:32768)
     "${engine[@]}" run --rm --network host "${run_opts[@]}" --entrypoint true "$tag" >/dev/null \
-        || fail "no way to run a container here"
+        || { say "no way to run a container here (neither crun nor runc with this machine's limits)"; exit 3; }
     say "containers run with ${run_opts[*]}"
 fi
 run=("${engine[@]}" run --rm --network host "${run_opts[@]}")
