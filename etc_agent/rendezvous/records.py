@@ -210,10 +210,7 @@ class StallParts(BaseModel):
     arrive_s: float = Field(description="Until every process of the generation reached its store.")
     group_s: float = Field(description="Forming the training group and the mesh.")
     build_s: float = Field(description="Building the new layout's model and optimizer.")
-    migration_group_s: float = Field(
-        description="Forming the migration group (members and senders): what is left of it after the build, "
-        "beside which it forms."
-    )
+    migration_group_s: float = Field(description="Forming the migration group (members and senders).")
     exchange_s: float = Field(description="Saying which versions of the state each process holds.")
     describe_s: float = Field(description="Describing the state held and exchanging the descriptions.")
     plan_s: float = Field(description="Computing the migration plan.")

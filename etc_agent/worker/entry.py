@@ -4,9 +4,7 @@ their state, and everyone forms the migration group."""
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -79,27 +77,12 @@ def arrive(job: JobView, assignment: Assignment) -> dist.Store | None:
 
 
 def form(job: JobView, assignment: Assignment, job_store: dist.Store, started: float) -> Entry:
-    """Members: the training group, the context and ``build(ctx)``; everyone: the migration group.
-
-    The migration group forms in a thread of its own while a member forms its training group and
-    builds its state: the two groups use their own store prefixes and gloo pairs, and forming one
-    is mostly waiting for peers (the store, the TCP connects), so the stall pays for the longer of
-    the two, not their sum. An error of either is raised here, after the other one is done."""
+    """Members: the training group, the context and ``build(ctx)``; everyone: the migration group."""
     generation = assignment.generation
     timeout = timedelta(seconds=job.timeout_s)
     ctx = new_state = new_tensors = None
     arrived = grouped = built = time.perf_counter()
     store = GenerationStore(job_store, generation, lambda: newer_generation(job.link, generation), job.timeout_s)
-    migration = _Forming(
-        gloo_group,
-        dist.PrefixStore(f"gen{generation}/migrate/", store),
-        assignment.pg_rank,
-        assignment.pg_world_size,
-        timeout,
-    )
-    # Where the training group or the build fails, the thread is left to end on its own: its waits
-    # end within gloo's connect bound or once the next generation is published, which may need this
-    # process's failure report first, so the switch must not wait for it; what it forms goes with it.
     if assignment.rank is not None:
         init_default_group(
             job.backend,
@@ -117,7 +100,12 @@ def form(job: JobView, assignment: Assignment, job_store: dist.Store, started: f
         new_state = job.build_state(ctx)
         new_tensors, _ = split_state(new_state, keep_vars=True)
         built = time.perf_counter()
-    group = migration.result()
+    group = gloo_group(
+        dist.PrefixStore(f"gen{generation}/migrate/", store),
+        assignment.pg_rank,
+        assignment.pg_world_size,
+        timeout,
+    )
     return Entry(
         assignment=assignment,
         device=Device.parse(assignment.device),
@@ -129,30 +117,6 @@ def form(job: JobView, assignment: Assignment, job_store: dist.Store, started: f
         new_state=new_state,
         new_tensors=new_tensors,
     )
-
-
-class _Forming:
-    """A gloo group being formed in a thread of its own (:func:`form`)."""
-
-    def __init__(self, make: Callable[..., dist.ProcessGroupGloo], *args: Any):
-        self._group: dist.ProcessGroupGloo | None = None
-        self._error: Exception | None = None
-        self._thread = threading.Thread(target=self._run, args=(make, *args), name="etc-migration-group", daemon=True)
-        self._thread.start()
-
-    def _run(self, make: Callable[..., dist.ProcessGroupGloo], *args: Any) -> None:
-        try:
-            self._group = make(*args)
-        except Exception as err:  # noqa: BLE001 (re-raised in the switch's thread by result())
-            self._error = err
-
-    def result(self) -> dist.ProcessGroupGloo:
-        """The group (its forming bounded as :func:`~etc_agent.worker.connect.gloo_group`'s), or its error."""
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        assert self._group is not None  # set when no error was
-        return self._group
 
 
 def newer_generation(link: AgentLink, generation: int) -> int | None:
