@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 
 from etc_agent.agent.contact import SLOW_S, ContactedStore, StoreContact
-from etc_agent.agent.fence import CONFIRM_S, REACH_WINDOW_S, Fence, PeerView, fence_after, fence_verdict
+from etc_agent.agent.fence import (
+    CONFIRM_S,
+    OUTAGE_END_GRACE_S,
+    REACH_WINDOW_S,
+    RELAPSE_WINDOW_S,
+    Fence,
+    PeerView,
+    fence_after,
+    fence_verdict,
+)
 from etc_agent.rendezvous.store import StoreError
 from etc_agent.utils.liveness import LivenessPort, ask_many
 
@@ -112,6 +121,48 @@ def test_a_shared_outage_goes_on_and_turns_into_a_fence_when_a_peer_reaches_the_
     clock[0] += 0.6
     assert fence.check(4, [("b", "h", 1)]) == "fenced"
     assert events == ["store_outage_shared", "fenced"]
+
+
+def test_a_failed_request_right_after_a_shared_outage_ends_gets_the_same_grace_before_a_fence():
+    """Seen in the quorum-loss test on two loaded cores: the store answered, the outage was over, a
+    request failed a moment later while the peer already heard the store: that fenced the node for
+    0.25 s. A relapse within RELAPSE_WINDOW_S of the outage's end waits OUTAGE_END_GRACE_S first; a
+    silence that outlasts the grace still fences, and one long after the outage fences at once."""
+    clock = [0.0]
+    contact = StoreContact(clock=lambda: clock[0])
+    events: list[str] = []
+    answers = {"b": view("b", 5.0).to_line()}
+    fence = Fence("a", 5.0, contact, lambda e, f: events.append(e), ask=lambda t, s: dict(answers))
+    peers = [("b", "h", 1)]
+    token, _ = contact.sent()
+    clock[0] = AFTER + 0.5
+    contact.failed(token)
+    clock[0] += CONFIRM_S
+    assert fence.check(4, peers) == "shared_outage"
+    clock[0] += 0.5
+    token, at = contact.sent()
+    contact.answered(token, at)  # the new etcd leader answers: the outage is over
+    assert fence.check(4, peers) == "clear"
+    token, _ = contact.sent()
+    clock[0] += 0.1
+    contact.failed(token)  # and a request fails right after, while b already hears the store
+    answers["b"] = view("b", 0.1).to_line()
+    clock[0] += CONFIRM_S
+    assert fence.check(4, peers) == "clear"  # the grace, as at the end of the outage itself
+    clock[0] += OUTAGE_END_GRACE_S / 2
+    assert fence.check(4, peers) == "clear"
+    clock[0] += OUTAGE_END_GRACE_S
+    assert fence.check(4, peers) == "fenced"  # still silent after the grace: cut off after all
+    assert events == ["store_outage_shared", "store_outage_over", "fenced"]
+    # Long after an outage, the same silence fences without a grace.
+    token, at = contact.sent()
+    contact.answered(token, at)
+    assert fence.check(4, peers) == "clear"
+    clock[0] += RELAPSE_WINDOW_S + 10.0
+    token, _ = contact.sent()
+    contact.failed(token)
+    clock[0] += CONFIRM_S
+    assert fence.check(4, peers) == "fenced"
 
 
 def test_a_request_still_waiting_counts_as_silence_a_busy_caller_does_not():

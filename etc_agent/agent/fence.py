@@ -62,6 +62,12 @@ OUTAGE_END_GRACE_S = 1.0
 """After a shared outage, how long peers may hear the store before this node does without it fencing
 (etcd renews every lease when a leader is elected, so this node's lease lives that long and more)."""
 
+RELAPSE_WINDOW_S = 2.0
+"""A silence that starts this soon after a shared outage ended is that outage's tail (the store's
+first answers after a new leader may be followed by failed requests and reconnects, seen for a
+second on two loaded cores): it gets the same grace before this node fences. The election renewed
+this node's lease, so ``fence_after`` + this window + the grace stays inside a lease."""
+
 FenceState = Literal["clear", "shared_outage", "fenced"]
 
 
@@ -160,6 +166,8 @@ class Fence:
         self._since: float | None = None
         self._asked_at = float("-inf")
         self._ending_since: float | None = None
+        self._outage_over_at: float | None = None
+        """When the last shared outage ended (the store answered again)."""
 
     @property
     def fenced(self) -> bool:
@@ -187,7 +195,8 @@ class Fence:
         answers = self._ask(asked, 0.3) if asked else {}
         views = {node: PeerView.from_line(line) if line else None for node, line in answers.items()}
         verdict = fence_verdict(silence, generation, views)
-        if self.state == "shared_outage" and verdict.state == "fenced":
+        relapse = self._outage_over_at is not None and now - self._outage_over_at < RELAPSE_WINDOW_S
+        if verdict.state == "fenced" and (self.state == "shared_outage" or relapse):
             # The shared outage is ending and the peers hear the store first: the store's new leader
             # renewed every lease, so this node has a whole lease to hear it too before it fences.
             self._ending_since = now if self._ending_since is None else self._ending_since
@@ -228,6 +237,7 @@ class Fence:
             held = self.contact.now() - (self._since or self.contact.now())
             self._emit("unfenced", {"after_s": round(held, 2), "action": "acting on what the store says"})
         else:
+            self._outage_over_at = self.contact.now()
             self._emit("store_outage_over", {"silence_s": round(silence, 2)})
 
 
