@@ -152,9 +152,9 @@ class _Workers:
         self.command = dying_with_this_process(self.spec.command())
         self.procs = {r: self.start(r) for r in range(args.nproc_per_node)}
         self.restarts = {r: 0 for r in self.procs}
-        self.stopping = False
         self.signals: list[signal.Signals] = []
         self.departure_deadline: float | None = None
+        """Set by the first signal: when the workers get SIGTERM unless they exited by then."""
         self.terminated = False
 
     def start(self, local_rank: int) -> subprocess.Popen | ForkedProcess:
@@ -165,6 +165,11 @@ class _Workers:
             assert argv is not None  # None only with no_python, which this spec never sets
             return self.forkserver.spawn(argv, env, os.getcwd(), False, False, name)
         return subprocess.Popen(self.command, env=env)
+
+    @property
+    def stopping(self) -> bool:
+        """A signal came: processes that exit are not started again."""
+        return self.departure_deadline is not None
 
     def _on_term(self, signum: int, frame: object) -> None:
         # The departure request is a network call: the supervision loop makes it, not the handler.
@@ -180,7 +185,6 @@ class _Workers:
         cannot be asked, or the departure timeout sends SIGTERM to the workers."""
         if self.signals and self.departure_deadline is None:
             name = self.signals[0].name
-            self.stopping = True
             why = _ask_departure(self.address, f"{name} to etc-agent workers")
             if why is None:
                 _say(f"{name}: the sidecar leaves the job; the workers exit once their state is handed over")
@@ -188,6 +192,7 @@ class _Workers:
             else:
                 _say(f"{name}: the sidecar cannot be asked to leave ({why}); stopping the workers")
                 self.departure_deadline = time.monotonic()
+                self.terminated = True
                 self._terminate()
         elif self.departure_deadline is not None and not self.terminated:
             second = len(self.signals) > 1
