@@ -83,18 +83,24 @@ def pip_environment(flavour: Flavour) -> dict[str, str]:
     return env
 
 
-def resolve(flavour: Flavour, cpu_index: str | None) -> str:
-    """The lock file's text from a fresh resolve."""
+def pip_report(flavour: Flavour, pip_args: list[str]) -> list[dict]:
+    """What ``pip install <pip_args>`` would install, as its ``--report`` lists it (metadata only,
+    nothing installed), in ``flavour``'s pip environment. tests/test_dependencies.py holds the CUDA
+    lock to the same resolve."""
     with tempfile.TemporaryDirectory(prefix="etc-lock-") as tmp:
         report_path = Path(tmp) / "report.json"
         command = [sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed"]
-        command += ["--report", str(report_path), f"{ROOT}[{EXTRAS}]"]
-        if flavour.name == "cpu" and cpu_index:
-            command += ["--extra-index-url", cpu_index]
-        subprocess.run(command, check=True, env=pip_environment(flavour))
-        report = json.loads(report_path.read_text())
+        command += ["--report", str(report_path), *pip_args]
+        subprocess.run(command, check=True, env=pip_environment(flavour), timeout=600)
+        return json.loads(report_path.read_text())["install"]
+
+
+def resolve(flavour: Flavour, cpu_index: str | None) -> str:
+    """The lock file's text from a fresh resolve."""
+    extra = ["--extra-index-url", cpu_index] if flavour.name == "cpu" and cpu_index else []
+    report = pip_report(flavour, [f"{ROOT}[{EXTRAS}]", *extra])
     pins: dict[str, str] = {}
-    for item in report["install"]:
+    for item in report:
         name, version = item["metadata"]["name"], item["metadata"]["version"]
         if name.lower() == "torch":
             flavour.check_torch(version)

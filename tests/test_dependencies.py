@@ -196,28 +196,22 @@ def _index_reachable(url: str) -> bool:
         return False
 
 
-def test_the_cuda_lock_pins_every_package_the_cuda_wheel_pulls(tmp_path):
+def test_the_cuda_lock_pins_every_package_the_cuda_wheel_pulls():
     """pip's own resolve of the project with torch's CUDA wheel (metadata from the index, nothing
-    installed), held to constraints-cuda.txt: it must succeed and take nothing the lock leaves out."""
-    import json
+    installed, pip's configuration and find-links ignored as scripts/lock_deps.py resolves it), held
+    to constraints-cuda.txt: it must succeed and take nothing the lock leaves out."""
     import os
-    import subprocess
+
+    from lock_deps import EXTRAS, FLAVOURS, pip_report
 
     index = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple")
     if not _index_reachable(f"{index.rstrip('/')}/torch/"):
         pytest.skip(f"the package index {index} is not reachable from here")
-    env = {k: v for k, v in os.environ.items() if k not in ("PIP_FIND_LINKS", "PIP_CONSTRAINT", "PIP_NO_INDEX")}
-    env["PIP_CONFIG_FILE"] = os.devnull  # a local CPU wheel on find-links must not stand in for the CUDA one
-    report = tmp_path / "report.json"
-    command = [sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed", "--report"]
-    command += [str(report), "-c", str(ROOT / "constraints-cuda.txt"), f"{ROOT}[test,megatron]"]
-    subprocess.run(command, check=True, env=env, timeout=600)
-    resolved = {
-        canonicalize_name(item["metadata"]["name"]): item["metadata"]["version"]
-        for item in json.loads(report.read_text())["install"]
-    }
+    cuda = FLAVOURS["cuda"]
+    report = pip_report(cuda, ["-c", str(cuda.path), f"{ROOT}[{EXTRAS}]"])
+    resolved = {canonicalize_name(item["metadata"]["name"]): item["metadata"]["version"] for item in report}
     assert not resolved["torch"].endswith("+cpu")
-    pins = _lock("constraints-cuda.txt")
+    pins = _lock(cuda.path.name)
     unpinned = sorted(name for name in resolved if name not in pins and name not in ("etc-agent", "pip", "wheel"))
     assert unpinned == []
     assert {name: pins[name] for name in resolved if name in pins} == {
