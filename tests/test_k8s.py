@@ -62,7 +62,8 @@ def image() -> Image:
     """The final stage: its venv comes from the build stage (``python3 -m venv DIR``, the package
     installed into it), so DIR/bin holds python and pyproject's console scripts; other files are
     the COPY lines' destinations."""
-    build, final = _stages((ROOT / "Dockerfile").read_text())[0], _stages((ROOT / "Dockerfile").read_text())[-1]
+    stages = _stages((ROOT / "Dockerfile").read_text())
+    build, final = stages[0], stages[-1]
     [venv] = [m.group(1) for line in build if (m := re.search(r"python3 -m venv (\S+)", line))]
     assert any(line.startswith(f"ENV PATH={venv}/bin:") for line in build), "the build stage installs into its venv"
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
