@@ -138,6 +138,11 @@ fi
 size_bytes=$("${engine[@]}" image inspect "$tag" --format '{{.Size}}')
 size_text=$(python3 -c "print(f'{$size_bytes / 1e9:.2f} GB')")
 say "$tag: built in $build_s s; image size $size_text ($size_bytes bytes)"
+# The cpu image's size bound (issue: under 1.5 GB); the cuda one carries the CUDA libraries.
+max_bytes=${ETC_IMAGE_MAX_BYTES:-1500000000}
+if [ "$flavour" = cpu ] && [ "$size_bytes" -gt "$max_bytes" ]; then
+    fail "the cpu image is $size_text, over the bound of $max_bytes bytes"
+fi
 if [ "$smoke" = 0 ] || [ "$flavour" != cpu ]; then
     say "smoke test skipped (${flavour} flavour or --no-smoke)"
     exit 0
@@ -146,23 +151,23 @@ fi
 # How this machine runs containers: plainly, or (a sandbox with hybrid cgroups that refuses crun's
 # rlimits) with runc and limits at or under this process's own.
 run_opts=()
-if ! "${engine[@]}" run --rm --network host --entrypoint true "$tag" >/dev/null 2>&1; then
+if ! timeout 300 "${engine[@]}" run --rm --network host --entrypoint true "$tag" >/dev/null 2>&1; then
     run_opts=(--runtime runc --ulimit "nofile=$(ulimit -Hn):$(ulimit -Hn)" --ulimit nproc=32768:32768)
-    "${engine[@]}" run --rm --network host "${run_opts[@]}" --entrypoint true "$tag" >/dev/null \
+    timeout 300 "${engine[@]}" run --rm --network host "${run_opts[@]}" --entrypoint true "$tag" >/dev/null \
         || { say "no way to run a container here (neither crun nor runc with this machine's limits)"; exit 3; }
     say "containers run with ${run_opts[*]}"
 fi
 run=("${engine[@]}" run --rm --network host "${run_opts[@]}")
 
 # One container for the quick checks (each start copies the image's files with the vfs driver).
-quick=$("${run[@]}" --entrypoint sh "$tag" -c 'etcrun --help; echo "--- etc-agent"; etc-agent --help; echo "--- uid $(id -u)"') \
+quick=$(timeout 300 "${run[@]}" --entrypoint sh "$tag" -c 'etcrun --help; echo "--- etc-agent"; etc-agent --help; echo "--- uid $(id -u)"') \
     || fail "etcrun --help / etc-agent --help"
 grep -q -- "--nproc-per-node" <<<"$quick" && check "etcrun --help" || fail "etcrun --help"
 grep -q -- "sidecar" <<<"${quick#*--- etc-agent}" && check "etc-agent --help" || fail "etc-agent --help"
 grep -q -- "--- uid 10001" <<<"$quick" && check "runs as UID 10001" || fail "does not run as UID 10001"
 
 started=$(date +%s.%N)
-"${run[@]}" "$tag" --standalone --nproc-per-node 2 -m etc_agent.examples.gpt --steps 20 > /tmp/etc-smoke-train.log 2>&1 \
+timeout 300 "${run[@]}" "$tag" --standalone --nproc-per-node 2 -m etc_agent.examples.gpt --steps 20 > /tmp/etc-smoke-train.log 2>&1 \
     || { tail -20 /tmp/etc-smoke-train.log; fail "the example GPT, 20 steps"; }
 check "the example GPT trained 20 steps on 2 workers and exited 0 in $(python3 -c "import time; print(f'{time.time() - $started:.1f}')") s"
 
@@ -191,8 +196,9 @@ until grep -q '"event": "workers_continue".*"world_size": 2' <<<"$("${engine[@]}
 done
 sleep 3
 "${engine[@]}" kill --signal TERM etc-smoke-b >/dev/null
-departed=$("${engine[@]}" wait etc-smoke-b)
-finished=$("${engine[@]}" wait etc-smoke-a)
+# Bounded: a departure that hangs fails the smoke test instead of holding it (and CI) forever.
+departed=$(timeout 180 "${engine[@]}" wait etc-smoke-b) || fail "node b did not exit within 180 s of its SIGTERM"
+finished=$(timeout 300 "${engine[@]}" wait etc-smoke-a) || fail "node a did not finish within 300 s"
 b_log=$("${engine[@]}" logs etc-smoke-b 2>&1)
 a_log=$("${engine[@]}" logs etc-smoke-a 2>&1)
 [ "$departed" = 0 ] && grep -q "goes on with 1 node" <<<"$b_log" \
