@@ -155,18 +155,54 @@ def _free_in_parallel(groups: list[dist.ProcessGroup]) -> None:
         log.warning("%d destroyed process groups still closing after %.0f s", stuck, FREE_TIMEOUT_S)
 
 
-def destroy_all_groups() -> list[str]:
-    """Destroy every process group and make sure nothing in ``torch`` keeps one alive.
+class GroupRelease:
+    """Destroyed groups being freed in a thread of their own (:func:`release_all_groups`).
 
-    Returns a description of each group some other holder still keeps (empty when all are freed);
-    a group kept by a C++ holder (e.g. a live DDP reducer) is not seen here.
+    Nothing of the next generation waits for the old connections to close: the new groups have
+    sockets of their own, and a peer blocked on an old group fails when the destructor runs,
+    waited for or not. What is still referenced once the rest is freed is known after :meth:`wait`.
+    """
+
+    def __init__(self, groups: list[dist.ProcessGroup]):
+        self.names = [f"{g.group_name} ({g.size()} ranks)" for g in groups]
+        self._refs = [weakref.ref(g) for g in groups]
+        self._kept: list[str] = []
+        self._thread = threading.Thread(target=self._free, args=(groups,), name="etc-release-groups", daemon=True)
+        self._thread.start()
+
+    def _free(self, groups: list[dist.ProcessGroup]) -> None:
+        _free_in_parallel(groups)
+        for name, ref in zip(self.names, self._refs, strict=True):
+            group = ref()
+            if group is not None:
+                holders = sorted({type(r).__name__ for r in gc.get_referrers(group)} - {"list", "frame"})
+                self._kept.append(
+                    f"{name} held by {', '.join(holders) or 'objects the garbage collector does not track'}"
+                )
+            del group
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout_s: float = FREE_TIMEOUT_S + 5.0) -> list[str]:
+        """A description of each group some other holder still keeps (empty when all were freed)."""
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            return [f"{len(self.names)} groups still being freed after {timeout_s:.0f} s"]
+        return list(self._kept)
+
+
+def release_all_groups() -> GroupRelease:
+    """Destroy every process group and free them in the background (see :class:`GroupRelease`).
+
+    Synchronous part: unregister every group from torch, replace the function defaults in
+    ``torch`` that hold one, and collect what holds a group in a cycle (meshes, DTensor specs).
     """
     if not dist.is_initialized():
         _forget_world()
-        return []
+        return GroupRelease([])
     groups = live_groups()
-    names = [f"{g.group_name} ({g.size()} ranks)" for g in groups]
-    refs = [weakref.ref(g) for g in groups]
     try:
         dist.destroy_process_group()
     except Exception as err:  # noqa: BLE001 - a broken group may fail to shut down cleanly
@@ -176,12 +212,13 @@ def destroy_all_groups() -> list[str]:
     if replaced:
         log.debug("released %d function defaults that held a destroyed group", replaced)
     gc.collect()  # what holds a group in a cycle (meshes, DTensor specs) goes; `groups` still holds them
-    _free_in_parallel(groups)
-    kept = []
-    for name, ref in zip(names, refs, strict=True):
-        group = ref()
-        if group is not None:
-            holders = sorted({type(r).__name__ for r in gc.get_referrers(group)} - {"list", "frame"})
-            kept.append(f"{name} held by {', '.join(holders) or 'objects the garbage collector does not track'}")
-        del group
-    return kept
+    return GroupRelease(groups)
+
+
+def destroy_all_groups() -> list[str]:
+    """Destroy every process group and make sure nothing in ``torch`` keeps one alive.
+
+    Returns a description of each group some other holder still keeps (empty when all are freed);
+    a group kept by a C++ holder (e.g. a live DDP reducer) is not seen here.
+    """
+    return release_all_groups().wait()

@@ -58,7 +58,7 @@ from etc_agent.worker.connect import init_static_group
 from etc_agent.worker.context import ParallelContext, make_context
 from etc_agent.worker.errors import ArrivalTimeout, JobError, JobFinished, StateLost, is_peer_failure
 from etc_agent.worker.gather import gather_state
-from etc_agent.worker.groups import destroy_all_groups, mark_loaded_modules_clean
+from etc_agent.worker.groups import GroupRelease, mark_loaded_modules_clean, release_all_groups
 from etc_agent.worker.link import AgentLink
 from etc_agent.worker.logs import configure_worker_logging, say, write_json
 from etc_agent.worker.report import Stopped
@@ -120,6 +120,8 @@ class Job:
         self.migrations: list[dict] = []
         """One record per migration this process took part in (as sent to the agent)."""
         self._build: Build | None = None
+        self._releases: list[GroupRelease] = []
+        """Torn-down groups being freed in the background (what something still holds is said once they are)."""
         self.store: dist.Store | None = None
         self._stepped = False
         self._in_step = False
@@ -215,6 +217,7 @@ class Job:
                 dist.barrier()
             finally:
                 dist.destroy_process_group()
+        self._report_releases(wait=True)
         if self.link is not None:
             self.link.close()
 
@@ -392,12 +395,9 @@ class Job:
         if self.ctx is not None:
             self.ctx.mesh._pg_registry.clear()  # old DTensors keep their mesh; it must not keep the groups
         self.ctx = None
-        kept = destroy_all_groups()
-        if kept:
-            log.warning(
-                "destroyed process groups still referenced: %s; peers blocked in them wait until their timeout",
-                ", ".join(kept),
-            )
+        self._report_releases(wait=False)
+        # The old groups' sockets close in the background: the next generation's groups do not wait for them.
+        self._releases.append(release_all_groups())
         # DTensor's dispatch cache compares meshes by shape and names: stale entries would attach
         # new DTensors to the old mesh.
         torch._C._clear_DTensor_sharding_propagator_cache()
@@ -442,6 +442,22 @@ class Job:
             use_store=self._use_store,
             resume=self._resume,
         )
+
+    def _report_releases(self, wait: bool) -> None:
+        """Say which torn-down groups something still holds, for the releases that are done (all of
+        them with ``wait``: at the end, each within its bound)."""
+        pending = []
+        for release in self._releases:
+            if not wait and not release.done:
+                pending.append(release)
+                continue
+            kept = release.wait()
+            if kept:
+                log.warning(
+                    "destroyed process groups still referenced: %s; peers blocked in them wait until their timeout",
+                    ", ".join(kept),
+                )
+        self._releases = pending
 
     def _take_state(self) -> tuple[dict | None, ParallelContext | None]:
         state, self.state = self.state, None  # the app objects may hold old groups: the teardown frees them
