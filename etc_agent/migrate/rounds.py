@@ -111,12 +111,14 @@ class _Round:
     pool: BufferPool
     device: torch.device
     ready: list[tuple[int, torch.Tensor, int]] = field(default_factory=list)  # sends straight from a tensor
-    # (peer, buffer, tag, source or None if packed)
-    later: list[tuple[int, torch.Tensor, int, torch.Tensor | None]] = field(default_factory=list)
-    packs: list[tuple[torch.Tensor, list[tuple[_Chunk, torch.Tensor]]]] = field(default_factory=list)
+    # Sends that are packed first: (peer, buffer, tag, what to copy into it: [(destination, source)]).
+    later: list[tuple[int, torch.Tensor, int, list[tuple[torch.Tensor, torch.Tensor]]]] = field(default_factory=list)
     recvs: list[tuple[int, torch.Tensor, int]] = field(default_factory=list)
-    unpack: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (staged data, destination view)
+    # Per receive (same index as ``recvs``): (staged data, destination view) to copy once it arrived.
+    unpack: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
     staged: int = 0
+    pack_s: float = 0.0
+    unpack_s: float = 0.0
 
     def stage(self, nbytes: int) -> torch.Tensor:
         """``nbytes`` of staging memory from the pool, counted toward the round's peak."""
@@ -124,22 +126,25 @@ class _Round:
         self.staged += nbytes
         return buf
 
-    def pack(self) -> None:
-        """Copy what is sent from staging memory into it: packed pieces and non-contiguous views."""
-        for buf, sources in self.packs:
-            for c, src in sources:
-                buf[c.offset : c.offset + c.nbytes].view(c.dtype).view(src.shape).copy_(src)
-        for _, stage, _, unstaged in self.later:
-            if unstaged is not None:
-                stage.view(unstaged.shape).copy_(unstaged)
+    def receive(self, peer: int, buf: torch.Tensor, tag: int, unpack: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.recvs.append((peer, buf, tag))
+        self.unpack.append(unpack)
 
-    def sends_later(self) -> list[tuple[int, torch.Tensor, int]]:
-        return [(peer, buf, tag) for peer, buf, tag, _ in self.later]
+    def pack_one(self, index: int) -> tuple[int, torch.Tensor, int]:
+        """Copy the ``index``-th later send's sources into its staging buffer; the send to post."""
+        started = time.perf_counter()
+        peer, buf, tag, copies = self.later[index]
+        for dst, src in copies:
+            dst.copy_(src)
+        self.pack_s += time.perf_counter() - started
+        return peer, buf, tag
 
-    def copy_in(self) -> None:
-        """Unpack what arrived in staging memory into the new shards."""
-        for data, dst in self.unpack:
+    def unpack_one(self, index: int) -> None:
+        """Copy what the ``index``-th receive staged into the new shards."""
+        started = time.perf_counter()
+        for data, dst in self.unpack[index]:
             dst.copy_(data)
+        self.unpack_s += time.perf_counter() - started
 
 
 def _sole_owner(tensor: torch.Tensor, num_views_held: int) -> bool:
@@ -308,15 +313,13 @@ class Runner:
                 where = f"round {round_index} receive from {t.src}"
                 self._stage_receives(work, chunks, packed_size, peer_of[t.src], where)
                 self.bytes_received += t.num_bytes
-        packed = self._exchange(round_index, work, transport, names, timeout_s, by_tag)
-        exchanged = time.perf_counter()
+        self._exchange(round_index, work, transport, names, timeout_s, by_tag)
         self.peak_buffer_bytes = max(self.peak_buffer_bytes, work.staged)
-        work.copy_in()
         work.pool.release()
-        done = time.perf_counter()
-        self.pack_s += packed - started
-        self.transfer_s += exchanged - packed
-        self.unpack_s += done - exchanged
+        # Packing and unpacking overlap the wire; what is left of the round was waiting for it.
+        self.pack_s += work.pack_s
+        self.unpack_s += work.unpack_s
+        self.transfer_s += max(0.0, time.perf_counter() - started - work.pack_s - work.unpack_s)
 
     def _stage_sends(
         self, work: _Round, chunks: list[_Chunk], packed_size: int, peer: int, where: str, by_tag: bool
@@ -324,55 +327,65 @@ class Runner:
         """Queue one message's sends to ``peer``: its packed buffer, then each piece sent on its own."""
         if packed_size:
             buf = work.stage(packed_size)
-            sources = [
-                (c, self._find(self.old_by_key.get(c.key), c.key, c.region, where)) for c in chunks if c.offset >= 0
-            ]
-            work.packs.append((buf, sources))
-            work.later.append((peer, buf, 0, None))
+            copies = []
+            for c in chunks:
+                if c.offset >= 0:
+                    src = self._find(self.old_by_key.get(c.key), c.key, c.region, where)
+                    copies.append((buf[c.offset : c.offset + c.nbytes].view(c.dtype).view(src.shape), src))
+            work.later.append((peer, buf, 0, copies))
         for i, c in enumerate(chunks):
             if c.offset < 0:
                 src = self._find(self.old_by_key.get(c.key), c.key, c.region, where)
                 if src.is_contiguous() and by_tag:
                     work.ready.append((peer, src.view(-1), i + 1))
                 elif src.is_contiguous():
-                    work.later.append((peer, src.view(-1), i + 1, None))
+                    work.later.append((peer, src.view(-1), i + 1, []))
                 else:
                     stage = work.stage(c.nbytes).view(c.dtype)
-                    work.later.append((peer, stage, i + 1, src))
+                    work.later.append((peer, stage, i + 1, [(stage.view(src.shape), src)]))
 
     def _stage_receives(self, work: _Round, chunks: list[_Chunk], packed_size: int, peer: int, where: str) -> None:
         """Queue one message's receives from ``peer``: its packed buffer, then each piece sent on its own."""
         if packed_size:
             buf = work.stage(packed_size)
-            work.recvs.append((peer, buf, 0))
+            unpack = []
             for c in chunks:
                 if c.offset >= 0:
                     dst = self._find(self.new_by_key.get(c.key), c.key, c.region, where)
-                    work.unpack.append((buf[c.offset : c.offset + c.nbytes].view(c.dtype).view(dst.shape), dst))
+                    unpack.append((buf[c.offset : c.offset + c.nbytes].view(c.dtype).view(dst.shape), dst))
+            work.receive(peer, buf, 0, unpack)
         for i, c in enumerate(chunks):
             if c.offset < 0:
                 dst = self._find(self.new_by_key.get(c.key), c.key, c.region, where)
                 if dst.is_contiguous():
-                    work.recvs.append((peer, dst.view(-1), i + 1))
+                    work.receive(peer, dst.view(-1), i + 1, [])
                 else:
                     stage = work.stage(c.nbytes).view(c.dtype)
-                    work.recvs.append((peer, stage, i + 1))
-                    work.unpack.append((stage.view(dst.shape), dst))
+                    work.receive(peer, stage, i + 1, [(stage.view(dst.shape), dst)])
 
     @staticmethod
     def _exchange(
         round_index: int, work: _Round, transport: Transport, names: dict[int, str], timeout_s: float, by_tag: bool
-    ) -> float:
-        """Post the round's messages, pack what is staged, wait for all of them; returns when packing ended."""
-        # With tag matching, what needs no staging goes on the wire before the packing starts.
-        first = transport.post(round_index, work.ready, work.recvs, timeout_s, names) if by_tag else None
-        work.pack()
-        sends_later = work.sends_later()
-        packed = time.perf_counter()
-        if first is not None:  # by tag
-            second = transport.post(round_index, sends_later, [], timeout_s, names)
-            first.wait()
-            second.wait()
-        else:
-            transport.post(round_index, sends_later, work.recvs, timeout_s, names).wait()
-        return packed
+    ) -> None:
+        """Post the round's messages and wait for them, packing and unpacking while others are on the wire.
+
+        With tag matching (gloo) every receive and every send that needs no staging is posted first;
+        each staged send is posted as soon as it is packed, and each receive is unpacked as soon as
+        it arrived. Matched in posting order (NCCL), everything is packed first, posted in one
+        batch, and unpacked after.
+        """
+        if not by_tag:
+            sends = [work.pack_one(i) for i in range(len(work.later))]
+            transport.post(round_index, sends, work.recvs, timeout_s, names).wait()
+            for i in range(len(work.recvs)):
+                work.unpack_one(i)
+            return
+        receiving = transport.post(round_index, [], work.recvs, timeout_s, names)
+        sending = [transport.post(round_index, work.ready, [], timeout_s, names)]
+        for i in range(len(work.later)):
+            sending.append(transport.post(round_index, [work.pack_one(i)], [], timeout_s, names))
+        for i in range(len(work.recvs)):
+            receiving.wait_one(i)
+            work.unpack_one(i)
+        for pending in sending:
+            pending.wait()

@@ -27,6 +27,10 @@ class PendingExchange(Protocol):
     def wait(self) -> None:
         """Block until every posted send and receive completed; raise MigrationError naming the peer."""
 
+    def wait_one(self, index: int) -> None:
+        """Block until the ``index``-th posted operation (sends first, then receives, in list order)
+        completed; raise MigrationError naming the peer."""
+
 
 class Transport(Protocol):
     rank: int
@@ -156,18 +160,23 @@ class _TorchPending:
         self.deadline, self.timeout_s, self.cuda_sync = deadline, timeout_s, cuda_sync
 
     def wait(self) -> None:
-        for work, label in zip(self.works, self.labels):
-            remaining = max(0.001, self.deadline - time.monotonic())
-            try:
-                ok = work.wait(timeout=timedelta(seconds=remaining))
-            except Exception as err:
-                raise MigrationError(f"round {self.round_index}: {label} did not complete: {_first_line(err)}") from err
-            if ok is False:
-                raise MigrationError(
-                    f"round {self.round_index}: {label} did not complete within {self.timeout_s:.0f} s"
-                )
+        for index in range(len(self.works)):
+            self.wait_one(index)
         if self.cuda_sync and self.works:
             torch.cuda.current_stream().synchronize()
+
+    def wait_one(self, index: int) -> None:
+        if not self.works:
+            return
+        # NCCL coalesces a batch into one work: every index waits for it.
+        work, label = self.works[min(index, len(self.works) - 1)], self.labels[min(index, len(self.labels) - 1)]
+        remaining = max(0.001, self.deadline - time.monotonic())
+        try:
+            ok = work.wait(timeout=timedelta(seconds=remaining))
+        except Exception as err:
+            raise MigrationError(f"round {self.round_index}: {label} did not complete: {_first_line(err)}") from err
+        if ok is False:
+            raise MigrationError(f"round {self.round_index}: {label} did not complete within {self.timeout_s:.0f} s")
 
 
 def _first_line(err: BaseException) -> str:
