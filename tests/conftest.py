@@ -105,6 +105,7 @@ TEST_LAYERS: dict[str, tuple[str, dict[str, list[str]]]] = {
     "test_planner.py": ("unit", {"multiproc": ["test_plan_hash_is_the_same_in_fresh_processes"]}),
     "test_planner_scale.py": ("unit", {}),
     "test_plain.py": ("e2e", {}),
+    "test_prepare.py": ("unit", {}),
     "test_protocol.py": ("unit", {}),
     "test_reach.py": ("unit", {}),
     "test_fence.py": ("unit", {}),

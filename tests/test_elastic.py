@@ -32,7 +32,11 @@ CASES = {
     "tp2pp2-loss": ("tp=2,pp=2,dp=auto", 4, 44, 0.2, ("join", "leave", "kill", "hang"), False),
 }
 MODEL_ARGS = {"tp2pp2-loss": ["--layers", "2"]}  # one layer per stage: 8 workers on 2 cores train slowly
-AGENT_ARGS = {"tp2pp2-loss": ["--worker-heartbeat-timeout", "3"]}
+AGENT_ARGS = {
+    "tp2pp2-loss": ["--worker-heartbeat-timeout", "3"],
+    # Every switch arrives and forms its migration group inside the stall, as memory-tight jobs ask.
+    "tp2-torch-adamw-loss": ["--prepare", "off"],
+}
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -100,6 +104,10 @@ def test_elastic_training_through_join_leave_and_crash(name, etcd_server, tmp_pa
         parts = record["stall_parts"]
         assert parts is not None and sum(parts.values()) == pytest.approx(record["total_stall_s"], abs=2e-3), record
         assert parts["unaccounted_s"] < 0.1 and parts["transfer_s"] <= record["transfer_s"] + 1e-3, record
+        if event in ("join", "leave"):
+            # The old world's processes heard of the generation before the boundary that took it over:
+            # they had arrived and formed its migration group while training.
+            assert (record["num_prepared"] > 0) == ("--prepare" not in AGENT_ARGS.get(name, [])), record
         if event == "join":
             assert record["bytes_moved"] > 0, record  # the new replicas receive their state
         if event == "leave":

@@ -269,16 +269,17 @@ def test_a_stall_splits_into_consecutive_parts_that_add_up():
     from etc_agent.rendezvous.records import StallParts
     from etc_agent.worker.report import Clocks, MigrationTimes
 
-    clocks = Clocks(started=10.5, grouped=11.5, built=12.0, arrived=11.0, migration_grouped=12.25, exchanged=12.5)
+    # entered 10.5, arrived 11.0, migration group 11.25, training group 11.75, built 12.25, exchanged 12.5
+    clocks = Clocks(started=10.5, grouped=11.75, built=12.25, arrived=11.0, migration_grouped=11.25, exchanged=12.5)
     clocks.migrated = 14.0
     times = MigrationTimes(describe_s=0.125, plan_s=0.25, transfer_s=0.75, local_copy_s=0.0625, peer_wait_s=0.25)
     parts = clocks.parts(10.0, times, 14.5)
     assert parts == {
         "stop_s": 0.5,
         "arrive_s": 0.5,
+        "migration_group_s": 0.25,
         "group_s": 0.5,
         "build_s": 0.5,
-        "migration_group_s": 0.25,
         "exchange_s": 0.25,
         "settle_s": 0.5,
         "describe_s": 0.125,
@@ -294,6 +295,14 @@ def test_a_stall_splits_into_consecutive_parts_that_add_up():
     assert sum(parts.values()) == 4.5
     StallParts(**parts)  # every part is a field of the record
     # A process that is not a member (a sender) builds nothing: its marks coincide, parts are 0.
-    sender = Clocks(started=1.0, grouped=1.2, built=1.2, arrived=1.2, migration_grouped=1.4, exchanged=1.5)
+    sender = Clocks(started=1.0, grouped=1.4, built=1.4, arrived=1.2, migration_grouped=1.4, exchanged=1.5)
     sender.migrated = 2.0
-    assert sum(sender.parts(0.5, MigrationTimes(plan_s=0.1, transfer_s=0.2), 2.5).values()) == pytest.approx(2.0)
+    sender_parts = sender.parts(0.5, MigrationTimes(plan_s=0.1, transfer_s=0.2), 2.5)
+    assert sender_parts["group_s"] == sender_parts["build_s"] == 0.0
+    assert sum(sender_parts.values()) == pytest.approx(2.0)
+    # A generation prepared while training: arrived and migration group formed before the stop.
+    prepared = Clocks(started=1.0, grouped=1.3, built=1.6, arrived=1.0, migration_grouped=1.0, exchanged=1.7)
+    prepared.migrated = 2.0
+    prepared_parts = prepared.parts(0.9, MigrationTimes(), 2.0)
+    assert prepared_parts["arrive_s"] == prepared_parts["migration_group_s"] == 0.0
+    assert prepared_parts["group_s"] == pytest.approx(0.3) and prepared_parts["unaccounted_s"] == 0.0

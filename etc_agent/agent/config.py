@@ -97,6 +97,11 @@ class AgentConfig(BaseModel):
         description="live: workers stay and state moves device to device; checkpoint: workers save with DCP, exit, "
         "and new workers load with resharding (the baseline).",
     )
+    prepare: Literal["on", "off"] = Field(
+        "on",
+        description="on: a worker that hears of a new generation enters its store and forms its migration "
+        "group while it still trains (a TCPStore client and one connection per peer, no state); off: at the switch.",
+    )
     checkpoint_dir: str | None = Field(
         None,
         description="Directory every node can reach: --migration checkpoint saves there; "

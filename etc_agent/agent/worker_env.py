@@ -25,6 +25,8 @@ def node_env(node: Node, local_rank: int, generation: int) -> dict[str, str]:
         optional["fresh_start"] = True
     if config.log_format == "json":
         optional["log_format"] = "json"
+    if config.prepare == "off":
+        optional["prepare"] = False
     if config.checkpoint_interval:
         optional.update(checkpoint_interval=config.checkpoint_interval, checkpoint_keep=config.checkpoint_keep)
     settings = WorkerSettings(

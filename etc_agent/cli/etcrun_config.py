@@ -37,6 +37,7 @@ AGENT_FLAGS = (
     "log_format",
     "parallel",
     "migration",
+    "prepare",
     "checkpoint_interval",
     "checkpoint_keep",
     "fresh_start",

@@ -29,6 +29,7 @@ SETTING_FLAGS: dict[str, str] = {
     "node_rank": "--node-rank",
     "shutdown_timeout": "--shutdown-timeout",
     "migration": "--migration",
+    "prepare": "--prepare",
     "checkpoint_dir": "--checkpoint-dir",
     "checkpoint_interval": "--checkpoint-interval",
     "checkpoint_keep": "--checkpoint-keep",
@@ -162,6 +163,7 @@ class EtcrunFlags(BaseModel):
         description=f"LOCAL_RANK=0 in every worker, CUDA_VISIBLE_DEVICES narrowed to its own device (index 0). {WORKERS}",
     )
     migration: str = Field("live", description=_describe("migration"))
+    prepare: str = Field("on", description=_describe("prepare"))
     checkpoint_dir: Path | None = Field(None, description=_describe("checkpoint_dir"))
     checkpoint_interval: int = Field(0, description=_describe("checkpoint_interval"))
     checkpoint_keep: int = Field(2, description=_describe("checkpoint_keep"))

@@ -78,6 +78,12 @@ class WorkerSettings(BaseModel):
         description="Seconds of training between the ranks' step-boundary votes (0: a vote at every step); "
         "a new generation takes over up to this long after the agents see it.",
     )
+    prepare: bool = Field(
+        True,
+        alias="ETC_AGENT_PREPARE",
+        description="etcrun --prepare: enter a new generation's store and form its migration group while "
+        "still training (0: at the switch).",
+    )
     checkpoint_dir: str | None = Field(
         None, alias="ETC_AGENT_CHECKPOINT_DIR", description="etcrun --checkpoint-dir: where checkpoints go."
     )

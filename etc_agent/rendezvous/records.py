@@ -289,6 +289,11 @@ class MigrationRecord(Record):
         "crossed a node); on a link that carried them all, the share of its rate the migration used.",
     )
     total_stall_s: float = Field(description="Training stopped until training resumed, on the slowest rank.")
+    num_prepared: int = Field(
+        0,
+        description="Live: processes that had arrived at the generation and formed its migration group while "
+        "still training (etcrun --prepare); the others did it inside the stall.",
+    )
     stall_parts: StallParts | None = Field(
         None, description="Live: the slowest rank's stall in named parts that add up to it (None: the checkpoint way)."
     )

@@ -46,6 +46,9 @@ class BoundaryVote:
     """The longest step any rank trained since the previous vote (0: none yet in this generation)."""
     commit_barrier: bool = True
     """Some rank's state needs the commit barrier before every optimizer step (:func:`needs_commit_barrier`)."""
+    preparing: bool = False
+    """Some rank still prepares the pending generation (:meth:`~etc_agent.worker.prepare.Preparations.preparing`):
+    every rank trains on and votes again at the next boundary."""
 
 
 def boundary_vote(
@@ -55,17 +58,21 @@ def boundary_vote(
     fenced: bool = False,
     slowest_step_s: float = 0.0,
     commit_barrier: bool = True,
+    preparing: bool = False,
 ) -> BoundaryVote:
     """All-reduce (MAX) the generation this rank has seen, its checkpoint flags at ``step``, whether
-    its agent is fenced, its longest step since the previous vote and whether it needs the commit
-    barrier."""
+    its agent is fenced, its longest step since the previous vote, whether it needs the commit
+    barrier and whether it still prepares the generation it has seen."""
     due = checkpointer is not None and checkpointer.due(step)
     busy = checkpointer is not None and checkpointer.writing()
     step_us = int(slowest_step_s * 1e6)
-    flag = torch.tensor([seen, int(due), int(busy), int(fenced), step_us, int(commit_barrier)], dtype=torch.int64)
+    flags = [seen, int(due), int(busy), int(fenced), step_us, int(commit_barrier), int(preparing)]
+    flag = torch.tensor(flags, dtype=torch.int64)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    pending, any_due, any_busy, any_fenced, slowest_us, barrier = (int(v) for v in flag.tolist())
-    return BoundaryVote(pending, bool(any_due), bool(any_busy), bool(any_fenced), slowest_us / 1e6, bool(barrier))
+    pending, any_due, any_busy, any_fenced, slowest_us, barrier, any_preparing = (int(v) for v in flag.tolist())
+    return BoundaryVote(
+        pending, bool(any_due), bool(any_busy), bool(any_fenced), slowest_us / 1e6, bool(barrier), bool(any_preparing)
+    )
 
 
 def needs_commit_barrier(config: ParallelConfig, whole_tensors: Callable[[], bool]) -> bool:

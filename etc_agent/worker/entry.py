@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -22,6 +22,9 @@ from etc_agent.worker.genstore import GenerationStore
 from etc_agent.worker.link import AgentLink
 from etc_agent.worker.report import Clocks
 from etc_agent.worker.switch_view import JobView
+
+if TYPE_CHECKING:
+    from etc_agent.worker.prepare import Prepared
 
 
 @dataclass
@@ -44,44 +47,83 @@ class Entry:
 
 def arrive(job: JobView, assignment: Assignment) -> dist.Store | None:
     """Wait until every process of the generation reached its store (None: a newer generation came)."""
+    store = connect_store(assignment, job.timeout_s)
+    job.use_store(store)
+    mark_arrived(store, assignment)
+    return store if wait_for_arrivals(store, assignment, job.timeout_s, job.link) else None
+
+
+def connect_store(assignment: Assignment, timeout_s: float) -> dist.Store:
+    """A client of the generation's store (hosted by its first member's agent)."""
     from torch.distributed import TCPStore
 
-    generation = assignment.generation
-    store = TCPStore(
+    return TCPStore(
         assignment.store_addr,
         assignment.store_port,
         is_master=False,
-        timeout=timedelta(seconds=job.timeout_s),
+        timeout=timedelta(seconds=timeout_s),
         wait_for_workers=False,
     )
-    job.use_store(store)
-    key = f"gen{generation}/arrived"
+
+
+def mark_arrived(store: dist.Store, assignment: Assignment) -> None:
+    """Count this process in at the generation's store (once per process and generation)."""
+    key = f"gen{assignment.generation}/arrived"
     store.set(f"{key}/{assignment.pg_rank}", "1")
     store.add(key, 1)
-    deadline = time.monotonic() + job.timeout_s
+
+
+def wait_for_arrivals(store: dist.Store, assignment: Assignment, timeout_s: float, link: AgentLink) -> bool:
+    """Wait until every process of the generation is counted in; False when a newer generation came first."""
+    generation = assignment.generation
+    key = f"gen{generation}/arrived"
+    deadline = time.monotonic() + timeout_s
     while True:
         count = store.add(key, 0)
         if count >= assignment.pg_world_size:
-            return store
-        if job.link.newer_than(generation):
-            return None
-        if job.link.finished:
+            return True
+        if link.newer_than(generation):
+            return False
+        if link.finished:
             raise JobFinished()
         if time.monotonic() > deadline:
             missing = [d for r, d in enumerate(assignment.devices) if not store.check([f"{key}/{r}"])]
             raise ArrivalTimeout(
                 f"generation {generation}: {count} of {assignment.pg_world_size} processes arrived within "
-                f"{job.timeout_s:.0f} s; missing: {', '.join(missing)}"
+                f"{timeout_s:.0f} s; missing: {', '.join(missing)}"
             )
         time.sleep(0.01)
 
 
-def form(job: JobView, assignment: Assignment, job_store: dist.Store, started: float) -> Entry:
-    """Members: the training group, the context and ``build(ctx)``; everyone: the migration group."""
+def migration_group(
+    store: dist.Store, assignment: Assignment, link: AgentLink, timeout_s: float
+) -> dist.ProcessGroupGloo:
+    """The generation's migration group (every member and sender, by transport rank) on its store."""
+    generation = assignment.generation
+    waits = GenerationStore(store, generation, lambda: newer_generation(link, generation), timeout_s)
+    return gloo_group(
+        dist.PrefixStore(f"gen{generation}/migrate/", waits),
+        assignment.pg_rank,
+        assignment.pg_world_size,
+        timedelta(seconds=timeout_s),
+    )
+
+
+def form(
+    job: JobView, assignment: Assignment, job_store: dist.Store, started: float, prepared: Prepared | None = None
+) -> Entry:
+    """Everyone: the migration group (``prepared`` holds it when it formed while training); members
+    then: the training group, the context and ``build(ctx)``.
+
+    The migration group comes first for every process, so that a joiner's, which has no
+    preparation, meets the group its peers form in the background before they stop training.
+    """
     generation = assignment.generation
     timeout = timedelta(seconds=job.timeout_s)
     ctx = new_state = new_tensors = None
-    arrived = grouped = built = time.perf_counter()
+    arrived = time.perf_counter() if prepared is None else started
+    group = prepared.group if prepared is not None else migration_group(job_store, assignment, job.link, job.timeout_s)
+    migration_grouped = grouped = built = time.perf_counter()
     store = GenerationStore(job_store, generation, lambda: newer_generation(job.link, generation), job.timeout_s)
     if assignment.rank is not None:
         init_default_group(
@@ -100,16 +142,17 @@ def form(job: JobView, assignment: Assignment, job_store: dist.Store, started: f
         new_state = job.build_state(ctx)
         new_tensors, _ = split_state(new_state, keep_vars=True)
         built = time.perf_counter()
-    group = gloo_group(
-        dist.PrefixStore(f"gen{generation}/migrate/", store),
-        assignment.pg_rank,
-        assignment.pg_world_size,
-        timeout,
-    )
     return Entry(
         assignment=assignment,
         device=Device.parse(assignment.device),
-        clocks=Clocks(started, grouped, built, arrived=arrived, migration_grouped=time.perf_counter()),
+        clocks=Clocks(
+            started,
+            grouped,
+            built,
+            arrived=arrived,
+            migration_grouped=migration_grouped,
+            prepared=prepared is not None,
+        ),
         # GroupTransport's hint says ProcessGroup; it uses only rank/size/allgather/send/recv, which gloo has.
         transport=GroupTransport(group, "gloo"),  # type: ignore[arg-type]
         group=group,

@@ -193,6 +193,32 @@ class GroupRelease:
         return list(self._kept)
 
 
+class GroupReleases:
+    """The releases of a job's teardowns: each says, once done, which groups something still holds."""
+
+    def __init__(self) -> None:
+        self._pending: list[GroupRelease] = []
+
+    def add(self, release: GroupRelease) -> None:
+        self._pending.append(release)
+
+    def report(self, wait: bool) -> None:
+        """Warn of the groups still held, for the releases that are done (all of them with ``wait``:
+        at the end of the job, each within its bound)."""
+        pending = []
+        for release in self._pending:
+            if not wait and not release.done:
+                pending.append(release)
+                continue
+            kept = release.wait()
+            if kept:
+                log.warning(
+                    "destroyed process groups still referenced: %s; peers blocked in them wait until their timeout",
+                    ", ".join(kept),
+                )
+        self._pending = pending
+
+
 def release_all_groups() -> GroupRelease:
     """Destroy every process group and free them in the background (see :class:`GroupRelease`).
 

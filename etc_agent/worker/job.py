@@ -58,9 +58,10 @@ from etc_agent.worker.connect import init_static_group
 from etc_agent.worker.context import ParallelContext, make_context
 from etc_agent.worker.errors import ArrivalTimeout, JobError, JobFinished, StateLost, is_peer_failure
 from etc_agent.worker.gather import gather_state
-from etc_agent.worker.groups import GroupRelease, mark_loaded_modules_clean, release_all_groups
+from etc_agent.worker.groups import GroupReleases, mark_loaded_modules_clean, release_all_groups
 from etc_agent.worker.link import AgentLink
 from etc_agent.worker.logs import configure_worker_logging, say, write_json
+from etc_agent.worker.prepare import Preparations
 from etc_agent.worker.report import Stopped
 from etc_agent.worker.switch import Switch
 from etc_agent.worker.switch_view import JobView, Resumed
@@ -120,17 +121,16 @@ class Job:
         self.migrations: list[dict] = []
         """One record per migration this process took part in (as sent to the agent)."""
         self._build: Build | None = None
-        self._releases: list[GroupRelease] = []
-        """Torn-down groups being freed in the background (what something still holds is said once they are)."""
+        self.releases = GroupReleases()
+        """Torn-down groups being freed in the background."""
         self.store: dist.Store | None = None
-        self._stepped = False
-        self._in_step = False
-        self._finished = False
-        self._trained_sent = False
+        self._stepped = self._in_step = self._finished = self._trained_sent = False
         self._held_at = -1
         """The step boundary this rank last held at for a fenced agent (said once per boundary)."""
         self.migration = settings.migration
         """live, or checkpoint: at a switch save with DCP and exit; new workers load (the baseline)."""
+        self.preparations = Preparations(self.link, self.timeout_s, settings.prepare and self.migration == "live")
+        """The next generation entered while training (:mod:`etc_agent.worker.prepare`)."""
         self.checkpoint_dir = settings.checkpoint_dir
         self.fresh_start = settings.fresh_start
         """``etcrun --fresh-start``: never resume from the checkpoints in ``checkpoint_dir``."""
@@ -187,6 +187,7 @@ class Job:
                 self.votes.boundary(time.perf_counter())
                 if self.link is not None:
                     self.link.progress = (self.next_step, self.votes.last_step_s)
+                self.preparations.notice(self.generation)
                 checkpoint_due = self._maybe_switch(num_steps)
             else:
                 checkpoint_due = self.checkpointer is not None and self.checkpointer.due(self.next_step)
@@ -217,7 +218,7 @@ class Job:
                 dist.barrier()
             finally:
                 dist.destroy_process_group()
-        self._report_releases(wait=True)
+        self.releases.report(wait=True)
         if self.link is not None:
             self.link.close()
 
@@ -314,8 +315,9 @@ class Job:
             try:
                 seen = max(self.link.latest, self.generation)
                 slowest = self.votes.slowest_step_s
+                preparing = self.preparations.preparing(seen, self.link.latest_status, self.generation)
                 vote = boundary_vote(
-                    seen, self.checkpointer, self.next_step, self.link.fenced, slowest, self._barrier_wanted
+                    seen, self.checkpointer, self.next_step, self.link.fenced, slowest, self._barrier_wanted, preparing
                 )
             except Exception as err:  # a peer died between steps
                 if not self.recover(err):
@@ -326,8 +328,11 @@ class Job:
                 rank = self.ctx.rank if self.ctx is not None else -1
                 self._held_at = boundary.hold_fenced(self.generation, self.next_step, rank, self._held_at)
                 continue
-            if vote.pending <= self.generation:
-                self.votes.voted(self.next_step, vote.slowest_step_s)
+            # The next generation is still being prepared somewhere: train on, vote at the next boundary.
+            train_on = vote.preparing and not vote.fenced and self.next_step < num_steps
+            if vote.pending <= self.generation or train_on:
+                if not train_on:
+                    self.votes.voted(self.next_step, vote.slowest_step_s)
                 if not (vote.checkpoint_due and vote.writing):
                     return vote.checkpoint_due
                 try:
@@ -395,9 +400,9 @@ class Job:
         if self.ctx is not None:
             self.ctx.mesh._pg_registry.clear()  # old DTensors keep their mesh; it must not keep the groups
         self.ctx = None
-        self._report_releases(wait=False)
+        self.releases.report(wait=False)
         # The old groups' sockets close in the background: the next generation's groups do not wait for them.
-        self._releases.append(release_all_groups())
+        self.releases.add(release_all_groups())
         # DTensor's dispatch cache compares meshes by shape and names: stale entries would attach
         # new DTensors to the old mesh.
         torch._C._clear_DTensor_sharding_propagator_cache()
@@ -441,23 +446,8 @@ class Job:
             leave=self._leave,
             use_store=self._use_store,
             resume=self._resume,
+            take_preparation=self.preparations.take,
         )
-
-    def _report_releases(self, wait: bool) -> None:
-        """Say which torn-down groups something still holds, for the releases that are done (all of
-        them with ``wait``: at the end, each within its bound)."""
-        pending = []
-        for release in self._releases:
-            if not wait and not release.done:
-                pending.append(release)
-                continue
-            kept = release.wait()
-            if kept:
-                log.warning(
-                    "destroyed process groups still referenced: %s; peers blocked in them wait until their timeout",
-                    ", ".join(kept),
-                )
-        self._releases = pending
 
     def _take_state(self) -> tuple[dict | None, ParallelContext | None]:
         state, self.state = self.state, None  # the app objects may hold old groups: the teardown frees them

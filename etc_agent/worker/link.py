@@ -79,6 +79,12 @@ class AgentLink:
         return reply is not None and reply.fenced
 
     @property
+    def latest_status(self) -> str | None:
+        """The status of the newest generation the agent has read (``waiting``, ``running``, ...)."""
+        reply = self.reply
+        return reply.latest_status if reply is not None else None
+
+    @property
     def finished(self) -> bool:
         """Training rank 0 reported the last step done."""
         reply = self.reply

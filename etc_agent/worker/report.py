@@ -65,8 +65,10 @@ class MigrationTimes:
 @dataclass
 class Clocks:
     """``perf_counter`` marks of one process's switch, in the order they happen: entered (the
-    assignment in hand), arrived at the generation's store, training group formed, state built,
-    migration group formed, versions exchanged, data moved. A mark not reached stays 0."""
+    assignment in hand), arrived at the generation's store, migration group formed, training group
+    formed, state built, versions exchanged, data moved. A mark not reached stays 0. A generation
+    prepared while training (:mod:`etc_agent.worker.prepare`) was arrived at and its migration
+    group formed before the stop: those marks equal ``started``."""
 
     started: float
     grouped: float
@@ -75,6 +77,8 @@ class Clocks:
     migration_grouped: float = 0.0
     exchanged: float = 0.0
     migrated: float = 0.0
+    prepared: bool = False
+    """Arrived and migration group formed while training."""
 
     def parts(self, stopped: float, migration: MigrationTimes, now: float) -> dict[str, float]:
         """This process's stall from ``stopped`` to ``now`` in named parts (the fields of
@@ -82,11 +86,11 @@ class Clocks:
         marks = [
             ("stop_s", stopped),
             ("arrive_s", self.started),
-            ("group_s", self.arrived or self.started),
+            ("migration_group_s", self.arrived or self.started),
+            ("group_s", self.migration_grouped or self.arrived or self.started),
             ("build_s", self.grouped),
-            ("migration_group_s", self.built),
-            ("exchange_s", self.migration_grouped or self.built),
-            ("migrate_s", self.exchanged or self.migration_grouped or self.built),
+            ("exchange_s", self.built),
+            ("migrate_s", self.exchanged or self.built),
             ("settle_s", self.migrated or now),
         ]
         out = {}
@@ -165,6 +169,7 @@ def live_record(
         transfer_s=round(_worst(everyone, "transfer"), 4),
         inter_node_gbit_s=_gbit_s(plan.bytes_moved_inter_node, _worst(everyone, "transfer")),
         total_stall_s=round(_worst(everyone, "stall"), 4),
+        num_prepared=sum(e["prepared"] for e in everyone),
         stall_parts=_slowest_parts(everyone),
     )
 
@@ -196,6 +201,7 @@ def _phase_times(result: MigrationResult | None, stopped: Stopped | None, clocks
         "stop_wall": stopped.wall if stopped else None,
         "stall": (now - stopped.perf) if stopped else None,
         "parts": clocks.parts(stopped.perf, times, now) if stopped else None,
+        "prepared": clocks.prepared,
         "agree": (clocks.grouped - stopped.perf) if stopped else None,
         "rebuild": clocks.built - clocks.grouped,
         "plan": times.plan_s,

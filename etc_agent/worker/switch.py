@@ -119,10 +119,21 @@ class Switch:
     def _enter(self, assignment: Assignment, held: Held) -> Assignment | None:
         """Enter ``assignment``'s generation; a newer assignment if one superseded it while arriving."""
         started = time.perf_counter()
-        store = arrive(self.job, assignment)
+        preparation = self.job.take_preparation(assignment.generation)
+        prepared = None
+        if preparation is None or preparation.store is None:
+            store = arrive(self.job, assignment)
+        else:  # counted in while training: what the preparation's thread made, or how it ended
+            store = preparation.store
+            self.job.use_store(store)
+            if preparation.error is not None:
+                raise preparation.error
+            if preparation.superseded:
+                store = None
+            prepared = preparation.prepared
         if store is None:
             return self.job.link.newer_than(assignment.generation)
-        entry = form(self.job, assignment, store, started)
+        entry = form(self.job, assignment, store, started, prepared)
         exchanged = exchange(self.job, entry, held)
         entry.clocks.exchanged = time.perf_counter()
         if self._restore_baseline(entry, exchanged):

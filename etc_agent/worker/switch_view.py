@@ -24,6 +24,7 @@ from etc_agent.worker.link import AgentLink
 
 if TYPE_CHECKING:
     from etc_agent.worker.checkpoint import PeriodicCheckpointer
+    from etc_agent.worker.prepare import Preparation
 
 
 @dataclass(frozen=True)
@@ -71,3 +72,5 @@ class JobView:
     """The store of the generation being entered becomes the job's (its checkpoints coordinate on it)."""
     resume: Callable[[Resumed], None]
     """The job now holds the state of the generation it entered."""
+    take_preparation: Callable[[int], Preparation | None]
+    """What was prepared of this generation while training (:meth:`~etc_agent.worker.prepare.Preparations.take`)."""

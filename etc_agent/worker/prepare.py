@@ -1,0 +1,140 @@
+"""Entering the next generation while this process still trains in the current one.
+
+A worker hears of a new generation from its agent's poll up to a vote interval before every rank
+stops at the boundary that takes it over (:mod:`etc_agent.worker.boundary`). What of the switch
+needs neither the old world's groups nor the training thread is done in that time, in a thread
+of its own: connecting to the generation's store, counting this process in there, waiting for
+everyone else, and forming the migration group (``gen<N>/migrate/``: gloo's pairwise connects run
+with the GIL released, beside the training steps). The switch then starts from the training group
+(:func:`etc_agent.worker.entry.form`).
+
+Call sequence: the training thread calls :meth:`Preparations.notice` at every step boundary (it
+starts a :class:`Preparation` for a generation it has not seen before, dropping an older one);
+:meth:`Preparations.take` in the switch hands over the one made for the generation entered, once
+its thread ended (bounded by the job's timeout, which the waits inside honour too), or None. A
+preparation that failed (a peer gone while it formed) hands over its error, which the switch
+treats as a failure of that generation, as it would have treated the same failure in
+:func:`~etc_agent.worker.entry.form`. Memory: a TCPStore client and the migration group's sockets
+(one connection per peer); nothing of the state. ``etcrun --prepare off`` (``ETC_AGENT_PREPARE=0``)
+turns it off.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from etc_agent.protocol.control import Assignment
+from etc_agent.worker.entry import connect_store, mark_arrived, migration_group, wait_for_arrivals
+from etc_agent.worker.link import AgentLink
+
+PREPARE_GRACE_S = 2.0
+"""How long a rank asks the others to train on (:meth:`Preparations.preparing`) for a generation
+it has seen: its agent may not serve this node's part of it (a spare node), or a peer may never
+arrive; the switch then does what is left inside the stall."""
+JOIN_MARGIN_S = 5.0
+"""Beyond the job's timeout, how long the switch waits for a preparation's thread (its waits end first)."""
+
+
+@dataclass
+class Prepared:
+    """What a preparation made: the generation's store (this process counted in, everyone arrived)
+    and its migration group."""
+
+    store: dist.Store
+    group: dist.ProcessGroupGloo
+
+
+class Preparation:
+    """One generation's store arrival and migration group, made in a thread (see the module docstring)."""
+
+    def __init__(self, assignment: Assignment, link: AgentLink, timeout_s: float):
+        self.assignment = assignment
+        self.generation = assignment.generation
+        self._link, self._timeout_s = link, timeout_s
+        self.store: dist.Store | None = None
+        """Set once this process is counted in: the switch must not count it in again."""
+        self.prepared: Prepared | None = None
+        self.superseded = False
+        """A newer generation came while this one's processes arrived."""
+        self.error: BaseException | None = None
+        self.started = time.perf_counter()
+        self.ended = 0.0
+        self._thread = threading.Thread(target=self._run, name=f"etc-prepare-gen{self.generation}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            store = connect_store(self.assignment, self._timeout_s)
+            mark_arrived(store, self.assignment)
+            self.store = store
+            if not wait_for_arrivals(store, self.assignment, self._timeout_s, self._link):
+                self.superseded = True
+                return
+            group = migration_group(store, self.assignment, self._link, self._timeout_s)
+            self.prepared = Prepared(store, group)
+        except BaseException as err:  # noqa: BLE001 - handed to the switch, which decides
+            self.error = err
+        finally:
+            self.ended = time.perf_counter()
+
+    def join(self) -> bool:
+        """Wait for the thread; False if it is still running after the job's timeout (and the margin)."""
+        self._thread.join(self._timeout_s + JOIN_MARGIN_S)
+        return not self._thread.is_alive()
+
+
+class Preparations:
+    """The preparation of the newest generation this process heard of (at most one at a time)."""
+
+    def __init__(self, link: AgentLink | None, timeout_s: float, enabled: bool):
+        self._link, self._timeout_s = link, timeout_s
+        self.enabled = enabled and link is not None
+        """False without an agent (nothing to switch to), with ``--prepare off`` or ``--migration checkpoint``."""
+        self.current: Preparation | None = None
+        self._asked_since: dict[int, float] = {}
+        """When this rank first asked the others to train on for each generation (monotonic)."""
+
+    def notice(self, generation: int) -> None:
+        """At a step boundary of ``generation``: start preparing a newer one the agent serves, once."""
+        if not self.enabled or self._link is None:
+            return
+        newer = self._link.newer_than(generation)
+        if newer is None or (self.current is not None and self.current.generation >= newer.generation):
+            return
+        # An older preparation's waits end on their own now that a newer generation exists.
+        self.current = Preparation(newer, self._link, self._timeout_s)
+
+    def preparing(self, seen: int, seen_status: str | None, generation: int) -> bool:
+        """Whether this rank, training in ``generation``, asks every rank to train on because it
+        still prepares ``seen`` (the newest generation its agent has read, in status
+        ``seen_status``): its part of ``seen`` is not served yet, or its thread still runs. For at
+        most :data:`PREPARE_GRACE_S` after it first asked; never for a generation that waits for
+        nodes (the ranks hold at the boundary for it) or when preparing is off."""
+        if not self.enabled or seen <= generation or seen_status == "waiting":
+            return False
+        now = time.monotonic()
+        first = self._asked_since.setdefault(seen, now)
+        if now - first > PREPARE_GRACE_S:
+            return False
+        current = self.current
+        return current is None or current.generation != seen or current.ended == 0.0
+
+    def take(self, generation: int) -> Preparation | None:
+        """The preparation made for ``generation`` once its thread ended (None: there is none; an
+        older one is dropped, a newer one kept). Its ``prepared``, ``error`` or ``superseded`` says
+        how it went."""
+        current = self.current
+        if current is None or current.generation > generation:
+            return None  # a newer generation's preparation stays for its own switch
+        self.current = None
+        if current.generation != generation:
+            return None
+        if not current.join():
+            raise RuntimeError(
+                f"generation {generation}: preparing it did not end within {self._timeout_s + JOIN_MARGIN_S:.0f} s"
+            )
+        return current
