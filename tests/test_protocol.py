@@ -245,6 +245,7 @@ def test_detection_after_a_failure_is_measured_even_when_a_replacement_reports_i
         "transfer": 0.02,
         "kept": 5,
         "failure": True,
+        "prepared": True,
     }
     clocks = Clocks(started=0.0, grouped=0.0, built=0.0)
     record = live_record(
@@ -263,6 +264,7 @@ def test_detection_after_a_failure_is_measured_even_when_a_replacement_reports_i
     )
     assert record is not None and record.detect_s == pytest.approx(1.2)
     assert record.devices == devices and record.lost == ["b:0"] and record.step == 7
+    assert record.num_prepared == 1  # the survivor had formed the generation's migration group; the replacement not
 
 
 def test_a_stall_splits_into_consecutive_parts_that_add_up():
