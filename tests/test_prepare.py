@@ -153,3 +153,25 @@ def test_a_rank_asks_the_others_to_train_on_while_it_prepares_for_at_most_the_gr
     assert first.preparing(6, "running", 3)  # never served to this rank (a spare node's, say)
     time.sleep(0.3)
     assert not first.preparing(6, "running", 3)  # past the grace: the switch does it in the stall
+
+
+def test_the_agent_links_thread_starts_a_preparation_between_boundaries_but_never_inside_a_switch(store_port):
+    link = _Link()
+    prep = Preparations(link, 1.0, enabled=True)  # type: ignore[arg-type]
+    prep.poll()
+    assert prep.current is None  # not armed: the job has not reached a step boundary yet
+    prep.notice(2)
+    link.current = _assignment(3, 0, store_port)
+    prep.poll()  # the link's reply served generation 3: preparing starts without waiting for a boundary
+    started = prep.current
+    assert started is not None and started.generation == 3
+    prep.poll()
+    assert prep.current is started  # once per generation
+
+    link.current = _assignment(4, 0, store_port)
+    assert prep.take(4) is None  # the switch entered 4 itself (3's preparation dropped)
+    prep.poll()
+    assert prep.current is None  # disarmed: 4's arrival is the switch's own, never counted twice
+    prep.notice(4)
+    assert prep.current is None  # nothing newer than the generation now training
+    assert started.join() and started.superseded

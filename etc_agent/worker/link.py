@@ -13,6 +13,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from etc_agent.protocol.control import (
     Assignment,
@@ -58,6 +59,8 @@ class AgentLink:
         self._changed = threading.Condition(self._lock)
         self._stopping = False
         self._severed_for = -1
+        self.on_reply: Callable[[], None] | None = None
+        """Called in the poll thread after each reply (the job starts preparing a new generation there)."""
         """The newest generation whose unreachable hosts this worker's connections were shut to."""
         hello = request(
             self.address,
@@ -124,6 +127,7 @@ class AgentLink:
                         self.latest = max(self.latest, reply.latest)
                     self.error = None
                     self._changed.notify_all()
+                self._replied()
             except (OSError, JsonLineError, ValueError) as err:
                 failures += 1
                 if failures >= 3:
@@ -131,6 +135,15 @@ class AgentLink:
                         self.error = f"agent at {self.address[0]}:{self.address[1]} unreachable: {err}"
                         self._changed.notify_all()
             self._stop.wait(self.poll_interval)
+
+    def _replied(self) -> None:
+        callback = self.on_reply
+        if callback is None:
+            return
+        try:
+            callback()
+        except Exception:  # the poll goes on; the switch does what was not prepared
+            log.exception("local_rank %d: handling the agent's reply failed", self.local_rank)
 
     def _query(self) -> AssignmentQuery:
         """The poll, with this worker's progress once it trains (the agent's metrics)."""

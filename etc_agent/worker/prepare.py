@@ -1,17 +1,20 @@
 """Entering the next generation while this process still trains in the current one.
 
-A worker hears of a new generation from its agent's poll up to a vote interval before every rank
-stops at the boundary that takes it over (:mod:`etc_agent.worker.boundary`). What of the switch
-needs neither the old world's groups nor the training thread is done in that time, in a thread
-of its own: connecting to the generation's store, counting this process in there, waiting for
+A worker hears of a new generation from its agent's poll before every rank stops at the boundary
+that takes it over (:mod:`etc_agent.worker.boundary`). What of the switch needs neither the old
+world's groups nor the training thread is done in that time, in a thread of its own: connecting to the generation's store, counting this process in there, waiting for
 everyone else, and forming the migration group (``gen<N>/migrate/``: gloo's pairwise connects run
 with the GIL released, beside the training steps). The switch then starts from the training group
 (:func:`etc_agent.worker.entry.form`).
 
 Call sequence: the training thread calls :meth:`Preparations.notice` at every step boundary (it
-starts a :class:`Preparation` for a generation it has not seen before, dropping an older one);
-:meth:`Preparations.take` in the switch hands over the one made for the generation entered, once
-its thread ended (bounded by the job's timeout, which the waits inside honour too), or None. A
+arms the preparations with the generation training); the agent link's poll thread calls
+:meth:`Preparations.poll` after every reply, which starts a :class:`Preparation` as soon as the
+agent serves this process a newer generation (once per generation; an older one is dropped);
+:meth:`Preparations.take` in the switch disarms them and hands over the one made for the generation
+entered, once its thread ended (bounded by the job's timeout, which the waits inside honour too), or
+None. Until a rank's preparation ended it votes ``preparing`` at the step-boundary vote, and every
+rank trains on (:meth:`Preparations.preparing`, at most :data:`PREPARE_GRACE_S`). A
 preparation that failed (a peer gone while it formed) hands over its error, which the switch
 treats as a failure of that generation, as it would have treated the same failure in
 :func:`~etc_agent.worker.entry.form`. Memory: a TCPStore client and the migration group's sockets
@@ -88,25 +91,51 @@ class Preparation:
 
 
 class Preparations:
-    """The preparation of the newest generation this process heard of (at most one at a time)."""
+    """The preparation of the newest generation this process is served (at most one at a time).
+
+    Armed by the training thread at every step boundary (:meth:`notice`, with the generation it
+    trains in) and disarmed by :meth:`take` when a switch begins, so that a preparation starts only
+    for a generation newer than the one training and never for one a switch entered (its arrival
+    would be counted twice). Between boundaries the agent link's thread starts it as soon as the
+    agent serves the assignment (:meth:`poll`), not a step later.
+    """
 
     def __init__(self, link: AgentLink | None, timeout_s: float, enabled: bool):
         self._link, self._timeout_s = link, timeout_s
         self.enabled = enabled and link is not None
         """False without an agent (nothing to switch to), with ``--prepare off`` or ``--migration checkpoint``."""
         self.current: Preparation | None = None
+        self._lock = threading.Lock()
+        self._armed: int | None = None
+        """The generation training (None inside a switch: nothing may start then)."""
+        self._started_up_to = -1
+        """The newest generation a preparation started for or a switch entered."""
         self._asked_since: dict[int, float] = {}
         """When this rank first asked the others to train on for each generation (monotonic)."""
+        if self.enabled and link is not None:
+            link.on_reply = self.poll
 
     def notice(self, generation: int) -> None:
-        """At a step boundary of ``generation``: start preparing a newer one the agent serves, once."""
+        """Training thread, at a step boundary of ``generation``: arm, and start preparing a newer
+        generation the agent serves (once per generation)."""
+        with self._lock:
+            self._armed = generation
+        self.poll()
+
+    def poll(self) -> None:
+        """Any thread (the agent link's after each reply): while armed, start preparing the newest
+        generation the agent serves this process, once per generation."""
         if not self.enabled or self._link is None:
             return
-        newer = self._link.newer_than(generation)
-        if newer is None or (self.current is not None and self.current.generation >= newer.generation):
-            return
-        # An older preparation's waits end on their own now that a newer generation exists.
-        self.current = Preparation(newer, self._link, self._timeout_s)
+        with self._lock:
+            if self._armed is None:
+                return
+            newer = self._link.newer_than(self._armed)
+            if newer is None or newer.generation <= self._started_up_to:
+                return
+            self._started_up_to = newer.generation
+            # An older preparation's waits end on their own now that a newer generation exists.
+            self.current = Preparation(newer, self._link, self._timeout_s)
 
     def preparing(self, seen: int, seen_status: str | None, generation: int) -> bool:
         """Whether this rank, training in ``generation``, asks every rank to train on because it
@@ -124,13 +153,16 @@ class Preparations:
         return current is None or current.generation != seen or current.ended == 0.0
 
     def take(self, generation: int) -> Preparation | None:
-        """The preparation made for ``generation`` once its thread ended (None: there is none; an
-        older one is dropped, a newer one kept). Its ``prepared``, ``error`` or ``superseded`` says
-        how it went."""
-        current = self.current
-        if current is None or current.generation > generation:
-            return None  # a newer generation's preparation stays for its own switch
-        self.current = None
+        """A switch enters ``generation``: disarm, and hand over the preparation made for it once
+        its thread ended (None: there is none; an older one is dropped, a newer one kept). Its
+        ``prepared``, ``error`` or ``superseded`` says how it went."""
+        with self._lock:
+            self._armed = None
+            self._started_up_to = max(self._started_up_to, generation)
+            current = self.current
+            if current is None or current.generation > generation:
+                return None  # a newer generation's preparation stays for its own switch
+            self.current = None
         if current.generation != generation:
             return None
         if not current.join():
