@@ -90,13 +90,13 @@ def test_the_next_generation_is_arrived_at_and_its_migration_group_formed_while_
     taken: list[Preparation] = [prep.take(3) for prep in preparations]  # type: ignore[misc]
     for rank, preparation in enumerate(taken):
         assert preparation is started[rank] and preparation.error is None and not preparation.superseded
-        assert preparation.prepared is not None and preparation.store is preparation.prepared.store
-        assert preparation.prepared.group.rank() == rank and preparation.prepared.group.size() == 2
+        assert preparation.group is not None and preparation.store is not None
+        assert preparation.group.rank() == rank and preparation.group.size() == 2
     assert taken[0].store.add("gen3/arrived", 0) == 2  # type: ignore[union-attr]
 
     def all_reduce(rank: int) -> torch.Tensor:
         tensor = torch.arange(4, dtype=torch.float32) + 10 * rank
-        taken[rank].prepared.group.allreduce([tensor]).wait()  # type: ignore[union-attr]
+        taken[rank].group.allreduce([tensor]).wait()  # type: ignore[union-attr]
         return tensor
 
     for tensor in _on_both(all_reduce):
@@ -114,11 +114,11 @@ def test_a_newer_generation_supersedes_a_preparation_and_a_missing_peer_is_named
     prep.notice(3)
     newer = prep.current
     assert newer is not None and newer is not older and newer.generation == 5
-    assert older.join() and older.superseded and older.prepared is None and older.error is None
+    assert older.join() and older.superseded and older.group is None and older.error is None
     assert prep.take(4) is None and prep.current is newer
 
     taken = prep.take(5)  # the peer n1:0 never arrives at generation 5
-    assert taken is newer and taken.prepared is None
+    assert taken is newer and taken.group is None
     assert isinstance(taken.error, ArrivalTimeout) and "missing: n1:0" in str(taken.error)
 
 
@@ -147,7 +147,7 @@ def test_a_rank_asks_the_others_to_train_on_while_it_prepares_for_at_most_the_gr
     for prep in preparations:
         assert prep.current is not None and prep.current.join()
         assert not prep.preparing(4, "running", 3)
-        assert prep.take(4).prepared is not None  # type: ignore[union-attr]
+        assert prep.take(4).group is not None  # type: ignore[union-attr]
 
     monkeypatch.setattr(prepare, "PREPARE_GRACE_S", 0.2)
     assert first.preparing(6, "running", 3)  # never served to this rank (a spare node's, say)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
 
@@ -22,9 +22,6 @@ from etc_agent.worker.genstore import GenerationStore
 from etc_agent.worker.link import AgentLink
 from etc_agent.worker.report import Clocks
 from etc_agent.worker.switch_view import JobView
-
-if TYPE_CHECKING:
-    from etc_agent.worker.prepare import Prepared
 
 
 @dataclass
@@ -100,7 +97,8 @@ def migration_group(
 ) -> dist.ProcessGroupGloo:
     """The generation's migration group (every member and sender, by transport rank) on its store."""
     generation = assignment.generation
-    waits = GenerationStore(store, generation, lambda: newer_generation(link, generation), timeout_s)
+    # Held here while the group forms: the C++ store calls back into this Python object.
+    waits = generation_store(store, generation, link, timeout_s)
     return gloo_group(
         dist.PrefixStore(f"gen{generation}/migrate/", waits),
         assignment.pg_rank,
@@ -109,10 +107,19 @@ def migration_group(
     )
 
 
+def generation_store(store: dist.Store, generation: int, link: AgentLink, timeout_s: float) -> GenerationStore:
+    """``store`` whose waits end when a newer generation than ``generation`` comes."""
+    return GenerationStore(store, generation, lambda: newer_generation(link, generation), timeout_s)
+
+
 def form(
-    job: JobView, assignment: Assignment, job_store: dist.Store, started: float, prepared: Prepared | None = None
+    job: JobView,
+    assignment: Assignment,
+    job_store: dist.Store,
+    started: float,
+    prepared_group: dist.ProcessGroupGloo | None = None,
 ) -> Entry:
-    """Everyone: the migration group (``prepared`` holds it when it formed while training); members
+    """Everyone: the migration group (``prepared_group`` when it formed while training); members
     then: the training group, the context and ``build(ctx)``.
 
     The migration group comes first for every process, so that a joiner's, which has no
@@ -121,10 +128,11 @@ def form(
     generation = assignment.generation
     timeout = timedelta(seconds=job.timeout_s)
     ctx = new_state = new_tensors = None
-    arrived = time.perf_counter() if prepared is None else started
-    group = prepared.group if prepared is not None else migration_group(job_store, assignment, job.link, job.timeout_s)
+    prepared = prepared_group is not None
+    arrived = started if prepared else time.perf_counter()
+    group = prepared_group if prepared else migration_group(job_store, assignment, job.link, job.timeout_s)
     migration_grouped = grouped = built = time.perf_counter()
-    store = GenerationStore(job_store, generation, lambda: newer_generation(job.link, generation), job.timeout_s)
+    store = generation_store(job_store, generation, job.link, job.timeout_s)
     if assignment.rank is not None:
         init_default_group(
             job.backend,
@@ -151,7 +159,7 @@ def form(
             built,
             arrived=arrived,
             migration_grouped=migration_grouped,
-            prepared=prepared is not None,
+            prepared=prepared,
         ),
         # GroupTransport's hint says ProcessGroup; it uses only rank/size/allgather/send/recv, which gloo has.
         transport=GroupTransport(group, "gloo"),  # type: ignore[arg-type]

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
 
 import torch.distributed as dist
 
@@ -42,15 +41,6 @@ JOIN_MARGIN_S = 5.0
 """Beyond the job's timeout, how long the switch waits for a preparation's thread (its waits end first)."""
 
 
-@dataclass
-class Prepared:
-    """What a preparation made: the generation's store (this process counted in, everyone arrived)
-    and its migration group."""
-
-    store: dist.Store
-    group: dist.ProcessGroupGloo
-
-
 class Preparation:
     """One generation's store arrival and migration group, made in a thread (see the module docstring)."""
 
@@ -60,12 +50,11 @@ class Preparation:
         self._link, self._timeout_s = link, timeout_s
         self.store: dist.Store | None = None
         """Set once this process is counted in: the switch must not count it in again."""
-        self.prepared: Prepared | None = None
+        self.group: dist.ProcessGroupGloo | None = None
+        """The generation's migration group, once everyone arrived and it formed."""
         self.superseded = False
         """A newer generation came while this one's processes arrived."""
         self.error: BaseException | None = None
-        self.started = time.perf_counter()
-        self.ended = 0.0
         self._thread = threading.Thread(target=self._run, name=f"etc-prepare-gen{self.generation}", daemon=True)
         self._thread.start()
 
@@ -77,12 +66,13 @@ class Preparation:
             if not wait_for_arrivals(store, self.assignment, self._timeout_s, self._link):
                 self.superseded = True
                 return
-            group = migration_group(store, self.assignment, self._link, self._timeout_s)
-            self.prepared = Prepared(store, group)
+            self.group = migration_group(store, self.assignment, self._link, self._timeout_s)
         except BaseException as err:  # noqa: BLE001 - handed to the switch, which decides
             self.error = err
-        finally:
-            self.ended = time.perf_counter()
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
 
     def join(self) -> bool:
         """Wait for the thread; False if it is still running after the job's timeout (and the margin)."""
@@ -150,12 +140,12 @@ class Preparations:
         if now - first > PREPARE_GRACE_S:
             return False
         current = self.current
-        return current is None or current.generation != seen or current.ended == 0.0
+        return current is None or current.generation != seen or not current.done
 
     def take(self, generation: int) -> Preparation | None:
         """A switch enters ``generation``: disarm, and hand over the preparation made for it once
         its thread ended (None: there is none; an older one is dropped, a newer one kept). Its
-        ``prepared``, ``error`` or ``superseded`` says how it went."""
+        ``group``, ``error`` or ``superseded`` says how it went."""
         with self._lock:
             self._armed = None
             self._started_up_to = max(self._started_up_to, generation)

@@ -120,7 +120,7 @@ class Switch:
         """Enter ``assignment``'s generation; a newer assignment if one superseded it while arriving."""
         started = time.perf_counter()
         preparation = self.job.take_preparation(assignment.generation)
-        prepared = None
+        prepared_group = None
         if preparation is None or preparation.store is None:
             store = arrive(self.job, assignment)
         else:  # counted in while training: what the preparation's thread made, or how it ended
@@ -130,10 +130,10 @@ class Switch:
                 raise preparation.error
             if preparation.superseded:
                 store = None
-            prepared = preparation.prepared
+            prepared_group = preparation.group
         if store is None:
             return self.job.link.newer_than(assignment.generation)
-        entry = form(self.job, assignment, store, started, prepared)
+        entry = form(self.job, assignment, store, started, prepared_group)
         exchanged = exchange(self.job, entry, held)
         entry.clocks.exchanged = time.perf_counter()
         if self._restore_baseline(entry, exchanged):
