@@ -221,25 +221,51 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class EtcdExited(RuntimeError):
+    """etcd ended before it served; ``log_tail`` is the end of its log."""
+
+    def __init__(self, message: str, log_tail: str) -> None:
+        super().__init__(message)
+        self.log_tail = log_tail
+
+
 class EtcdServer:
     """A real etcd on 127.0.0.1 with random ports and a temporary data dir."""
 
     def __init__(self, data_dir, tls_dir=None, client_cert_auth=True):
-        binary = shutil.which("etcd")
-        if binary is None:
+        self.binary = shutil.which("etcd")
+        if self.binary is None:
             raise RuntimeError("etcd is not installed (apt-get install etcd-server; .ci/run does it)")
+        self.data_dir = data_dir
+        self.tls_dir = tls_dir
+        self.client_cert_auth = client_cert_auth
+        self.proc = None
+        self.log = None
+        # A port found free can be taken by a parallel test before etcd binds it: etcd then exits
+        # at once, and a fresh pair of ports is the cure.
+        for attempt in range(3):
+            self._choose_ports()
+            try:
+                self.start()
+                return
+            except EtcdExited as exc:
+                if attempt == 2 or "address already in use" not in exc.log_tail:
+                    raise
+
+    def _choose_ports(self) -> None:
+        if getattr(self, "log", None) is not None:
+            self.log.close()
+        shutil.rmtree(self.data_dir, ignore_errors=True)  # a failed start may have recorded its old peer URL
         self.client_port, self.peer_port = _free_port(), _free_port()
         self.endpoint = f"127.0.0.1:{self.client_port}"
-        self.data_dir = data_dir
-        self.log = open(data_dir.parent / f"etcd-{self.client_port}.log", "w")
-        scheme = "https" if tls_dir else "http"
-        self.tls_dir = tls_dir
+        self.log = open(self.data_dir.parent / f"etcd-{self.client_port}.log", "w")
+        scheme = "https" if self.tls_dir else "http"
         self.args = [
-            binary,
+            self.binary,
             "--name",
             "test",
             "--data-dir",
-            str(data_dir),
+            str(self.data_dir),
             "--listen-client-urls",
             f"{scheme}://127.0.0.1:{self.client_port}",
             "--advertise-client-urls",
@@ -251,20 +277,26 @@ class EtcdServer:
             "--initial-cluster",
             f"test=http://127.0.0.1:{self.peer_port}",
         ]
-        if tls_dir:
-            self.args += ["--cert-file", str(tls_dir / "server.pem"), "--key-file", str(tls_dir / "server.key")]
-            if client_cert_auth:  # a trusted CA file alone already makes etcd demand client certificates
-                self.args += ["--client-cert-auth", "--trusted-ca-file", str(tls_dir / "ca.pem")]
-        self.proc = None
-        self.client_cert_auth = client_cert_auth
-        self.start()
+        if self.tls_dir:
+            self.args += [
+                "--cert-file",
+                str(self.tls_dir / "server.pem"),
+                "--key-file",
+                str(self.tls_dir / "server.key"),
+            ]
+            if self.client_cert_auth:  # a trusted CA file alone already makes etcd demand client certificates
+                self.args += ["--client-cert-auth", "--trusted-ca-file", str(self.tls_dir / "ca.pem")]
 
     def start(self, timeout_s: float = 20.0) -> None:
         self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"etcd exited with {self.proc.returncode}; see {self.log.name}")
+                self.log.flush()
+                log_tail = open(self.log.name).read()[-1500:]
+                raise EtcdExited(
+                    f"etcd exited with {self.proc.returncode}; {self.log.name} ends:\n{log_tail}", log_tail
+                )
             try:
                 with socket.create_connection(("127.0.0.1", self.client_port), timeout=0.2):
                     pass
