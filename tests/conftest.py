@@ -122,6 +122,7 @@ TEST_LAYERS: dict[str, tuple[str, dict[str, list[str]]]] = {
         "e2e",
         {"unit": ["test_every_torchrun_option_is_an_etcrun_option_read_from_its_PET_variable"]},
     ),
+    "test_worldgroups.py": ("multiproc", {}),
     "test_worker.py": ("unit", {"e2e": ["test_plain_python_runs_the_example_as_a_world_of_one"]}),
 }
 LAYER_MARKS = ("unit", "multiproc", "e2e")

@@ -577,7 +577,7 @@ def main(argv: list[str] | None = None) -> None:
     # The elementwise update reduces nothing across ranks: without the commit barrier a peer's death
     # would surface only at the next vote, after steps trained without the dead rank's share.
     job = etc_agent.init(parallel=args.parallel, commit_barrier=True if args.elementwise else None)
-    job.start(make_build(args, dataset))
+    job.start(make_build(args, dataset), build_ahead=True)
     for step in job.steps(args.steps if args.stop_at is None else min(args.stop_at, args.steps)):
         replica_share(args, job.ctx.config, job.ctx.dp_rank)  # a layout that cannot share the batch: one line
         started = time.perf_counter()

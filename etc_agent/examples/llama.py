@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> None:
     dataset = open_dataset(args)
     # As the GPT example's: the elementwise update reduces nothing across ranks (see its main).
     job = etc_agent.init(parallel=args.parallel, commit_barrier=True if args.elementwise else None)
-    job.start(make_build(args, dataset))
+    job.start(make_build(args, dataset), build_ahead=True)
     for step in job.steps(args.steps):
         replica_share(args, job.ctx.config, job.ctx.dp_rank)  # a layout that cannot share the batch: one line
         started = time.perf_counter()

@@ -294,6 +294,11 @@ class MigrationRecord(Record):
         description="Live: processes that had arrived at the generation and formed its migration group while "
         "still training (etcrun --prepare); the others did it inside the stall.",
     )
+    num_built_ahead: int = Field(
+        0,
+        description="Live: members whose training groups formed and whose state was built while still "
+        "training (a gloo job whose build allows it: job.start(build, build_ahead=True)).",
+    )
     stall_parts: StallParts | None = Field(
         None, description="Live: the slowest rank's stall in named parts that add up to it (None: the checkpoint way)."
     )

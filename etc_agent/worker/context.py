@@ -108,6 +108,39 @@ def _bounded_groups(timeout: timedelta) -> dict | None:
     return {name: (backend, options) for name in (*MESH_DIMS, *FSDP_MESH_DIMS)}
 
 
+def mesh_shape(config: ParallelConfig) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The mesh's dim names and sizes for ``config`` (ranks in Megatron's order: tp fastest)."""
+    if config.dp_shard > 1:
+        return FSDP_MESH_DIMS, (config.pp, config.dp_replicate, config.dp_shard, config.tp)
+    return MESH_DIMS, (config.pp, config.dp, config.tp)
+
+
+def context_for(
+    config: ParallelConfig,
+    rank: int,
+    generation: int,
+    device: torch.device,
+    mesh: DeviceMesh,
+    restoring: bool = False,
+    timeout: timedelta | None = None,
+) -> ParallelContext:
+    """The context of ``rank`` in ``config`` over ``mesh`` (its groups formed already)."""
+    coord = config.coord(rank)
+    return ParallelContext(
+        config=config,
+        rank=rank,
+        world_size=config.world_size,
+        tp_rank=coord.tp,
+        pp_rank=coord.pp,
+        dp_rank=coord.dp,
+        mesh=mesh,
+        device=device,
+        generation=generation,
+        restoring=restoring,
+        timeout_s=timeout.total_seconds() if timeout is not None else None,
+    )
+
+
 def make_context(
     config: ParallelConfig,
     rank: int,
@@ -126,11 +159,7 @@ def make_context(
     """
     config.check_world_size(dist.get_world_size())
     overrides = _bounded_groups(timeout) if timeout is not None else None
-    if config.dp_shard > 1:
-        names: tuple[str, ...] = FSDP_MESH_DIMS
-        shape: tuple[int, ...] = (config.pp, config.dp_replicate, config.dp_shard, config.tp)
-    else:
-        names, shape = MESH_DIMS, (config.pp, config.dp, config.tp)
+    names, shape = mesh_shape(config)
     mesh = init_device_mesh(
         device.type,
         shape,
@@ -143,17 +172,4 @@ def make_context(
     if timeout is not None:
         for name in {*names, "dp"}:
             mesh.get_group(name).set_timeout(timeout)
-    coord = config.coord(rank)
-    return ParallelContext(
-        config=config,
-        rank=rank,
-        world_size=config.world_size,
-        tp_rank=coord.tp,
-        pp_rank=coord.pp,
-        dp_rank=coord.dp,
-        mesh=mesh,
-        device=device,
-        generation=generation,
-        restoring=restoring,
-        timeout_s=timeout.total_seconds() if timeout is not None else None,
-    )
+    return context_for(config, rank, generation, device, mesh, restoring, timeout)

@@ -1,6 +1,6 @@
 """Entering a generation (steps 2 and 3 of the switch, :mod:`etc_agent.worker.switch`): every process
-arrives at the generation's store, then the members form the training group and mesh and build
-their state, and everyone forms the migration group."""
+arrives at the generation's store and forms the migration group, then the members take their
+training groups, mesh and state (:mod:`etc_agent.worker.member`)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ import torch.distributed as dist
 from etc_agent.layout.devices import Device
 from etc_agent.migrate.transport import GroupTransport
 from etc_agent.protocol.control import Assignment
-from etc_agent.worker.appstate import split_state
-from etc_agent.worker.connect import gloo_group, init_default_group
-from etc_agent.worker.context import ParallelContext, make_context
+from etc_agent.worker.connect import gloo_group
+from etc_agent.worker.context import ParallelContext
 from etc_agent.worker.errors import ArrivalTimeout, JobFinished
 from etc_agent.worker.genstore import GenerationStore
 from etc_agent.worker.link import AgentLink
+from etc_agent.worker.member import Member, form_member
 from etc_agent.worker.report import Clocks
 from etc_agent.worker.switch_view import JobView
 
@@ -118,37 +118,30 @@ def form(
     job_store: dist.Store,
     started: float,
     prepared_group: dist.ProcessGroupGloo | None = None,
+    prepared_member: Member | None = None,
 ) -> Entry:
     """Everyone: the migration group (``prepared_group`` when it formed while training); members
-    then: the training group, the context and ``build(ctx)``.
+    then: the training groups and context, installed as torch's, and the state ``build(ctx)``
+    returns (``prepared_member``: those made while training, :mod:`etc_agent.worker.member`).
 
     The migration group comes first for every process, so that a joiner's, which has no
     preparation, meets the group its peers form in the background before they stop training.
     """
-    generation = assignment.generation
-    timeout = timedelta(seconds=job.timeout_s)
     ctx = new_state = new_tensors = None
     prepared = prepared_group is not None
     arrived = started if prepared else time.perf_counter()
     group = prepared_group if prepared else migration_group(job_store, assignment, job.link, job.timeout_s)
     migration_grouped = grouped = built = time.perf_counter()
-    store = generation_store(job_store, generation, job.link, job.timeout_s)
     if assignment.rank is not None:
-        init_default_group(
-            job.backend,
-            dist.PrefixStore(f"gen{generation}/train/", store),
-            assignment.rank,
-            assignment.world_size,
-            timeout,
-        )
-        config = job.config_for(assignment.parallel, assignment.world_size)
-        # Before the first optimizer step nothing is lost if nobody holds state: build it fresh.
-        ctx = make_context(
-            config, assignment.rank, generation, job.device, restoring=assignment.trained, timeout=timeout
-        )
+        member = prepared_member
+        if member is None:
+            store = generation_store(job_store, assignment.generation, job.link, job.timeout_s)
+            member = form_member(job, store, assignment)
+        member.install(timedelta(seconds=job.timeout_s))
+        ctx = member.ctx
         grouped = time.perf_counter()
-        new_state = job.build_state(ctx)
-        new_tensors, _ = split_state(new_state, keep_vars=True)
+        state = member.take_state(job)
+        new_state, new_tensors = state.state, state.tensors
         built = time.perf_counter()
     return Entry(
         assignment=assignment,
@@ -160,6 +153,7 @@ def form(
             arrived=arrived,
             migration_grouped=migration_grouped,
             prepared=prepared,
+            built_ahead=prepared_member is not None and prepared_member.built is not None,
         ),
         # GroupTransport's hint says ProcessGroup; it uses only rank/size/allgather/send/recv, which gloo has.
         transport=GroupTransport(group, "gloo"),  # type: ignore[arg-type]

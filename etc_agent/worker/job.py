@@ -22,9 +22,9 @@ runs the switch with the surviving replicas as sources, and re-enters the script
 
 The worker's modules: this one (the public API), :mod:`~etc_agent.worker.link` (the agent link),
 :mod:`~etc_agent.worker.boundary` (the step boundary's votes), :mod:`~etc_agent.worker.switch` (the
-switch; it sees this job through a :class:`~etc_agent.worker.switch_view.JobView`),
-:mod:`~etc_agent.worker.report` (migration records), :mod:`~etc_agent.worker.baseline` (the
-checkpoint baseline), :mod:`~etc_agent.worker.checkpoint` (periodic checkpoints),
+switch; it sees this job through a :class:`~etc_agent.worker.switch_view.JobView`; a member's
+groups and state: :mod:`~etc_agent.worker.member`), :mod:`~etc_agent.worker.report` (migration
+records), :mod:`~etc_agent.worker.baseline` (the checkpoint baseline), :mod:`~etc_agent.worker.checkpoint` (periodic checkpoints),
 :mod:`~etc_agent.worker.gather` (the whole state on one rank), :mod:`~etc_agent.worker.errors`
 (what can stop a worker).
 """
@@ -39,6 +39,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -52,7 +53,7 @@ from etc_agent.protocol.settings import WorkerSettings
 from etc_agent.rendezvous.records import MigrationRecord
 from etc_agent.utils.plainstate import to_json
 from etc_agent.worker import boundary
-from etc_agent.worker.appstate import holds_only_whole_tensors, hook_optimizers, split_state
+from etc_agent.worker.appstate import split_state
 from etc_agent.worker.boundary import VoteSchedule, agree_on_checkpoint, boundary_vote
 from etc_agent.worker.connect import init_static_group
 from etc_agent.worker.context import ParallelContext, make_context
@@ -61,6 +62,7 @@ from etc_agent.worker.gather import gather_state
 from etc_agent.worker.groups import GroupReleases, mark_loaded_modules_clean, release_all_groups
 from etc_agent.worker.link import AgentLink
 from etc_agent.worker.logs import configure_worker_logging, say, write_json
+from etc_agent.worker.member import BuiltState, build_state, prepare_member
 from etc_agent.worker.prepare import Preparations
 from etc_agent.worker.report import Stopped
 from etc_agent.worker.switch import Switch
@@ -78,6 +80,9 @@ Build = Callable[[ParallelContext], dict]
 
 class Job:
     """One worker's view of the elastic job. Create it with :func:`etc_agent.init`."""
+
+    _build_ahead = False
+    """``start(build, build_ahead=True)``: the build may run beside training."""
 
     def __init__(self, parallel: str | None = None, commit_barrier: bool | None = None):
         self.default_parallel = ParallelSpec.parse(parallel) if parallel else ParallelSpec()
@@ -147,12 +152,9 @@ class Job:
         from etc_agent.worker.checkpoint import PeriodicCheckpointer
 
         commit = self.link.commit if self.link is not None else None
+        settings = self.settings
         return PeriodicCheckpointer(
-            self.checkpoint_dir,
-            self.settings.checkpoint_interval,
-            self.settings.checkpoint_keep,
-            self.timeout_s,
-            commit,
+            self.checkpoint_dir, settings.checkpoint_interval, settings.checkpoint_keep, self.timeout_s, commit
         )
 
     # ---- public API ------------------------------------------------------------------------
@@ -160,14 +162,17 @@ class Job:
     def rank(self) -> int:
         return self.ctx.rank if self.ctx else -1
 
-    def start(self, build: Build) -> None:
+    def start(self, build: Build, build_ahead: bool = False) -> None:
         """Join the job: the first generation builds fresh state; a later joiner receives it from peers.
 
-        Calling it again (the launcher re-entering the script after a recovery) keeps the live state.
+        ``build_ahead``: ``build(ctx)`` may run beside training when ``ctx.restoring``; it must then
+        only allocate and use nothing but ``ctx`` (:mod:`etc_agent.worker.member`). Calling it again
+        (the launcher re-entering the script after a recovery) keeps the live state.
         """
         if self._build is not None:
             return
         self._build = build
+        self._build_ahead = build_ahead
         if not self.elastic:
             self._start_static()
             return
@@ -176,6 +181,7 @@ class Job:
         # scanned again (a full collection after `import torch` costs 0.1-0.3 s on the stall).
         gc.freeze()
         mark_loaded_modules_clean()  # teardowns then look only at modules imported later
+        self.preparations.member = partial(prepare_member, self._switch_view())
         self._switch(self.settings.generation, "start", stopped=None, failure=False)
 
     def steps(self, num_steps: int) -> Iterator[int]:
@@ -223,10 +229,8 @@ class Job:
             self.link.close()
 
     def gather_state(self) -> dict[str, torch.Tensor] | None:
-        """The whole app state's tensors, unsharded, on rank 0 (None elsewhere). All ranks call it.
-
-        Runs on the executor: rank 0's new layout holds every key as one full box.
-        """
+        """The whole app state's tensors, unsharded, on rank 0 (None elsewhere); all ranks call it.
+        Runs on the executor: rank 0's new layout holds every key as one full box."""
         if self.state is None or self.ctx is None:
             raise RuntimeError("call job.start(build) before job.gather_state()")
         return gather_state(self.state, self.ctx, self.timeout_s)
@@ -251,20 +255,19 @@ class Job:
         return config
 
     def build_state(self, ctx: ParallelContext) -> dict:
+        built = self.build(ctx)
+        self.take_built(built)
+        return built.state
+
+    def build(self, ctx: ParallelContext) -> BuiltState:
+        """Run ``build(ctx)`` and ready its state; sets nothing of the job (it may run ahead)."""
         assert self._build is not None  # start() sets it before any generation is built
-        state = self._build(ctx)
-        if not isinstance(state, dict):
-            raise TypeError(f"build() must return a dict (the app state), got {type(state).__name__}")
-        for entry in state.values():
-            bind_step = getattr(entry, "bind_step", None)
-            if callable(bind_step):
-                bind_step(lambda: self.next_step)  # etc_agent.data.ElasticData: its position is this step's
-        barrier = self.elastic and self.commit_barrier is not False
-        before_step = self._before_optimizer_step if barrier else None
-        hook_optimizers(state, not ctx.restoring, before_step, self._on_optimizer_step)
-        if self.commit_barrier is None:
-            self._barrier_wanted = boundary.needs_commit_barrier(ctx.config, lambda: holds_only_whole_tensors(state))
-        return state
+        barrier = self._before_optimizer_step if self.elastic and self.commit_barrier is not False else None
+        fixed = self._barrier_wanted if self.commit_barrier is not None else None
+        return build_state(self._build, ctx, lambda: self.next_step, barrier, self._on_optimizer_step, fixed)
+
+    def take_built(self, built: BuiltState) -> None:
+        self._barrier_wanted = built.commit_barrier_wanted
 
     def _checkpoint(self) -> None:
         """Snapshot this rank's state and write it in the background (every rank at this boundary)."""
@@ -355,14 +358,9 @@ class Job:
         # A started job holds its state and context; the agent's config requires --checkpoint-dir with
         # --migration checkpoint.
         assert self.state is not None and self.ctx is not None and self.checkpoint_dir is not None
+        ctx = self.ctx
         save_and_exit(
-            self.state,
-            self.checkpoint_dir,
-            pending,
-            self.next_step,
-            self.ctx.rank,
-            self.ctx.config.short(),
-            stopped_at,
+            self.state, self.checkpoint_dir, pending, self.next_step, ctx.rank, ctx.config.short(), stopped_at
         )
 
     def recover(self, err: BaseException) -> bool:
@@ -401,11 +399,11 @@ class Job:
             self.ctx.mesh._pg_registry.clear()  # old DTensors keep their mesh; it must not keep the groups
         self.ctx = None
         self.releases.report(wait=False)
-        # The old groups' sockets close in the background: the next generation's groups do not wait for them.
-        self.releases.add(release_all_groups())
-        # DTensor's dispatch cache compares meshes by shape and names: stale entries would attach
-        # new DTensors to the old mesh.
-        torch._C._clear_DTensor_sharding_propagator_cache()
+        with self.preparations.member_lock:
+            # The old groups' sockets close in the background: the next generation's groups do not wait for them.
+            self.releases.add(release_all_groups())
+            # DTensor's sharding cache matches meshes by shape and names: old entries would tie new DTensors to it
+            torch._C._clear_DTensor_sharding_propagator_cache()
         gc.collect()
 
     def _switch(self, at_least: int, why: str, stopped: Stopped | None, failure: bool) -> None:
@@ -436,7 +434,10 @@ class Job:
             checkpoint_dir=self.checkpoint_dir,
             fresh_start=self.fresh_start,
             config_for=self.config_for,
-            build_state=self.build_state,
+            build=self.build,
+            take_built=self.take_built,
+            build_ahead=self._build_ahead,
+            training_ctx=lambda: self.ctx,
             publish=self.publish,
             fatal=self.fatal,
             mark_trained=self.mark_trained,

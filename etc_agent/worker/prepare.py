@@ -2,9 +2,12 @@
 
 A worker hears of a new generation from its agent's poll before every rank stops at the boundary
 that takes it over (:mod:`etc_agent.worker.boundary`). What of the switch needs neither the old
-world's groups nor the training thread is done in that time, in a thread of its own: connecting to the generation's store, counting this process in there, waiting for
-everyone else, and forming the migration group (``gen<N>/migrate/``: gloo's pairwise connects run
-with the GIL released, beside the training steps). The switch then starts from the training group
+world's groups nor the training thread is done in that time, in a thread of its own: connecting
+to the generation's store, counting this process in there, waiting for everyone else, forming the
+migration group (``gen<N>/migrate/``: gloo's pairwise connects run with the GIL released, beside
+the training steps) and, for a member of a gloo job, its training groups and mesh
+(:mod:`etc_agent.worker.worldgroups`) and, where the job allows it, its new state
+(:func:`etc_agent.worker.member.prepare_member`). The switch then starts from the training group
 (:func:`etc_agent.worker.entry.form`).
 
 Call sequence: the training thread calls :meth:`Preparations.notice` at every step boundary (it
@@ -17,21 +20,28 @@ None. Until a rank's preparation ended it votes ``preparing`` at the step-bounda
 rank trains on (:meth:`Preparations.preparing`, at most :data:`PREPARE_GRACE_S`). A
 preparation that failed (a peer gone while it formed) hands over its error, which the switch
 treats as a failure of that generation, as it would have treated the same failure in
-:func:`~etc_agent.worker.entry.form`. Memory: a TCPStore client and the migration group's sockets
-(one connection per peer); nothing of the state. ``etcrun --prepare off`` (``ETC_AGENT_PREPARE=0``)
-turns it off.
+:func:`~etc_agent.worker.entry.form`. Memory: a TCPStore client and the new groups' sockets (one
+connection per peer and group) and, with a state built ahead, the new shards allocated but not
+written until the migration fills them. Groups of a preparation never entered are unregistered
+when it is dropped, or at the next teardown if its thread was still running then.
+``etcrun --prepare off`` (``ETC_AGENT_PREPARE=0``) turns it off.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 
 from etc_agent.protocol.control import Assignment
-from etc_agent.worker.entry import connect_store, mark_arrived, migration_group, wait_for_arrivals
+from etc_agent.worker.entry import connect_store, generation_store, mark_arrived, migration_group, wait_for_arrivals
 from etc_agent.worker.link import AgentLink
+from etc_agent.worker.member import Member
+
+MemberPreparer = Callable[[dist.Store, Assignment], Member | None]
+"""Forms a member's groups (and builds its state where allowed) ahead: :func:`etc_agent.worker.member.prepare_member`."""
 
 PREPARE_GRACE_S = 2.0
 """How long a rank asks the others to train on (:meth:`Preparations.preparing`) for a generation
@@ -44,14 +54,24 @@ JOIN_MARGIN_S = 5.0
 class Preparation:
     """One generation's store arrival and migration group, made in a thread (see the module docstring)."""
 
-    def __init__(self, assignment: Assignment, link: AgentLink, timeout_s: float):
+    def __init__(
+        self,
+        assignment: Assignment,
+        link: AgentLink,
+        timeout_s: float,
+        member: MemberPreparer | None = None,
+        member_lock: threading.Lock | None = None,
+    ):
         self.assignment = assignment
         self.generation = assignment.generation
-        self._link, self._timeout_s = link, timeout_s
+        self._link, self._timeout_s, self._member = link, timeout_s, member
+        self._member_lock = member_lock or threading.Lock()
         self.store: dist.Store | None = None
         """Set once this process is counted in: the switch must not count it in again."""
         self.group: dist.ProcessGroupGloo | None = None
         """The generation's migration group, once everyone arrived and it formed."""
+        self.member: Member | None = None
+        """A member's training groups, context and (where the job allows) state, made ahead."""
         self.superseded = False
         """A newer generation came while this one's processes arrived."""
         self.error: BaseException | None = None
@@ -67,12 +87,22 @@ class Preparation:
                 self.superseded = True
                 return
             self.group = migration_group(store, self.assignment, self._link, self._timeout_s)
+            if self._member is not None:
+                waits = generation_store(store, self.generation, self._link, self._timeout_s)
+                with self._member_lock:  # never beside a teardown of the old groups (it unregisters names)
+                    self.member = self._member(waits, self.assignment)
         except BaseException as err:  # noqa: BLE001 - handed to the switch, which decides
             self.error = err
 
     @property
     def done(self) -> bool:
         return not self._thread.is_alive()
+
+    def discard(self) -> None:
+        """Not entered: let what it formed go (once its thread ended)."""
+        if self.done and self.member is not None:
+            self.member.discard()
+            self.member = None
 
     def join(self) -> bool:
         """Wait for the thread; False if it is still running after the job's timeout (and the margin)."""
@@ -95,6 +125,12 @@ class Preparations:
         self.enabled = enabled and link is not None
         """False without an agent (nothing to switch to), with ``--prepare off`` or ``--migration checkpoint``."""
         self.current: Preparation | None = None
+        self.member: MemberPreparer | None = None
+        """Set by the job once it knows its build (:meth:`etc_agent.worker.job.Job.start`)."""
+        self.member_lock = threading.Lock()
+        """Held while a member's groups form and its state builds ahead, and by the job's teardown of
+        the old groups, which unregisters every group name and clears DTensor's caches: the two
+        never overlap (the teardown waits for the build, whose waits are bounded by the timeout)."""
         self._lock = threading.Lock()
         self._armed: int | None = None
         """The generation training (None inside a switch: nothing may start then)."""
@@ -125,7 +161,9 @@ class Preparations:
                 return
             self._started_up_to = newer.generation
             # An older preparation's waits end on their own now that a newer generation exists.
-            self.current = Preparation(newer, self._link, self._timeout_s)
+            if self.current is not None:
+                self.current.discard()
+            self.current = Preparation(newer, self._link, self._timeout_s, self.member, self.member_lock)
 
     def preparing(self, seen: int, seen_status: str | None, generation: int) -> bool:
         """Whether this rank, training in ``generation``, asks every rank to train on because it
@@ -154,6 +192,7 @@ class Preparations:
                 return None  # a newer generation's preparation stays for its own switch
             self.current = None
         if current.generation != generation:
+            current.discard()
             return None
         if not current.join():
             raise RuntimeError(

@@ -79,6 +79,9 @@ class Clocks:
     migrated: float = 0.0
     prepared: bool = False
     """Arrived and migration group formed while training."""
+    built_ahead: bool = False
+    """Training groups formed and state built while training (``grouped`` and ``built`` then follow
+    the migration group at once)."""
 
     def parts(self, stopped: float, migration: MigrationTimes, now: float) -> dict[str, float]:
         """This process's stall from ``stopped`` to ``now`` in named parts (the fields of
@@ -133,8 +136,7 @@ def live_record(
         return None
     # A migration result comes with the layout it started from (Migration._migrate_from).
     assert source_config is not None
-    stops = [e["stop_wall"] for e in everyone if e["stop_wall"] is not None]
-    published = assignment.published_at
+    stops, published = [e["stop_wall"] for e in everyone if e["stop_wall"] is not None], assignment.published_at
     # After a failure the survivors stopped before the leader published (detection is publish minus
     # the first stop); a planned change is published first (detection is the last stop minus
     # publish). Any process's flag counts: a replacement that becomes rank 0 saw no failure itself.
@@ -170,6 +172,7 @@ def live_record(
         inter_node_gbit_s=_gbit_s(plan.bytes_moved_inter_node, _worst(everyone, "transfer")),
         total_stall_s=round(_worst(everyone, "stall"), 4),
         num_prepared=sum(e["prepared"] for e in everyone),
+        num_built_ahead=sum(e["built_ahead"] for e in everyone),
         stall_parts=_slowest_parts(everyone),
     )
 
@@ -202,6 +205,7 @@ def _phase_times(result: MigrationResult | None, stopped: Stopped | None, clocks
         "stall": (now - stopped.perf) if stopped else None,
         "parts": clocks.parts(stopped.perf, times, now) if stopped else None,
         "prepared": clocks.prepared,
+        "built_ahead": clocks.built_ahead,
         "agree": (clocks.grouped - stopped.perf) if stopped else None,
         "rebuild": clocks.built - clocks.grouped,
         "plan": times.plan_s,

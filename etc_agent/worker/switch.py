@@ -8,8 +8,10 @@ Call sequence (every process of the old and the new generation: members, joiners
    checkpointer, and asks the agent for its :class:`~etc_agent.protocol.control.Assignment`;
 2. :func:`~etc_agent.worker.entry.arrive`: every process of the generation reaches its store (or a
    newer generation comes);
-3. :func:`~etc_agent.worker.entry.form`: members form the training group and mesh and call
-   ``build(ctx)``; everyone forms the migration group (members then senders, by transport rank);
+3. :func:`~etc_agent.worker.entry.form`: everyone forms the migration group (members then
+   senders, by transport rank); members form or take their training groups and mesh, install
+   them as torch's, and call ``build(ctx)`` unless it ran while training
+   (:mod:`etc_agent.worker.member`);
 4. :func:`~etc_agent.worker.versions.exchange`: each process says which versions of the state it
    holds (its live state, its periodic snapshots) and which checkpoints it sees (one
    ``all_gather_object``);
@@ -120,7 +122,7 @@ class Switch:
         """Enter ``assignment``'s generation; a newer assignment if one superseded it while arriving."""
         started = time.perf_counter()
         preparation = self.job.take_preparation(assignment.generation)
-        prepared_group = None
+        prepared_group = prepared_member = None
         if preparation is None or preparation.store is None:
             store = arrive(self.job, assignment)
         else:  # counted in while training: what the preparation's thread made, or how it ended
@@ -130,10 +132,12 @@ class Switch:
                 raise preparation.error
             if preparation.superseded:
                 store = None
-            prepared_group = preparation.group
+            prepared_group, prepared_member = preparation.group, preparation.member
         if store is None:
+            if preparation is not None:
+                preparation.discard()
             return self.job.link.newer_than(assignment.generation)
-        entry = form(self.job, assignment, store, started, prepared_group)
+        entry = form(self.job, assignment, store, started, prepared_group, prepared_member)
         exchanged = exchange(self.job, entry, held)
         entry.clocks.exchanged = time.perf_counter()
         if self._restore_baseline(entry, exchanged):

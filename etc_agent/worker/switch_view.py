@@ -24,6 +24,7 @@ from etc_agent.worker.link import AgentLink
 
 if TYPE_CHECKING:
     from etc_agent.worker.checkpoint import PeriodicCheckpointer
+    from etc_agent.worker.member import BuiltState
     from etc_agent.worker.prepare import Preparation
 
 
@@ -55,7 +56,14 @@ class JobView:
     fresh_start: bool
     """``etcrun --fresh-start``: never resume from the checkpoints in ``checkpoint_dir``."""
     config_for: Callable[[str | None, int], ParallelConfig]
-    build_state: Callable[[ParallelContext], dict]
+    build: Callable[[ParallelContext], BuiltState]
+    """Run the script's ``build(ctx)`` and ready its state (changes nothing of the job: may run ahead)."""
+    take_built: Callable[[BuiltState], None]
+    """The job takes over what a built state decides (its commit-barrier answer)."""
+    build_ahead: bool
+    """``job.start(build, build_ahead=True)``: the build may run beside training (:mod:`etc_agent.worker.member`)."""
+    training_ctx: Callable[[], ParallelContext | None]
+    """The context training now (None inside a switch, after the teardown)."""
     publish: Callable[[MigrationRecord], None]
     fatal: Callable[[JobError], None]
     """Tell the agent the job cannot go on, then raise the error."""

@@ -1,0 +1,223 @@
+"""A generation's training groups formed beside the current default group and installed as torch's
+(etc_agent.worker.worldgroups), and a member's state built ahead (etc_agent.worker.member):
+processes on gloo, every rank's new rank different from its old one."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+
+import pytest
+from dist_harness import free_port, run_workers
+
+TIMEOUT = timedelta(seconds=30)
+
+
+def _form_beside_training(rank: int, world: int, port: int, spec: str) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from etc_agent.layout.config import ParallelConfig
+    from etc_agent.worker.context import context_for
+    from etc_agent.worker.groups import release_all_groups
+    from etc_agent.worker.worldgroups import form_world
+
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=TIMEOUT)
+    config = ParallelConfig.parse(spec)
+    new_rank = world - 1 - rank  # the new world numbers its ranks the other way round
+    formed: dict = {}
+
+    def form() -> None:
+        try:
+            formed["world"] = world = form_world(store, 7, config, new_rank, torch.device("cpu"), TIMEOUT)
+            with world.as_default():  # what a build ahead slices: this rank's sub-meshes of the new world
+                ctx = context_for(config, new_rank, 7, torch.device("cpu"), world.mesh, timeout=TIMEOUT)
+                formed["ahead"] = {
+                    "rank": dist.get_rank(),
+                    "tp": ctx.mesh["tp"].mesh.tolist(),
+                    "fsdp": ctx.fsdp_mesh.mesh.tolist(),
+                }
+        except BaseException as err:  # noqa: BLE001 - raised again in the process's main thread
+            formed["error"] = err
+
+    thread = threading.Thread(target=form)
+    thread.start()
+    for _ in range(20):  # the old generation trains on meanwhile (as many steps on every rank)
+        x = torch.ones(1)
+        dist.all_reduce(x)
+        assert x.item() == world
+    thread.join()
+    if "error" in formed:
+        raise formed["error"]
+    world_groups = formed["world"]
+    release_all_groups()
+    world_groups.install(TIMEOUT)
+    ctx = context_for(config, new_rank, 7, torch.device("cpu"), world_groups.mesh, timeout=TIMEOUT)
+    out: dict = {"rank": dist.get_rank(), "world": dist.get_world_size(), "groups": {}, "sums": {}}
+    out["ahead"] = formed["ahead"]
+    out["after"] = {"tp": ctx.mesh["tp"].mesh.tolist(), "fsdp": ctx.fsdp_mesh.mesh.tolist()}
+    values = torch.arange(4, dtype=torch.float64) + 10 * new_rank
+    total = values.clone()
+    dist.all_reduce(total)
+    out["sums"]["world"] = total.tolist()
+    for name in world_groups.dims:
+        group = ctx.mesh.get_group(name)
+        out["groups"][name] = dist.get_process_group_ranks(group)
+        part = values.clone()
+        dist.all_reduce(part, group=group)
+        out["sums"][name] = part.tolist()
+    if config.dp_shard > 1:
+        out["fsdp_mesh"] = list(ctx.fsdp_mesh.shape)
+    later = dist.new_group(list(range(world)))  # torch's own groups still form after the install
+    x = torch.ones(1)
+    dist.all_reduce(x, group=later)
+    out["later"] = x.item()
+    dist.destroy_process_group()
+    return out
+
+
+def _expected_sum(members: list[int]) -> list[float]:
+    return [float(sum(i + 10 * r for r in members)) for i in range(4)]
+
+
+@pytest.mark.parametrize(
+    ("spec", "dims"),
+    [
+        (
+            "tp=2,pp=1,dp=2",
+            {"pp": lambda r: [r], "dp": lambda r: [r % 2, r % 2 + 2], "tp": lambda r: [r // 2 * 2, r // 2 * 2 + 1]},
+        ),
+        (
+            "dp_replicate=2,dp_shard=2",
+            {
+                "pp": lambda r: [r],
+                "dp_replicate": lambda r: [r % 2, r % 2 + 2],
+                "dp_shard": lambda r: [r // 2 * 2, r // 2 * 2 + 1],
+                "tp": lambda r: [r],
+                "dp": lambda r: [0, 1, 2, 3],
+            },
+        ),
+    ],
+    ids=["tp-dp", "hsdp"],
+)
+def test_a_generations_groups_form_while_the_old_world_trains_and_install_as_torchs(spec, dims):
+    results = run_workers(4, _form_beside_training, free_port(), spec)
+    for old_rank, out in enumerate(results):
+        new_rank = 3 - old_rank
+        assert out["rank"] == new_rank and out["world"] == 4
+        assert out["sums"]["world"] == _expected_sum([0, 1, 2, 3])
+        assert set(out["groups"]) == set(dims)
+        for name, members_of in dims.items():
+            assert out["groups"][name] == members_of(new_rank), (name, out["groups"])
+            assert out["sums"][name] == _expected_sum(members_of(new_rank)), name
+        assert out["later"] == 4.0
+        # Sliced beside the old world (whose rank for this process differs), the sub-meshes are this
+        # rank's in the new one: the same as after the install.
+        assert out["ahead"]["rank"] == new_rank
+        assert out["ahead"]["tp"] == out["after"]["tp"] == dims["tp"](new_rank)
+        assert out["ahead"]["fsdp"] == out["after"]["fsdp"]
+        if "dp_shard" in dims:
+            assert out["fsdp_mesh"] == [2, 2]
+
+
+@dataclass
+class _View:
+    """What prepare_member reads of the job (JobView's fields it uses)."""
+
+    backend: str
+    build_ahead: bool
+    current: object = None
+    timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        import torch
+
+        from etc_agent.layout.config import ParallelConfig
+
+        self.device = torch.device("cpu")
+        self.fail = False
+        self.built: list[object] = []
+        self.config_for = lambda parallel, world: ParallelConfig.parse(parallel)
+
+    def training_ctx(self):
+        return self.current
+
+    def build(self, ctx):
+        from etc_agent.worker.member import BuiltState
+
+        if self.fail:
+            raise ValueError("tp=3 must divide heads (4)")
+        self.built.append(ctx.config.short())
+        return BuiltState({"n": ctx.rank}, {}, True)
+
+    def take_built(self, built) -> None:
+        self.taken = built
+
+
+def _decisions(rank: int, world: int, port: int) -> dict:
+    import torch.distributed as dist
+
+    from etc_agent.protocol.control import Assignment
+    from etc_agent.worker.member import prepare_member
+
+    dist.destroy_process_group()  # groups of size one on a store of its own
+    store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=TIMEOUT)
+
+    def assignment(generation: int, parallel: str, member: bool = True, trained: bool = True) -> Assignment:
+        return Assignment(
+            generation=generation,
+            pg_rank=0,
+            pg_world_size=1,
+            rank=0 if member else None,
+            world_size=1,
+            parallel=parallel,
+            store_addr="127.0.0.1",
+            store_port=port,
+            devices=["n0:0"],
+            leaving=False,
+            started=True,
+            trained=trained,
+            published_at=0.0,
+            node_id="n0",
+        )
+
+    out: dict = {}
+    view = _View("nccl", True)
+    out["nccl"] = prepare_member(view, store, assignment(1, "tp=1,pp=1,dp=1"))  # type: ignore[arg-type]
+    view = _View("gloo", True)
+    out["sender"] = prepare_member(view, store, assignment(2, "tp=1,pp=1,dp=1", member=False))  # type: ignore[arg-type]
+    member = prepare_member(view, store, assignment(3, "tp=1,pp=1,dp=1"))  # type: ignore[arg-type]
+    assert member is not None
+    out["built"] = member.built is not None and view.built == ["tp=1,pp=1,dp=1,zero=0"]
+    fresh = prepare_member(view, store, assignment(4, "tp=1,pp=1,dp=1", trained=False))  # type: ignore[arg-type]
+    out["fresh_built"] = fresh is not None and fresh.built is not None
+    view.current = member.ctx  # training in an equal mesh: the build waits for the switch
+    same = prepare_member(view, store, assignment(5, "tp=1,pp=1,dp=1"))  # type: ignore[arg-type]
+    out["same_mesh_built"] = same is not None and same.built is not None
+    off = prepare_member(_View("gloo", False), store, assignment(6, "tp=1,pp=1,dp=1"))  # type: ignore[arg-type]
+    out["off_built"] = off is not None and off.built is not None
+    failing = _View("gloo", True)
+    failing.fail = True
+    broken = prepare_member(failing, store, assignment(7, "tp=1,pp=1,dp=1"))  # type: ignore[arg-type]
+    assert broken is not None and broken.built is None
+    try:
+        broken.take_state(failing)  # type: ignore[arg-type]
+        out["raised"] = None
+    except ValueError as err:
+        out["raised"] = str(err)
+    for prepared in (member, fresh, same, off, broken):
+        assert prepared is not None
+        prepared.discard()
+    return out
+
+
+def test_a_member_is_built_ahead_only_where_the_job_and_the_generation_allow_it():
+    [out] = run_workers(1, _decisions, free_port())
+    assert out["nccl"] is None  # NCCL forms its groups through init_process_group, in the switch
+    assert out["sender"] is None  # a sender has no training groups
+    assert out["built"] is True
+    assert out["fresh_built"] is False  # nothing to migrate into: build(ctx) initialises, in the switch
+    assert out["same_mesh_built"] is False
+    assert out["off_built"] is False  # the job did not allow it (job.start(build) without build_ahead)
+    assert out["raised"] == "tp=3 must divide heads (4)"  # raised in the switch, where the build would have run
