@@ -14,6 +14,37 @@ from dist_harness import free_port, run_workers
 TIMEOUT = timedelta(seconds=30)
 
 
+def _form_in_the_stall(rank: int, world: int, port: int, spec: str) -> dict:
+    """No default group at all while the groups form (the switch's own path, after the teardown)."""
+    import torch
+    import torch.distributed as dist
+
+    from etc_agent.layout.config import ParallelConfig
+    from etc_agent.worker.groups import release_all_groups
+    from etc_agent.worker.worldgroups import form_world
+
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=TIMEOUT)
+    release_all_groups()
+    new_rank = world - 1 - rank
+    formed = form_world(store, 3, ParallelConfig.parse(spec), new_rank, torch.device("cpu"), TIMEOUT)
+    formed.install(TIMEOUT)
+    x = torch.ones(1)
+    dist.all_reduce(x, group=formed.mesh.get_group("dp"))
+    out = {
+        "rank": dist.get_rank(),
+        "dp": x.item(),
+        "dp_ranks": dist.get_process_group_ranks(formed.mesh.get_group("dp")),
+    }
+    dist.destroy_process_group()
+    return out
+
+
+def test_in_the_stall_with_no_default_group_the_same_groups_form():
+    results = run_workers(4, _form_in_the_stall, free_port(), "dp_replicate=2,dp_shard=2")
+    assert [out["rank"] for out in results] == [3, 2, 1, 0]
+    assert all(out["dp"] == 4.0 and out["dp_ranks"] == [0, 1, 2, 3] for out in results)
+
+
 def _form_beside_training(rank: int, world: int, port: int, spec: str) -> dict:
     import torch
     import torch.distributed as dist
@@ -37,6 +68,8 @@ def _form_beside_training(rank: int, world: int, port: int, spec: str) -> dict:
                     "rank": dist.get_rank(),
                     "tp": ctx.mesh["tp"].mesh.tolist(),
                     "fsdp": ctx.fsdp_mesh.mesh.tolist(),
+                    "dp_rank": dist.get_rank(ctx.dp_group),
+                    "dp_size": dist.get_world_size(ctx.dp_group),
                 }
         except BaseException as err:  # noqa: BLE001 - raised again in the process's main thread
             formed["error"] = err
@@ -56,7 +89,12 @@ def _form_beside_training(rank: int, world: int, port: int, spec: str) -> dict:
     ctx = context_for(config, new_rank, 7, torch.device("cpu"), world_groups.mesh, timeout=TIMEOUT)
     out: dict = {"rank": dist.get_rank(), "world": dist.get_world_size(), "groups": {}, "sums": {}}
     out["ahead"] = formed["ahead"]
-    out["after"] = {"tp": ctx.mesh["tp"].mesh.tolist(), "fsdp": ctx.fsdp_mesh.mesh.tolist()}
+    out["after"] = {
+        "tp": ctx.mesh["tp"].mesh.tolist(),
+        "fsdp": ctx.fsdp_mesh.mesh.tolist(),
+        "dp_rank": dist.get_rank(ctx.dp_group),
+        "dp_size": dist.get_world_size(ctx.dp_group),
+    }
     values = torch.arange(4, dtype=torch.float64) + 10 * new_rank
     total = values.clone()
     dist.all_reduce(total)
@@ -117,6 +155,8 @@ def test_a_generations_groups_form_while_the_old_world_trains_and_install_as_tor
         assert out["ahead"]["rank"] == new_rank
         assert out["ahead"]["tp"] == out["after"]["tp"] == dims["tp"](new_rank)
         assert out["ahead"]["fsdp"] == out["after"]["fsdp"]
+        assert (out["ahead"]["dp_rank"], out["ahead"]["dp_size"]) == (out["after"]["dp_rank"], out["after"]["dp_size"])
+        assert out["after"]["dp_rank"] == dims["dp"](new_rank).index(new_rank)
         if "dp_shard" in dims:
             assert out["fsdp_mesh"] == [2, 2]
 

@@ -114,18 +114,24 @@ class TrainingWorld:
     @contextmanager
     def as_default(self) -> Iterator[None]:
         """In this thread, until the block ends: this world is the default group (its rank and size
-        are the ones ``DeviceMesh`` slices by); other threads keep seeing torch's. Its entry in
-        torch's group map (what ``get_backend()`` reads) is there meanwhile: nothing but a teardown
-        walks that map, and a teardown never runs beside a build ahead (``Preparations.member_lock``)."""
+        are the ones ``DeviceMesh`` slices by); other threads keep seeing torch's. The groups'
+        entries in torch's group maps (what ``get_backend()`` and ``get_rank(group)`` read) are
+        there meanwhile: nothing but a teardown walks those maps, and a teardown never runs beside a
+        build ahead (``Preparations.member_lock``)."""
         assert not self.installed
-        groups = dist.distributed_c10d._world.pg_map
-        groups[self.world.group] = ("gloo", self.world.store)
+        world = dist.distributed_c10d._world
+        formed = (self.world, *self.dims.values())
+        for f in formed:  # what get_backend(), get_rank(group) and get_world_size(group) read
+            world.pg_map[f.group] = ("gloo", f.store)
+            world.pg_group_ranks[f.group] = {g: i for i, g in enumerate(f.global_ranks)}
         _this_thread.world = self.world.group
         try:
             yield
         finally:
             _this_thread.world = None
-            groups.pop(self.world.group, None)
+            for f in formed:
+                world.pg_map.pop(f.group, None)
+                world.pg_group_ranks.pop(f.group, None)
 
     def discard(self) -> None:
         """Never installed (the generation was superseded): forget the names, so that dropping
@@ -202,10 +208,11 @@ def _mesh(
     if "dp" in dims and "dp" not in names:
         from torch.distributed._mesh_layout import _MeshLayout
 
-        sub = mesh["dp_replicate", "dp_shard"]
+        # The layout of mesh["dp_replicate", "dp_shard"], without slicing (which asks get_rank()).
+        sub_layout = mesh._get_slice_mesh_layout(("dp_replicate", "dp_shard"))
         flat = DeviceMesh(
             mesh._device_type,
-            _layout=_MeshLayout([sub._layout.collapse()]),
+            _layout=_MeshLayout([sub_layout.collapse()]),
             _rank_map=mesh._rank_map,
             mesh_dim_names=("dp",),
             _root_mesh=mesh,
