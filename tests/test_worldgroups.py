@@ -39,10 +39,16 @@ def _form_in_the_stall(rank: int, world: int, port: int, spec: str) -> dict:
     return out
 
 
-def test_in_the_stall_with_no_default_group_the_same_groups_form():
-    results = run_workers(4, _form_in_the_stall, free_port(), "dp_replicate=2,dp_shard=2")
+@pytest.mark.parametrize(
+    ("spec", "dp_of"),
+    [("dp_replicate=2,dp_shard=2", lambda r: [0, 1, 2, 3]), ("tp=2,dp_shard=2", lambda r: [r % 2, r % 2 + 2])],
+    ids=["hsdp", "fsdp-tp"],
+)
+def test_in_the_stall_with_no_default_group_the_same_groups_form(spec, dp_of):
+    results = run_workers(4, _form_in_the_stall, free_port(), spec)
     assert [out["rank"] for out in results] == [3, 2, 1, 0]
-    assert all(out["dp"] == 4.0 and out["dp_ranks"] == [0, 1, 2, 3] for out in results)
+    for out in results:
+        assert out["dp_ranks"] == dp_of(out["rank"]) and out["dp"] == len(dp_of(out["rank"]))
 
 
 def _form_beside_training(rank: int, world: int, port: int, spec: str) -> dict:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -57,6 +57,26 @@ def _default_group() -> ProcessGroup:
 
 
 dist.distributed_c10d._get_default_group = _default_group  # get_rank() and get_world_size() ask it
+
+
+@contextmanager
+def _as_default(formed: list[FormedGroup]) -> Iterator[None]:
+    """``formed[0]`` (a world) as this thread's default group until the block ends. The groups'
+    entries in torch's group maps (what ``get_backend()``, ``get_rank(group)`` and
+    ``get_world_size(group)`` read) are there meanwhile: nothing but a teardown walks those maps,
+    and a teardown never runs beside a build ahead (``Preparations.member_lock``)."""
+    world = dist.distributed_c10d._world
+    for f in formed:
+        world.pg_map[f.group] = ("gloo", f.store)
+        world.pg_group_ranks[f.group] = {g: i for i, g in enumerate(f.global_ranks)}
+    _this_thread.world = formed[0].group
+    try:
+        yield
+    finally:
+        _this_thread.world = None
+        for f in formed:
+            world.pg_map.pop(f.group, None)
+            world.pg_group_ranks.pop(f.group, None)
 
 
 def supports(backend: str) -> bool:
@@ -111,27 +131,12 @@ class TrainingWorld:
         c10d._set_pg_timeout(timeout)
         self.installed = True
 
-    @contextmanager
-    def as_default(self) -> Iterator[None]:
+    def as_default(self) -> AbstractContextManager[None]:
         """In this thread, until the block ends: this world is the default group (its rank and size
-        are the ones ``DeviceMesh`` slices by); other threads keep seeing torch's. The groups'
-        entries in torch's group maps (what ``get_backend()`` and ``get_rank(group)`` read) are
-        there meanwhile: nothing but a teardown walks those maps, and a teardown never runs beside a
-        build ahead (``Preparations.member_lock``)."""
+        are the ones ``DeviceMesh`` slices by); other threads keep seeing torch's (see
+        :func:`_as_default`)."""
         assert not self.installed
-        world = dist.distributed_c10d._world
-        formed = (self.world, *self.dims.values())
-        for f in formed:  # what get_backend(), get_rank(group) and get_world_size(group) read
-            world.pg_map[f.group] = ("gloo", f.store)
-            world.pg_group_ranks[f.group] = {g: i for i, g in enumerate(f.global_ranks)}
-        _this_thread.world = self.world.group
-        try:
-            yield
-        finally:
-            _this_thread.world = None
-            for f in formed:
-                world.pg_map.pop(f.group, None)
-                world.pg_group_ranks.pop(f.group, None)
+        return _as_default([self.world, *self.dims.values()])
 
     def discard(self) -> None:
         """Never installed (the generation was superseded): forget the names, so that dropping
@@ -163,7 +168,8 @@ def form_world(
         # (pp, dp_replicate, dp_shard, tp): the flattened dp runs over dims 1 and 2.
         flat = ranks.movedim((1, 2), (-2, -1)).reshape(-1, config.dp_replicate * config.dp_shard)
         dims["dp"] = _form_dim(store, f"{prefix}/dp", flat, rank, timeout, keep)
-    mesh = _mesh(device, ranks, names, rank, dims)
+    with _as_default([world, *dims.values()]):  # DeviceMesh asks get_rank() for its sub-meshes
+        mesh = _mesh(device, ranks, names, rank, dims)
     return TrainingWorld(rank=rank, world_size=world_size, world=world, dims=dims, mesh=mesh, keep=keep)
 
 
