@@ -189,13 +189,22 @@ class _View:
     def training_ctx(self):
         return self.current
 
+    def held_tensors(self):
+        import torch
+
+        return {"kept": torch.full((1024,), 3.0)}
+
     def build(self, ctx):
         from etc_agent.worker.member import BuiltState
 
         if self.fail:
             raise ValueError("tp=3 must divide heads (4)")
         self.built.append(ctx.config.short())
-        return BuiltState({"n": ctx.rank}, {}, True)
+        import torch
+
+        # "kept" has the box of a held tensor (the migration takes its storage over): not touched.
+        tensors = {"new": torch.full((4096,), 7.0), "kept": torch.full((1024,), 7.0)}
+        return BuiltState({"n": ctx.rank, **tensors}, tensors, True)
 
     def take_built(self, built) -> None:
         self.taken = built
@@ -236,6 +245,11 @@ def _decisions(rank: int, world: int, port: int) -> dict:
     member = prepare_member(view, store, assignment(3, "tp=1,pp=1,dp=1"))  # type: ignore[arg-type]
     assert member is not None
     out["built"] = member.built is not None and view.built == ["tp=1,pp=1,dp=1,zero=0"]
+    assert member.built is not None
+    out["touched"] = member.bytes_touched
+    new, kept = member.built.tensors["new"], member.built.tensors["kept"]
+    out["new_pages"] = (new[::1024].tolist(), sorted(set(new.tolist())))
+    out["kept"] = sorted(set(kept.tolist()))
     fresh = prepare_member(view, store, assignment(4, "tp=1,pp=1,dp=1", trained=False))  # type: ignore[arg-type]
     out["fresh_built"] = fresh is not None and fresh.built is not None
     view.current = member.ctx  # training in an equal mesh: the build waits for the switch
@@ -263,6 +277,8 @@ def test_a_member_is_built_ahead_only_where_the_job_and_the_generation_allow_it(
     assert out["nccl"] is None  # NCCL forms its groups through init_process_group, in the switch
     assert out["sender"] is None  # a sender has no training groups
     assert out["built"] is True
+    # One element per 4 KiB page of the new shard written ahead (the migration overwrites them all).
+    assert out["touched"] == 4096 * 4 and out["new_pages"] == ([0.0] * 4, [0.0, 7.0]) and out["kept"] == [7.0]
     assert out["fresh_built"] is False  # nothing to migrate into: build(ctx) initialises, in the switch
     assert out["same_mesh_built"] is False
     assert out["off_built"] is False  # the job did not allow it (job.start(build) without build_ahead)

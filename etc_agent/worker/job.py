@@ -438,6 +438,7 @@ class Job:
             take_built=self.take_built,
             build_ahead=self._build_ahead,
             training_ctx=lambda: self.ctx,
+            held_tensors=lambda: split_state(self.state, keep_vars=True)[0] if self.state else None,
             publish=self.publish,
             fatal=self.fatal,
             mark_trained=self.mark_trained,
@@ -491,10 +492,9 @@ def init(parallel: str | None = None, commit_barrier: bool | None = None) -> Job
     by default every device is a data-parallel replica. ``commit_barrier``: see :attr:`Job.commit_barrier`.
     """
     global _CURRENT
-    if _CURRENT is None:
-        _CURRENT = Job(parallel, commit_barrier)
+    _CURRENT = _CURRENT or Job(parallel, commit_barrier)
     return _CURRENT
 
 
-def current() -> Job | None:
+def current() -> Job | None:  # the job of this process, if init() made one
     return _CURRENT

@@ -21,8 +21,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 
+from etc_agent.migrate.describe import describe_state
 from etc_agent.protocol.control import Assignment
 from etc_agent.worker import boundary
 from etc_agent.worker.appstate import holds_only_whole_tensors, hook_optimizers, split_state
@@ -80,6 +82,8 @@ class Member:
     where ``init_process_group`` made the default group already (NCCL)."""
     built: BuiltState | None = None
     """Built ahead (:func:`prepare_member`); None: ``build(ctx)`` runs in the switch."""
+    bytes_touched: int = 0
+    """Of the state built ahead, the bytes whose pages were written ahead (:func:`touch_new_shards`)."""
     build_error: BaseException | None = None
     """What ``build(ctx)`` raised ahead: raised again in the switch, where it would have been."""
 
@@ -137,7 +141,42 @@ def prepare_member(view: JobView, store: dist.Store, assignment: Assignment) -> 
                 member.built = view.build(member.ctx)
         except Exception as err:  # noqa: BLE001 - the switch raises it where the build would have run
             member.build_error = err
+        else:
+            member.bytes_touched = touch_new_shards(member.built.tensors, _held(view))
     return member
+
+
+def _held(view: JobView) -> dict | None:
+    """The training state's tensors, read beside the training thread: an optimizer creating state
+    in its first step can change a dict while it is walked, and then nothing is known as held."""
+    try:
+        return view.held_tensors()
+    except RuntimeError:
+        return None
+
+
+PAGE_BYTES = 4096
+
+
+def touch_new_shards(new_tensors: dict, held_tensors: dict | None) -> int:
+    """Write one element of every memory page of the new shards on the CPU, so that the migration
+    writes into resident memory: on a CPU the first write to a page of a fresh allocation faults it
+    in, and inside the stall that doubled the cost of the local copies and of receiving. A new shard
+    equal to a held one is skipped (the migration takes the old storage over). The values written
+    are overwritten by the migration, which fills every element of the new shards. Returns the
+    bytes touched."""
+    held = {(ls.shard.key, ls.shard) for ls in describe_state(held_tensors)} if held_tensors else set()
+    touched = 0
+    for local in describe_state(new_tensors):
+        tensor = local.tensor
+        if (local.shard.key, local.shard) in held or tensor.device.type != "cpu" or tensor.is_meta:
+            continue
+        if not tensor.is_contiguous():
+            continue  # a view into storage described elsewhere (FSDP2's padded shard) or strided: left alone
+        with torch.no_grad():
+            tensor.view(-1)[:: max(1, PAGE_BYTES // tensor.element_size())].zero_()
+        touched += tensor.numel() * tensor.element_size()
+    return touched
 
 
 def _same_mesh(new: ParallelContext, old: ParallelContext | None) -> bool:

@@ -64,6 +64,8 @@ class JobView:
     """``job.start(build, build_ahead=True)``: the build may run beside training (:mod:`etc_agent.worker.member`)."""
     training_ctx: Callable[[], ParallelContext | None]
     """The context training now (None inside a switch, after the teardown)."""
+    held_tensors: Callable[[], dict | None]
+    """The tensors of the state training now, by flattened key (None when it holds none)."""
     publish: Callable[[MigrationRecord], None]
     fatal: Callable[[JobError], None]
     """Tell the agent the job cannot go on, then raise the error."""
