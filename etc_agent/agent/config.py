@@ -100,7 +100,9 @@ class AgentConfig(BaseModel):
     prepare: Literal["on", "off"] = Field(
         "on",
         description="on: a worker that hears of a new generation enters its store and forms its migration "
-        "group while it still trains (a TCPStore client and one connection per peer, no state); off: at the switch.",
+        "group, and a member of a gloo job its training groups and (with job.start(build, build_ahead=True)) "
+        "its new state, while it still trains (the new shards' memory is then held from earlier on); off: all at "
+        "the switch.",
     )
     checkpoint_dir: str | None = Field(
         None,

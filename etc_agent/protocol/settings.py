@@ -81,8 +81,9 @@ class WorkerSettings(BaseModel):
     prepare: bool = Field(
         True,
         alias="ETC_AGENT_PREPARE",
-        description="etcrun --prepare: enter a new generation's store and form its migration group while "
-        "still training (0: at the switch).",
+        description="etcrun --prepare: enter a new generation's store, form its migration group and a "
+        "member's training groups and (where the script allows it) build its state while still training "
+        "(0: at the switch).",
     )
     checkpoint_dir: str | None = Field(
         None, alias="ETC_AGENT_CHECKPOINT_DIR", description="etcrun --checkpoint-dir: where checkpoints go."

@@ -11,7 +11,8 @@ nothing but ``ctx``, no RNG, no collectives and no global state) and the state w
 into (``ctx.restoring``). It does not when the new mesh equals the one training: DTensor caches
 sharding decisions by mesh shape and names, so a build beside training on an equal mesh could
 hand the training thread results that point at the new groups. The state built ahead costs the
-new shard's memory, allocated but not written (on CPU: untouched pages) until the migration.
+new shards' memory from then on (:func:`touch_new_shards` makes their pages resident on a CPU),
+which the migration would hold beside the old shards anyway.
 """
 
 from __future__ import annotations
