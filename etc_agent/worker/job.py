@@ -83,6 +83,8 @@ class Job:
 
     _build_ahead = False
     """``start(build, build_ahead=True)``: the build may run beside training."""
+    _held: dict | None = None
+    """The tensors of :attr:`state` by flattened key (:attr:`JobView.held_tensors`)."""
 
     def __init__(self, parallel: str | None = None, commit_barrier: bool | None = None):
         self.default_parallel = ParallelSpec.parse(parallel) if parallel else ParallelSpec()
@@ -438,7 +440,7 @@ class Job:
             take_built=self.take_built,
             build_ahead=self._build_ahead,
             training_ctx=lambda: self.ctx,
-            held_tensors=lambda: split_state(self.state, keep_vars=True)[0] if self.state else None,
+            held_tensors=lambda: self._held if self.state else None,
             publish=self.publish,
             fatal=self.fatal,
             mark_trained=self.mark_trained,
@@ -446,7 +448,7 @@ class Job:
             take_state=self._take_state,
             teardown=self.teardown_group,
             leave=self._leave,
-            use_store=self._use_store,
+            use_store=partial(setattr, self, "store"),
             resume=self._resume,
             take_preparation=self.preparations.take,
         )
@@ -459,11 +461,8 @@ class Job:
         self.state, self.ctx = None, None
         self.teardown_group()
 
-    def _use_store(self, store: dist.Store) -> None:
-        self.store = store
-
     def _resume(self, resumed: Resumed) -> None:
-        self.state, self.ctx = resumed.state, resumed.ctx
+        self.state, self.ctx, self._held = resumed.state, resumed.ctx, resumed.tensors
         self.next_step, self.generation = resumed.next_step, resumed.generation
         self.votes.restart(self.next_step)
 

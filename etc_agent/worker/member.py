@@ -143,17 +143,8 @@ def prepare_member(view: JobView, store: dist.Store, assignment: Assignment) -> 
         except Exception as err:  # noqa: BLE001 - the switch raises it where the build would have run
             member.build_error = err
         else:
-            member.bytes_touched = touch_new_shards(member.built.tensors, _held(view))
+            member.bytes_touched = touch_new_shards(member.built.tensors, view.held_tensors())
     return member
-
-
-def _held(view: JobView) -> dict | None:
-    """The training state's tensors, read beside the training thread: an optimizer creating state
-    in its first step can change a dict while it is walked, and then nothing is known as held."""
-    try:
-        return view.held_tensors()
-    except RuntimeError:
-        return None
 
 
 PAGE_BYTES = 4096

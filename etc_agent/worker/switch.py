@@ -169,7 +169,7 @@ class Switch:
             return False
         load_state(entry.new_state, meta["app"], entry.new_tensors)
         torch.set_rng_state(from_json(meta["rng"]))
-        job.resume(Resumed(entry.new_state, entry.ctx, meta["step"], assignment.generation))
+        job.resume(Resumed(entry.new_state, entry.ctx, meta["step"], assignment.generation, entry.new_tensors))
         record = checkpoint_record(
             entry.transport, assignment, entry.ctx.config.short(), meta["step"], meta, entry.clocks, entry.new_tensors
         )
@@ -207,7 +207,7 @@ class Switch:
             load_state(entry.new_state, source.carried["app"], entry.new_tensors)
             torch.set_rng_state(from_json(source.carried["rng"]))
         redone = (live_step - source.resume_step) if live_step is not None else 0
-        job.resume(Resumed(entry.new_state, entry.ctx, source.resume_step, assignment.generation))
+        job.resume(Resumed(entry.new_state, entry.ctx, source.resume_step, assignment.generation, entry.new_tensors))
         self._report(entry, source, entry.ctx.config.short(), redone)
         if source.restored_from and not assignment.trained:
             job.mark_trained()  # resumed from storage: from now on a crash loses state, not an initial one

@@ -36,6 +36,8 @@ class Resumed:
     ctx: ParallelContext
     next_step: int
     generation: int
+    tensors: dict
+    """The state's tensors by flattened key (its boxes: what a build ahead compares new shards with)."""
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,9 @@ class JobView:
     training_ctx: Callable[[], ParallelContext | None]
     """The context training now (None inside a switch, after the teardown)."""
     held_tensors: Callable[[], dict | None]
-    """The tensors of the state training now, by flattened key (None when it holds none)."""
+    """The tensors of the state training now, by flattened key, as the switch that resumed it had
+    them (None when it holds none); safe to describe beside the training thread, unlike the app
+    objects (a state dict of an FSDP2 module reshards it)."""
     publish: Callable[[MigrationRecord], None]
     fatal: Callable[[JobError], None]
     """Tell the agent the job cannot go on, then raise the error."""
