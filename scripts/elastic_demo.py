@@ -371,17 +371,24 @@ def run_scenario(
         def migrated(count: int) -> None:
             cluster.wait_for(lambda: len(migrations(cluster)) >= count, 300, f"migration {count}")
 
-        def all_initial_running() -> bool:
+        def all_initial_training() -> bool:
+            """Every initial agent's workers train: the first running generation had them all, or the
+            workers migrated into one that has (a published generation is entered a little later:
+            the ranks train on while they prepare it)."""
             seen = [
                 event
                 for line in list(cluster.outputs[0])
                 if '"generation_seen"' in line and (event := json_line_event(line)) is not None
             ]
-            return bool(seen) and seen[-1]["status"] == "running" and seen[-1]["members"] == initial_agents
+            if not seen or seen[-1]["status"] != "running" or seen[-1]["members"] != initial_agents:
+                return False
+            running = [e["generation"] for e in seen if e["status"] == "running"]
+            full = min(e["generation"] for e in seen if e["status"] == "running" and e["members"] == initial_agents)
+            return running[0] == full or any(m["generation"] >= full for m in migrations(cluster))
 
         expected = 0
         if min_nodes is not None and min_nodes < initial_agents:
-            cluster.wait_for(all_initial_running, 300, f"a generation with all {initial_agents} agents")
+            cluster.wait_for(all_initial_training, 300, f"training in a generation with all {initial_agents} agents")
             expected = skipped = len(migrations(cluster))
         step_marks = iter(event_steps or range(steps // 5, steps, max(1, steps // 5)))
         for event in events:
