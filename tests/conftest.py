@@ -254,7 +254,7 @@ class EtcdServer:
                     raise
 
     def _choose_ports(self) -> None:
-        if getattr(self, "log", None) is not None:
+        if self.log is not None:
             self.log.close()
         shutil.rmtree(self.data_dir, ignore_errors=True)  # a failed start may have recorded its old peer URL
         self.client_port, self.peer_port = _free_port(), _free_port()

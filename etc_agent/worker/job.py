@@ -440,7 +440,7 @@ class Job:
             take_built=self.take_built,
             build_ahead=self._build_ahead,
             training_ctx=lambda: self.ctx,
-            held_tensors=lambda: self._held if self.state else None,
+            held_tensors=lambda: self._held,
             publish=self.publish,
             fatal=self.fatal,
             mark_trained=self.mark_trained,
@@ -454,7 +454,8 @@ class Job:
         )
 
     def _take_state(self) -> tuple[dict | None, ParallelContext | None]:
-        state, self.state = self.state, None  # the app objects may hold old groups: the teardown frees them
+        # The app objects may hold old groups (the teardown frees them); their tensors go with them.
+        state, self.state, self._held = self.state, None, None
         return state, self.ctx
 
     def _leave(self) -> None:

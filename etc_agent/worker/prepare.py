@@ -21,8 +21,8 @@ rank trains on (:meth:`Preparations.preparing`, at most :data:`PREPARE_GRACE_S`)
 preparation that failed (a peer gone while it formed) hands over its error, which the switch
 treats as a failure of that generation, as it would have treated the same failure in
 :func:`~etc_agent.worker.entry.form`. Memory: a TCPStore client and the new groups' sockets (one
-connection per peer and group) and, with a state built ahead, the new shards allocated but not
-written until the migration fills them. Groups of a preparation never entered are unregistered
+connection per peer and group) and, with a state built ahead, the new shards, resident from then on
+(:func:`etc_agent.worker.member.touch_new_shards`). Groups of a preparation never entered are unregistered
 when it is dropped, or at the next teardown if its thread was still running then.
 ``etcrun --prepare off`` (``ETC_AGENT_PREPARE=0``) turns it off.
 """

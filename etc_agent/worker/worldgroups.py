@@ -33,7 +33,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -100,15 +100,19 @@ class FormedGroup:
 class TrainingWorld:
     """The groups and mesh of one generation for one rank (see the module docstring)."""
 
-    rank: int
-    world_size: int
     world: FormedGroup
     dims: dict[str, FormedGroup]
     """This rank's group on each mesh dim (and on the flattened ``dp`` with FSDP)."""
     mesh: DeviceMesh
-    keep: list[object] = field(default_factory=list)
-    """Python stores the groups' C++ stores call back into: held as long as the groups live."""
+    store: dist.Store
+    """The generation's store, which the groups' C++ stores call back into (a Python store): held as
+    long as the groups live."""
     installed: bool = False
+
+    @property
+    def groups(self) -> list[FormedGroup]:
+        """The world first, then the dims' groups."""
+        return [self.world, *self.dims.values()]
 
     def install(self, timeout: timedelta) -> None:
         """Make these torch's groups: the world the default group, the rest its subgroups. Call it
@@ -116,7 +120,7 @@ class TrainingWorld:
         assert not dist.is_initialized(), "the previous generation's groups must be destroyed first"
         c10d = dist.distributed_c10d
         config = str(c10d.BackendConfig(c10d.Backend("gloo")))
-        for formed in (self.world, *self.dims.values()):
+        for formed in self.groups:
             _unregister_process_group(formed.name)  # registered ahead for build(ctx); registered again below
             c10d._register_pg_in_world(
                 formed.group,
@@ -136,13 +140,13 @@ class TrainingWorld:
         are the ones ``DeviceMesh`` slices by); other threads keep seeing torch's (see
         :func:`_as_default`)."""
         assert not self.installed
-        return _as_default([self.world, *self.dims.values()])
+        return _as_default(self.groups)
 
     def discard(self) -> None:
         """Never installed (the generation was superseded): forget the names, so that dropping
         this object closes the groups' connections."""
         if not self.installed:
-            for formed in (self.world, *self.dims.values()):
+            for formed in self.groups:
                 _unregister_process_group(formed.name)
 
 
@@ -155,41 +159,35 @@ def form_world(
     assert supports("gloo")
     world_size = config.world_size
     prefix = f"gen{generation}/train"
-    keep: list[object] = [store]
-    world = _form(store, f"{prefix}/world", tuple(range(world_size)), rank, timeout, keep)
+    world = _form(store, f"{prefix}/world", tuple(range(world_size)), rank, timeout)
     names, shape = mesh_shape(config)
     ranks = torch.arange(world_size).view(shape)
     dims: dict[str, FormedGroup] = {}
     for index, name in enumerate(names):
         dims[name] = _form_dim(
-            store, f"{prefix}/{name}", ranks.movedim(index, -1).reshape(-1, shape[index]), rank, timeout, keep
+            store, f"{prefix}/{name}", ranks.movedim(index, -1).reshape(-1, shape[index]), rank, timeout
         )
     if config.dp_shard > 1:
         # (pp, dp_replicate, dp_shard, tp): the flattened dp runs over dims 1 and 2.
         flat = ranks.movedim((1, 2), (-2, -1)).reshape(-1, config.dp_replicate * config.dp_shard)
-        dims["dp"] = _form_dim(store, f"{prefix}/dp", flat, rank, timeout, keep)
+        dims["dp"] = _form_dim(store, f"{prefix}/dp", flat, rank, timeout)
     with _as_default([world, *dims.values()]):  # DeviceMesh asks get_rank() for its sub-meshes
         mesh = _mesh(device, ranks, names, rank, dims)
-    return TrainingWorld(rank=rank, world_size=world_size, world=world, dims=dims, mesh=mesh, keep=keep)
+    return TrainingWorld(world=world, dims=dims, mesh=mesh, store=store)
 
 
-def _form_dim(
-    store: dist.Store, prefix: str, rows: torch.Tensor, rank: int, timeout: timedelta, keep: list[object]
-) -> FormedGroup:
+def _form_dim(store: dist.Store, prefix: str, rows: torch.Tensor, rank: int, timeout: timedelta) -> FormedGroup:
     """This rank's group among ``rows`` (each row one group's members, in group-rank order)."""
     for index, members in enumerate(rows.tolist()):
         if rank in members:
-            return _form(store, f"{prefix}/{index}", tuple(members), rank, timeout, keep)
+            return _form(store, f"{prefix}/{index}", tuple(members), rank, timeout)
     raise AssertionError(f"rank {rank} is in no group of {prefix}")
 
 
-def _form(
-    store: dist.Store, name: str, members: tuple[int, ...], rank: int, timeout: timedelta, keep: list[object]
-) -> FormedGroup:
+def _form(store: dist.Store, name: str, members: tuple[int, ...], rank: int, timeout: timedelta) -> FormedGroup:
     """A gloo group of ``members`` (as ``init_process_group`` makes it: a ProcessGroup with gloo
     for CPU tensors), formed on ``store`` under ``name``, registered by name only."""
     group_store = dist.PrefixStore(f"{name}/", store)
-    keep.append(group_store)
     group_rank, size = members.index(rank), len(members)
     backend = gloo_group(dist.PrefixStore("cpu/", group_store), group_rank, size, timeout)
     backend._set_sequence_number_for_group()
