@@ -175,3 +175,34 @@ def test_the_agent_links_thread_starts_a_preparation_between_boundaries_but_neve
     prep.notice(4)
     assert prep.current is None  # nothing newer than the generation now training
     assert started.join() and started.superseded
+
+
+def test_a_teardown_waits_for_a_build_ahead_and_a_stuck_one_is_named(store_port, monkeypatch):
+    link = _Link()
+    prep = Preparations(link, 0.3, enabled=True)  # type: ignore[arg-type]
+    monkeypatch.setattr(prepare, "JOIN_MARGIN_S", 0.0)
+    released = threading.Event()
+
+    def build_ahead() -> None:
+        with prep.member_lock:
+            released.wait(0.15)
+
+    builder = threading.Thread(target=build_ahead)
+    builder.start()
+    time.sleep(0.05)
+    started = time.monotonic()
+    with prep.beside_no_build():  # waits for the build (0.15 s), within the bound (0.3 s)
+        waited = time.monotonic() - started
+    builder.join()
+    assert 0.05 <= waited < 0.3
+
+    link.current = _assignment(4, 0, store_port)
+    prep.current = Preparation(link.current, link, 0.3)  # type: ignore[arg-type]
+    prep.member_lock.acquire()  # a build ahead that never ends
+    try:
+        with pytest.raises(RuntimeError, match=r"preparing generation 4 .* did not end within 0 s"):
+            with prep.beside_no_build():
+                pass
+    finally:
+        prep.member_lock.release()
+        prep.current.join()

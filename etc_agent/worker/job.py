@@ -401,7 +401,7 @@ class Job:
             self.ctx.mesh._pg_registry.clear()  # old DTensors keep their mesh; it must not keep the groups
         self.ctx = None
         self.releases.report(wait=False)
-        with self.preparations.member_lock:
+        with self.preparations.beside_no_build():
             # The old groups' sockets close in the background: the next generation's groups do not wait for them.
             self.releases.add(release_all_groups())
             # DTensor's sharding cache matches meshes by shape and names: old entries would tie new DTensors to it

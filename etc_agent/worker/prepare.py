@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch.distributed as dist
 
@@ -129,8 +130,7 @@ class Preparations:
         """Set by the job once it knows its build (:meth:`etc_agent.worker.job.Job.start`)."""
         self.member_lock = threading.Lock()
         """Held while a member's groups form and its state builds ahead, and by the job's teardown of
-        the old groups, which unregisters every group name and clears DTensor's caches: the two
-        never overlap (the teardown waits for the build, whose waits are bounded by the timeout)."""
+        the old groups (:meth:`beside_no_build`)."""
         self._lock = threading.Lock()
         self._armed: int | None = None
         """The generation training (None inside a switch: nothing may start then)."""
@@ -179,6 +179,21 @@ class Preparations:
             return False
         current = self.current
         return current is None or current.generation != seen or not current.done
+
+    @contextmanager
+    def beside_no_build(self) -> Iterator[None]:
+        """The block runs while no member's groups form and no state builds ahead: a teardown of the
+        old groups unregisters every group name and clears DTensor's caches under them. Waits for a
+        running one at most the job's timeout and :data:`JOIN_MARGIN_S` (its own waits end first)."""
+        bound = self._timeout_s + JOIN_MARGIN_S
+        if not self.member_lock.acquire(timeout=bound):
+            current = self.current
+            what = f"generation {current.generation}" if current is not None else "the next generation"
+            raise RuntimeError(f"preparing {what} (its groups or its build ahead) did not end within {bound:.0f} s")
+        try:
+            yield
+        finally:
+            self.member_lock.release()
 
     def take(self, generation: int) -> Preparation | None:
         """A switch enters ``generation``: disarm, and hand over the preparation made for it once

@@ -64,7 +64,7 @@ def _as_default(formed: list[FormedGroup]) -> Iterator[None]:
     """``formed[0]`` (a world) as this thread's default group until the block ends. The groups'
     entries in torch's group maps (what ``get_backend()``, ``get_rank(group)`` and
     ``get_world_size(group)`` read) are there meanwhile: nothing but a teardown walks those maps,
-    and a teardown never runs beside a build ahead (``Preparations.member_lock``)."""
+    and a teardown never runs beside a build ahead (``Preparations.beside_no_build``)."""
     world = dist.distributed_c10d._world
     for f in formed:
         world.pg_map[f.group] = ("gloo", f.store)
