@@ -3,7 +3,9 @@
 The example GPT on 2 agents x 2 workers (``--nnodes 1:2``), side by side in one run:
 
 - ``live`` (``etcrun`` defaults): the other node goes on at once without the crashed worker's node
-  (its replica holds everything); that node restarts the worker and rejoins once it runs;
+  (its replica holds everything); that node hands the worker's place to its warm spare process
+  (the kill comes once one is ready) and rejoins once it runs;
+- ``live-forked`` (``--spare-worker off``): the same, the worker forked again from the fork server;
 - ``checkpoint``: the way a ``torchrun`` job recovers: every worker restarts and loads the newest
   periodic checkpoint with resharding (``--migration checkpoint``; the kill comes right after a
   checkpoint completed, the most favourable moment for it), and trains the steps since again.
@@ -50,14 +52,22 @@ CASES = {
     "in-place": ("tp=2,pp=1,dp=auto", "kill", [], 2),
 }
 """case -> (--parallel, event, extra agent flags, --nnodes MIN)"""
+METHODS = ("live", "live-forked", "checkpoint")
+"""live: etcrun's defaults (the crashed worker's place taken by its node's warm spare); live-forked:
+--spare-worker off (forked again); checkpoint: the torchrun way. A killed node has no spare to use."""
 
 
 def run_once(case: str, method: str, model_args: list[str], work: Path) -> dict:
     parallel, event, case_args, min_nodes = CASES[case]
     agent_args = ["--checkpoint-dir", str(work / "checkpoints"), "--checkpoint-interval", str(INTERVAL), *case_args]
+    every_agent = None
     if method == "checkpoint":
         # torchrun restarts every worker as a new interpreter (no fork server) and loads the checkpoint.
         agent_args += ["--migration", "checkpoint", "--start-method", "spawn"]
+    elif method == "live-forked":
+        agent_args += ["--spare-worker", "off"]  # the crashed worker is forked again
+    elif case != "node":
+        every_agent = '"spare_worker_ready"'  # the crashed node's warm spare takes the worker's place
     result = run_scenario(
         parallel,
         2,
@@ -72,6 +82,7 @@ def run_once(case: str, method: str, model_args: list[str], work: Path) -> dict:
         event_steps=[INTERVAL + 1],
         stop_after=3,
         event_after_text='"etc_checkpoint"',
+        event_after_every_agent=every_agent,
         slow_during_events=None,
     )
     killed = result["events"][0]
@@ -144,11 +155,12 @@ def main() -> None:
     size = args.size or ("quick" if args.quick else "300mb")
     repeat = args.repeat if args.repeat is not None else 1 if args.quick else 3
     cases = args.case or ["worker", "node"]
-    runs: dict[tuple[str, str], list[dict]] = {(c, m): [] for c in cases for m in ("live", "checkpoint")}
+    methods = {case: METHODS if case != "node" else ("live", "checkpoint") for case in cases}
+    runs: dict[tuple[str, str], list[dict]] = {(c, m): [] for c in cases for m in methods[c]}
     with tempfile.TemporaryDirectory(prefix="bench-crash-") as tmp:
         for case in cases:
             for rep in range(repeat):
-                for method in ("live", "checkpoint") if rep % 2 == 0 else ("checkpoint", "live"):
+                for method in methods[case] if rep % 2 == 0 else methods[case][::-1]:
                     work = Path(tmp) / f"{case}-{method}-{rep}"
                     work.mkdir()
                     runs[case, method].append(run_once(case, method, SIZES[size], work))
@@ -173,7 +185,9 @@ def main() -> None:
             "live_lost_s": median((case, "live"), "lost_s"),
             "checkpoint_lost_s": median((case, "checkpoint"), "lost_s"),
         }
-        for method in ("live", "checkpoint"):
+        if "live-forked" in methods[case]:
+            summary[case]["live_forked_stall_s"] = median((case, "live-forked"), "stall_s")
+        for method in methods[case]:
             full = median((case, method), "full_strength_s")
             table.add_row(
                 case,
@@ -183,7 +197,7 @@ def main() -> None:
                 _fmt(median((case, method), "step_s")),
                 f"{full:.2f}" if full is not None else "-",
                 f"{median((case, method), 'redone_steps'):.0f}",
-                f"{base / live:.1f}x" if method == "live" else "",
+                f"{base / median((case, method), 'stall_s'):.1f}x" if method != "checkpoint" else "",
             )
     Console().print(table)
     print(

@@ -31,6 +31,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without an install
+from etc_agent.agent.workers import SPARE_PROCESS_NAME  # noqa: E402
 
 
 def free_port() -> int:
@@ -157,7 +159,7 @@ class Cluster:
         """Live worker pids of one agent, from /proc: its children running the example, or the
         children of its fork server (``--start-method forkserver``, the default) but the workers'
         stores it hosts (``etc-store``) and a child forked a moment ago that has not taken its name
-        yet (it could be a store host: a spare one is forked at every switch)."""
+        yet (it could be a store host: a spare one is forked at every switch), and its warm spare worker."""
         table: dict[int, tuple[int, str]] = {}
         comms: dict[int, str] = {}
         for entry in Path("/proc").iterdir():
@@ -177,7 +179,8 @@ class Cluster:
         return sorted(
             pid
             for pid, (ppid, cmd) in table.items()
-            if (ppid == parent and self.module in cmd) or (ppid in servers and comms[pid] != comms[ppid])
+            if ((ppid == parent and self.module in cmd) or (ppid in servers and comms[pid] != comms[ppid]))
+            and comms[pid] != SPARE_PROCESS_NAME
         )
 
     def wait_for(self, predicate, timeout: float, what: str) -> None:
@@ -285,7 +288,8 @@ def run_scenario(
     event_steps: list[int] | None = None,
     stop_after: int | None = None,
     min_nodes: int | None = None,
-    event_after_text: str | None = None,
+    event_after_text: str | tuple[str, ...] | None = None,
+    event_after_every_agent: str | None = None,
     sidecar: bool = False,
     module: str = "etc_agent.examples.gpt",
     gap_before: dict[str, int] | None = None,
@@ -301,7 +305,9 @@ def run_scenario(
         ``min_nodes`` (default ``initial_agents``): ``--nnodes`` MIN; below ``initial_agents`` (so that a
         leave does not drop the job below it), the events wait until a generation runs with all the
         initial agents, and only the migrations after that are returned. ``event_after_text``: before each
-        event, also wait until an agent's output has a line containing it (e.g. a checkpoint written).
+        event, also wait until an agent's output has a line containing it, or each of several (e.g. a
+        checkpoint written); ``event_after_every_agent``: ... until every running agent's output has
+        such a line (its warm spare worker ready, say).
         ``gap_before``: event -> steps that must be trained after the previous event's migration resumed
         before it comes (a join takes effect seconds after its agent starts, which on a busy machine can
         be most of ``event_steps``' spacing; a kill right after a layout change would find no periodic
@@ -401,11 +407,21 @@ def run_scenario(
                     f"the previous migration resumed at step {resumed}\n" + cluster.tail()
                 )
             at_step(mark)
-            if event_after_text is not None:
+            for text in (event_after_text,) if isinstance(event_after_text, str) else event_after_text or ():
                 cluster.wait_for(
-                    lambda: any(event_after_text in line for lines in cluster.outputs for line in list(lines)),
+                    lambda text=text: any(text in line for lines in cluster.outputs for line in list(lines)),
                     300,
-                    f"a line with {event_after_text!r}",
+                    f"a line with {text!r}",
+                )
+            if event_after_every_agent is not None:
+                cluster.wait_for(
+                    lambda: all(
+                        any(event_after_every_agent in line for line in list(lines))
+                        for agent, lines in zip(cluster.agents, cluster.outputs)
+                        if agent.poll() is None
+                    ),
+                    300,
+                    f"a line with {event_after_every_agent!r} from every agent",
                 )
             t = time.monotonic() - started
             wall = time.time()

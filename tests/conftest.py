@@ -65,6 +65,7 @@ TEST_LAYERS: dict[str, tuple[str, dict[str, list[str]]]] = {
     ),
     "test_failures.py": ("unit", {"multiproc": ["test_the_agent_does_not_import_torch"]}),
     "test_gone.py": ("unit", {}),
+    "test_spares.py": ("e2e", {"multiproc": ["test_a_spare_*"]}),
     "test_genwatch.py": ("unit", {}),  # the embedded store serves from a thread of this process
     "test_leader.py": ("unit", {}),
     "test_timeline.py": ("unit", {}),

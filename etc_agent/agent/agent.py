@@ -379,6 +379,7 @@ class Agent:
             if node.workers is not None and node.generation is not None:
                 self.supervision.check_workers(node.generation)
                 self.supervision.maybe_rejoin()
+                self.supervision.spares.maintain(now)
             self.supervision.watch_end(now)
             node.report_pending()
             self._pause(self.config.monitor_interval)

@@ -104,6 +104,12 @@ class AgentConfig(BaseModel):
         "its new state, while it still trains (the new shards' memory is then held from earlier on); off: all at "
         "the switch.",
     )
+    spare_worker: Literal["on", "off"] = Field(
+        "on",
+        description="on: a node whose workers use the worker API keeps one warm spare process (the script run up "
+        "to etc_agent.init(), no rank, no state) that takes a crashed worker's place without a process start; "
+        "off: a crashed worker is forked again.",
+    )
     checkpoint_dir: str | None = Field(
         None,
         description="Directory every node can reach: --migration checkpoint saves there; "

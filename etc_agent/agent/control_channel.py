@@ -117,6 +117,8 @@ class ControlChannel:
             self._announce_elastic()
             node.elastic = True
             node.contacts.hellos.add(req.local_rank)
+            if req.local_rank in node.state.state.restarting:
+                node.wake.set()  # the node rejoins now, not at the main loop's next pass
         reply = HelloReply(node_id=node.node_id, generation=node.generation.number if node.generation else None)
         if node.config.sidecar and isinstance(req, Hello):
             # What etcrun would have put in its children's environment.

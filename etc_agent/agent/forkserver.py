@@ -137,10 +137,22 @@ class ForkServer:
         return not self._dead
 
     def spawn(
-        self, argv: list[str], env: dict[str, str], cwd: str, pipe_stdout: bool, pipe_stderr: bool, name: str
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: str,
+        pipe_stdout: bool,
+        pipe_stderr: bool,
+        name: str,
+        fd_variables: dict[str, int] | None = None,
     ) -> ForkedProcess:
-        """Fork ``python -u ARGV`` with ``env``; the streams not piped go where the agent's go."""
+        """Fork ``python -u ARGV`` with ``env``; the streams not piped go where the agent's go.
+        ``fd_variables``: environment variable -> a descriptor of this process the worker gets (the
+        variable says its number there); closed here once sent."""
         fds, names, ours = [], [], {}
+        for variable, fd in (fd_variables or {}).items():
+            fds.append(fd)
+            names.append(f"env:{variable}")
         for wanted, stream in ((pipe_stdout, "stdout"), (pipe_stderr, "stderr")):
             if wanted:
                 read_end, write_end = os.pipe()

@@ -15,6 +15,7 @@ import time
 
 from etc_agent.agent.endwatch import EndWatch
 from etc_agent.agent.node import Node
+from etc_agent.agent.spares import SpareKeeper
 from etc_agent.agent.worker_env import standby_env
 from etc_agent.protocol import keys
 from etc_agent.protocol.phases import RESTART_EXIT, Phase
@@ -33,6 +34,8 @@ class Supervision:
         self._last_crash: tuple[int, tuple[tuple[int, int | None], ...]] | None = None
         self._end_watch = EndWatch(node.node_id)
         self._end_read_at = 0.0
+        self.spares = SpareKeeper(node)
+        """The node's warm spare worker (:mod:`etc_agent.agent.spares`)."""
 
     def check_workers(self, gen: GenerationRecord) -> None:
         node = self.node
@@ -150,9 +153,14 @@ class Supervision:
             node.emit("store_unreachable", {"error": str(err), "pending": "leave the membership while restarting"})
         node.report(gen, _failed_status(codes, summary))
         # After the store heard of it: the leader's decision does not wait for the restart.
+        from_spare = []
         for local_rank in failed:
             env = standby_env(node, local_rank, gen.number + 1)
-            node.workers.restart(local_rank, env, node.run_dir / f"restart_{node.num_crash_restarts}")
+            attempt_dir = node.run_dir / f"restart_{node.num_crash_restarts}"
+            if self.spares.take(local_rank, env, attempt_dir):
+                from_spare.append(local_rank)
+            else:
+                node.workers.restart(local_rank, env, attempt_dir)
         limit = node.config.node_crash_restarts
         node.emit(
             "workers_failed",
@@ -160,6 +168,7 @@ class Supervision:
                 "generation": gen.number,
                 "exit_codes": failed,
                 "restarting": sorted(failed),
+                "from_spare": from_spare,
                 "action": f"restarting local ranks {sorted(failed)} ({node.num_crash_restarts}/{limit}); "
                 "the others go on, this node rejoins once they run",
             },

@@ -68,6 +68,19 @@ def standby_env(node: Node, local_rank: int, generation: int) -> dict[str, str]:
     return {**node_env(node, local_rank, generation), "RANK": "-1"}
 
 
+SPARE_OMITS = ("LOCAL_RANK", "ETC_AGENT_LOCAL_RANK", "RANK", auth.TOKEN_ENV)
+"""What a warm spare does not have before its adoption: it has no rank (and no channel key) yet."""
+
+
+def spare_env(node: Node, generation: int) -> dict[str, str]:
+    """A warm spare's environment until it is adopted (:mod:`etc_agent.worker.spare`): a worker's,
+    less what names a local rank. Under ``--virtual-local-rank`` its device is narrowed only then."""
+    env = {k: v for k, v in node_env(node, 0, generation).items() if k not in SPARE_OMITS}
+    if node.spec.virtual_local_rank:
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+    return env
+
+
 def worker_env(node: Node, gen: GenerationRecord, master: MasterRecord, local_rank: int) -> dict[str, str]:
     rank = gen.training_rank(node.node_id, local_rank)
     env = {

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +20,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from etc_agent.agent._exec_with_parent import dying_with_this_process
 from etc_agent.agent.failures import ProcessFailure, format_failures
 from etc_agent.agent.forkserver import ForkedProcess, ForkServer
+from etc_agent.agent.worker_output import FilteredLog, Route, Routed, start_pump
+from etc_agent.protocol.control import SpareAdoption
+from etc_agent.protocol.settings import SPARE_FD_VARIABLE
+
+SPARE_PROCESS_NAME = "etc-spare"
+"""A warm spare's process name (``ps -o comm``) until its adoption."""
+SPARE_RELEASE_S = 5.0
+"""How long a spare let go may take to exit before it is killed."""
 
 
 class WorkerSpec(BaseModel):
@@ -111,12 +120,14 @@ class WorkerGroup:
         self.frozen = False
         """SIGSTOPped by a fence (stop() continues them so that they take its signal)."""
         self.workers: list[_Worker] = []
+        self.spare: _Spare | None = None
+        """A warm spare process, while one waits (:meth:`start_spare`)."""
         self.attempt_dir = attempt_dir
-        self._filtered: dict[str, _FilteredLog] = {}
+        self._filtered: dict[str, FilteredLog] = {}
         for env in envs:
             self.workers.append(self._start(env))
 
-    def _filtered_log(self, stream: str) -> _FilteredLog | None:
+    def _filtered_log(self, stream: str) -> FilteredLog | None:
         filters = self.spec.duplicate_filters.get(stream)
         if not filters:
             return None
@@ -124,74 +135,154 @@ class WorkerGroup:
         if stream not in self._filtered or self._filtered[stream].path != path:
             if stream in self._filtered:
                 self._filtered[stream].close()  # a restart moved on to a new attempt directory
-            self._filtered[stream] = _FilteredLog(path, filters)
+            self._filtered[stream] = FilteredLog(path, filters)
         return self._filtered[stream]
 
-    def _start(self, env: dict[str, str]) -> _Worker:
-        local_rank = int(env["ETC_AGENT_LOCAL_RANK"])
+    def _rank_dir(self, local_rank: int) -> tuple[Path, Path]:
+        """The attempt's directory of ``local_rank`` and its (cleared) error file."""
         rank_dir = self.attempt_dir / str(local_rank)
         rank_dir.mkdir(parents=True, exist_ok=True)
         error_file = rank_dir / "error.json"
         if error_file.exists():
             error_file.unlink()
-        full_env = {**os.environ, **env, "TORCHELASTIC_ERROR_FILE": str(error_file)}
+        return rank_dir, error_file
+
+    def _routes(self, local_rank: int, rank: str, rank_dir: Path, files: list[IO]) -> dict[str, Route | None]:
+        """Where each stream of ``local_rank``'s worker goes (None: not piped, the agent's own
+        stream); the files opened are appended to ``files``."""
         redirect = self.spec.redirects.get(local_rank, 0)
         tee = self.spec.tee.get(local_rank, 0)
         shown = self.spec.local_ranks_filter is None or local_rank in self.spec.local_ranks_filter
-        files: list[IO] = []
-        # name -> (pipe or None, to file, to console, console, log path of a piped stream)
-        streams: dict[str, tuple[int | None, bool, bool, IO[str], Path | None]] = {}
+        routes: dict[str, Route | None] = {}
         for bit, name, console in ((1, "stdout", sys.stdout), (2, "stderr", sys.stderr)):
             to_file = bool((redirect | tee) & bit) and self.spec.log_dir is not None
             to_console = shown and (not (redirect & bit) or bool(tee & bit))
-            if to_file or not to_console or self.spec.duplicate_filters.get(name):
-                streams[name] = (subprocess.PIPE, to_file, to_console, console, rank_dir / f"{name}.log")
-            else:
-                streams[name] = (None, False, True, console, None)
-        proc = self._launch(full_env, streams["stdout"][0] is not None, streams["stderr"][0] is not None)
-        worker = _Worker(local_rank, int(env["RANK"]), proc, error_file, files=files)
-        for name, (pipe, to_file, to_console, console, path) in streams.items():
-            if pipe is None:
+            if not (to_file or not to_console or self.spec.duplicate_filters.get(name)):
+                routes[name] = None
                 continue
-            assert path is not None  # set with every pipe above
-            sink = open(path, "w") if to_file else None
+            sink = open(rank_dir / f"{name}.log", "w") if to_file else None
             if sink:
                 files.append(sink)
-            prefix = f"[{self.spec.role}{env['RANK']}]:"
-            thread = threading.Thread(
-                target=_pump,
-                args=(getattr(proc, name), sink, console if to_console else None, prefix, self._filtered_log(name)),
-                daemon=True,
-            )
-            thread.start()
-            worker.pumps.append(thread)
+            prefix = f"[{self.spec.role}{rank}]:"
+            routes[name] = Route(sink, console if to_console else None, prefix, self._filtered_log(name))
+        return routes
+
+    def _start(self, env: dict[str, str]) -> _Worker:
+        local_rank = int(env["ETC_AGENT_LOCAL_RANK"])
+        rank_dir, error_file = self._rank_dir(local_rank)
+        full_env = {**os.environ, **env, "TORCHELASTIC_ERROR_FILE": str(error_file)}
+        files: list[IO] = []
+        routes = self._routes(local_rank, env["RANK"], rank_dir, files)
+        proc = self._launch(full_env, routes["stdout"] is not None, routes["stderr"] is not None)
+        worker = _Worker(local_rank, int(env["RANK"]), proc, error_file, files=files)
+        for name, route in routes.items():
+            if route is not None:
+                worker.pumps.append(start_pump(getattr(proc, name), Routed(route)))
         return worker
 
-    def _launch(self, env: dict[str, str], pipe_stdout: bool, pipe_stderr: bool) -> subprocess.Popen | ForkedProcess:
+    def _launch(
+        self, env: dict[str, str], pipe_stdout: bool, pipe_stderr: bool, spare_fd: int | None = None
+    ) -> subprocess.Popen | ForkedProcess:
         argv = self.spec.python_argv()
         if argv is not None and self.forkserver is not None and self.forkserver.available:
             script = self.spec.entrypoint[0] if self.spec.entrypoint else "worker"
             return self.forkserver.spawn(
-                argv, env, os.getcwd(), pipe_stdout, pipe_stderr, name=os.path.basename(script) or "worker"
+                argv,
+                env,
+                os.getcwd(),
+                pipe_stdout,
+                pipe_stderr,
+                # A spare shows as one in ps/top until it becomes a worker (then it takes the script's name).
+                name=SPARE_PROCESS_NAME if spare_fd is not None else os.path.basename(script) or "worker",
+                fd_variables={SPARE_FD_VARIABLE: spare_fd} if spare_fd is not None else None,
             )
-        return subprocess.Popen(
-            dying_with_this_process(self.spec.command()),
-            env=env,
-            stdout=subprocess.PIPE if pipe_stdout else None,
-            stderr=subprocess.PIPE if pipe_stderr else None,
-            start_new_session=True,  # its own process group: stopping it stops its children too
-        )
+        try:
+            return subprocess.Popen(
+                dying_with_this_process(self.spec.command()),
+                env={**env, SPARE_FD_VARIABLE: str(spare_fd)} if spare_fd is not None else env,
+                stdout=subprocess.PIPE if pipe_stdout else None,
+                stderr=subprocess.PIPE if pipe_stderr else None,
+                pass_fds=(spare_fd,) if spare_fd is not None else (),
+                start_new_session=True,  # its own process group: stopping it stops its children too
+            )
+        finally:
+            if spare_fd is not None:
+                os.close(spare_fd)
 
-    def restart(self, local_rank: int, env: dict[str, str], attempt_dir: Path) -> None:
-        """Start the worker of ``local_rank`` again (after it exited) with ``env``."""
+    def _retire(self, local_rank: int) -> _Worker:
+        """The exited worker of ``local_rank``, its output drained and its files closed."""
         old = next(w for w in self.workers if w.local_rank == local_rank)
         assert old.proc.poll() is not None, "restart of a live worker"
         for t in old.pumps:
             t.join(timeout=2)
         for f in old.files:
             f.close()
+        return old
+
+    def restart(self, local_rank: int, env: dict[str, str], attempt_dir: Path) -> None:
+        """Start the worker of ``local_rank`` again (after it exited) with ``env``."""
+        old = self._retire(local_rank)
         self.attempt_dir = attempt_dir
         self.workers[self.workers.index(old)] = self._start(env)
+
+    # ---- the warm spare (etc_agent.worker.spare) -------------------------------------------------
+    def start_spare(self, env: dict[str, str]) -> None:
+        """Start the spare process (a worker without a rank, waiting in ``etc_agent.init()``)."""
+        assert self.spare is None, "one spare at a time"
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        # Piped both ways whatever the spec says: where its output goes is known at its adoption.
+        proc = self._launch({**os.environ, **env}, True, True, spare_fd=theirs.detach())
+        routed = {
+            name: Routed(Route(None, console, "[spare]:", None))
+            for name, console in (("stdout", sys.stdout), ("stderr", sys.stderr))
+        }
+        pumps = [start_pump(getattr(proc, name), routed[name]) for name in ("stdout", "stderr")]
+        self.spare = _Spare(proc, ours, routed, pumps, time.monotonic())
+
+    def spare_exit_code(self) -> int | None:
+        """The exit code of a spare that ended before it was adopted (None: none, or it lives)."""
+        return self.spare.proc.poll() if self.spare is not None else None
+
+    def adopt_spare(self, local_rank: int, env: dict[str, str], attempt_dir: Path) -> bool:
+        """The spare takes the place of ``local_rank``'s exited worker with ``env`` (what
+        :meth:`restart` would start it with); False where no live spare could take it."""
+        spare, self.spare = self.spare, None
+        if spare is None or spare.proc.poll() is not None:
+            if spare is not None:
+                spare.release()
+            return False
+        old = self._retire(local_rank)
+        self.attempt_dir = attempt_dir
+        rank_dir, error_file = self._rank_dir(local_rank)
+        full_env = {**os.environ, **env, "TORCHELASTIC_ERROR_FILE": str(error_file)}
+        try:
+            spare.adopt(SpareAdoption(local_rank=local_rank, env=full_env))
+        except OSError:
+            _signal_group(spare.proc, signal.SIGKILL)
+            return False
+        files: list[IO] = []
+        routes = self._routes(local_rank, env["RANK"], rank_dir, files)
+        for name, routed in spare.streams.items():
+            # Not piped for this rank: its lines go where the agent's own stream goes, unprefixed.
+            console = sys.stdout if name == "stdout" else sys.stderr
+            routed.route = routes[name] or Route(None, console, "", None)
+        worker = _Worker(local_rank, int(env["RANK"]), spare.proc, error_file, pumps=spare.pumps, files=files)
+        self.workers[self.workers.index(old)] = worker
+        return True
+
+    def stop_spare(self, timeout_s: float) -> None:
+        """Let the spare go (it exits 0 when its channel closes), SIGKILL once ``timeout_s`` passed."""
+        spare, self.spare = self.spare, None
+        if spare is None:
+            return
+        spare.release()
+        try:
+            spare.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _signal_group(spare.proc, signal.SIGKILL)
+            spare.proc.wait(timeout=10)
+        for t in spare.pumps:
+            t.join(timeout=2)
 
     def poll(self) -> dict[int, int | None]:
         """Local rank -> exit code (None while running)."""
@@ -227,7 +318,10 @@ class WorkerGroup:
                 _signal_group(w.proc, signal.SIGSTOP if frozen else signal.SIGCONT)
 
     def stop(self, timeout_s: float, sig: int = signal.SIGTERM) -> None:
-        """Signal every worker's process group, wait up to ``timeout_s``, then SIGKILL what is left."""
+        """Signal every worker's process group, wait up to ``timeout_s``, then SIGKILL what is left
+        (the spare, let go, too)."""
+        if self.spare is not None:
+            self.spare.release()
         for w in self.workers:
             if w.proc.poll() is None:
                 _signal_group(w.proc, sig)
@@ -243,9 +337,12 @@ class WorkerGroup:
                 w.proc.wait(timeout=10)
             if w.exited_at is None:
                 w.exited_at = time.time()
+        self.stop_spare(max(0.0, deadline - time.monotonic()))
         self.close()
 
     def close(self) -> None:
+        """The workers ended: their output drained, files closed, the spare let go."""
+        self.stop_spare(SPARE_RELEASE_S)
         for w in self.workers:
             for t in w.pumps:
                 t.join(timeout=2)
@@ -329,42 +426,39 @@ def _signal_group(proc: subprocess.Popen | ForkedProcess, sig: int) -> None:
             pass
 
 
-class _FilteredLog:
-    """One attempt's ``filtered_stdout.log`` / ``filtered_stderr.log``, shared by its workers' pumps."""
+@dataclass
+class _Spare:
+    """The warm spare: its process, the agent's end of its channel, its streams."""
 
-    def __init__(self, path: Path, filters: list[str]):
-        self.path, self.filters = path, filters
-        self._lock = threading.Lock()
-        self._file: IO | None = None
+    proc: subprocess.Popen | ForkedProcess
+    channel: socket.socket | None
+    """A socket pair's end: the spare says ``ready`` on it once it waits in ``etc_agent.init()``; the
+    agent writes its adoption (closing it lets the spare go)."""
+    streams: dict[str, Routed]
+    pumps: list[threading.Thread]
+    started_at: float
+    ready_at: float | None = None
 
-    def offer(self, prefix: str, line: str) -> None:
-        if not any(f in line for f in self.filters):
-            return
-        with self._lock:
-            if self._file is None:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._file = open(self.path, "a")
-            self._file.write(f"{prefix}{line}")
-            self._file.flush()
+    def poll_ready(self) -> bool:
+        """Whether the spare said it waits (read without blocking)."""
+        if self.ready_at is None and self.channel is not None:
+            try:
+                said = self.channel.recv(64, socket.MSG_DONTWAIT)
+            except OSError:  # BlockingIOError: nothing said yet
+                said = b""
+            if said.startswith(b"ready"):
+                self.ready_at = time.monotonic()
+        return self.ready_at is not None
 
-    def close(self) -> None:
-        with self._lock:
-            if self._file is not None:
-                self._file.close()
-                self._file = None
+    def adopt(self, adoption: SpareAdoption) -> None:
+        assert self.channel is not None, "a spare is adopted once"
+        try:
+            self.channel.sendall((adoption.model_dump_json() + "\n").encode())
+        finally:
+            self.release()
 
-
-def _pump(
-    stream: IO[bytes], sink: IO | None, console: IO | None, prefix: str, filtered: _FilteredLog | None = None
-) -> None:
-    for raw in iter(stream.readline, b""):
-        line = raw.decode(errors="replace")
-        if filtered is not None:
-            filtered.offer(prefix, line)
-        if sink is not None:
-            sink.write(line)
-            sink.flush()
-        if console is not None:
-            console.write(f"{prefix}{line}")
-            console.flush()
-    stream.close()
+    def release(self) -> None:
+        """Close the channel: a spare not adopted yet exits 0."""
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None

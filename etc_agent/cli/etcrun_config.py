@@ -38,6 +38,7 @@ AGENT_FLAGS = (
     "parallel",
     "migration",
     "prepare",
+    "spare_worker",
     "checkpoint_interval",
     "checkpoint_keep",
     "fresh_start",

@@ -30,6 +30,7 @@ SETTING_FLAGS: dict[str, str] = {
     "shutdown_timeout": "--shutdown-timeout",
     "migration": "--migration",
     "prepare": "--prepare",
+    "spare_worker": "--spare-worker",
     "checkpoint_dir": "--checkpoint-dir",
     "checkpoint_interval": "--checkpoint-interval",
     "checkpoint_keep": "--checkpoint-keep",
@@ -164,6 +165,7 @@ class EtcrunFlags(BaseModel):
     )
     migration: str = Field("live", description=_describe("migration"))
     prepare: str = Field("on", description=_describe("prepare"))
+    spare_worker: str = Field("on", description=_describe("spare_worker"))
     checkpoint_dir: Path | None = Field(None, description=_describe("checkpoint_dir"))
     checkpoint_interval: int = Field(0, description=_describe("checkpoint_interval"))
     checkpoint_keep: int = Field(2, description=_describe("checkpoint_keep"))

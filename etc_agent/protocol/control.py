@@ -269,3 +269,13 @@ class CommitReply(_Reply):
 
 ControlReply = Ack | HelloReply | AssignmentReply | GenerationReply | CommitReply
 """Every reply of the agent on the control channel."""
+
+
+class SpareAdoption(BaseModel):
+    """What an agent writes to its warm spare's channel (one JSON line) when the spare takes the place
+    of a crashed worker (:mod:`etc_agent.worker.spare`); not a request of the control channel."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    local_rank: int = Field(ge=0, description="The local rank whose worker the spare becomes.")
+    env: dict[str, str] = Field(description="The whole environment a worker of that local rank is started with.")

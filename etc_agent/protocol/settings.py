@@ -18,6 +18,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 _TRUE = ("1", "true", "yes", "on")
+SPARE_FD_VARIABLE = "ETC_AGENT_SPARE_FD"
+"""Set in a warm spare worker's environment only (:attr:`WorkerSettings.spare_fd`)."""
 
 
 class WorkerSettings(BaseModel):
@@ -101,6 +103,13 @@ class WorkerSettings(BaseModel):
         "text",
         alias="ETC_AGENT_LOG_FORMAT",
         description="etcrun --log-format: json makes the worker's own log records JSON lines on stderr.",
+    )
+    spare_fd: int | None = Field(
+        None,
+        ge=0,
+        alias=SPARE_FD_VARIABLE,
+        description="Set in a warm spare worker only: the socket its agent writes its adoption to "
+        "(etc_agent.worker.spare).",
     )
     preload: tuple[str, ...] = Field(
         (), alias="ETC_AGENT_PRELOAD", description="Comma-separated modules the fork server imports before forking."

@@ -22,8 +22,9 @@ Protocol, over a ``SOCK_SEQPACKET`` socket pair (one JSON object per packet, fil
 
 - server -> client: ``{"op": "ready", "pid", "preload_s"}`` once the imports are done, or
   ``{"op": "failed", "error"}`` (the server then exits);
-- client -> server: ``{"op": "spawn", "id", "argv", "env", "cwd", "fds": ["stdout"?, "stderr"?],
-  "name"}`` with the named descriptors attached (a stream not named is inherited from the server);
+- client -> server: ``{"op": "spawn", "id", "argv", "env", "cwd", "fds": ["stdout"?, "stderr"?,
+  "env:VARIABLE"...], "name"}`` with the named descriptors attached (a stream not named is inherited
+  from the server; an ``env:`` one stays open in the worker, its number in that variable);
 - server -> client: ``{"op": "spawned", "id", "pid"}`` or ``{"op": "spawn_failed", "id", "error"}``,
   then ``{"op": "exited", "pid", "code"}`` when it reaped the process (``code`` as
   :mod:`subprocess` reports it: negative for a signal);
@@ -94,6 +95,11 @@ def _prctl(option: int, value: int | bytes) -> None:
         libc.prctl(option, value, 0, 0, 0)
     except (OSError, AttributeError):
         pass
+
+
+def set_process_name(name: str) -> None:
+    """What ``ps -o comm`` and ``top`` show for this process (15 bytes at most)."""
+    _prctl(_PR_SET_NAME, name.encode()[:15])
 
 
 def serve(sock: socket.socket, preload: Callable[[], None]) -> int:
@@ -211,7 +217,7 @@ def _child(message: dict[str, Any], streams: dict[str, int], server_pid: int, se
             if name in streams:
                 os.dup2(streams[name], target)
                 os.close(streams[name])
-        _prctl(_PR_SET_NAME, message.get("name", "worker").encode()[:15])
+        set_process_name(message.get("name", "worker"))
         # The interpreter's own handlers, not the server's.
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -219,6 +225,9 @@ def _child(message: dict[str, Any], streams: dict[str, int], server_pid: int, se
         os.chdir(message["cwd"])
         os.environ.clear()
         os.environ.update(message["env"])
+        for name, fd in streams.items():
+            if name.startswith("env:"):
+                os.environ[name[len("env:") :]] = str(fd)
         _reseed()
         code = run_as_main(message["argv"])
     except BaseException:  # noqa: BLE001 - whatever happened, this process must not return into the server's loop

@@ -146,6 +146,20 @@ class _Write:
 class PeriodicCheckpointer:
     """One rank's periodic checkpoints (see the module docstring for the call sequence)."""
 
+    @classmethod
+    def from_settings(
+        cls, settings: WorkerSettings, commit: Callable[[int, int, str], CommitReply | None] | None
+    ) -> PeriodicCheckpointer:
+        """The checkpointer ``etcrun --checkpoint-dir/--checkpoint-interval/--checkpoint-keep`` ask for."""
+        assert settings.checkpoint_dir is not None  # the job makes one only with a directory
+        return cls(
+            settings.checkpoint_dir,
+            settings.checkpoint_interval,
+            settings.checkpoint_keep,
+            settings.timeout_s,
+            commit,
+        )
+
     def __init__(
         self,
         directory: str | Path,

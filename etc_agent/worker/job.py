@@ -65,6 +65,7 @@ from etc_agent.worker.logs import configure_worker_logging, say, write_json
 from etc_agent.worker.member import BuiltState, build_state, prepare_member
 from etc_agent.worker.prepare import Preparations
 from etc_agent.worker.report import Stopped
+from etc_agent.worker.spare import become_worker
 from etc_agent.worker.switch import Switch
 from etc_agent.worker.switch_view import JobView, Resumed
 
@@ -87,6 +88,7 @@ class Job:
     """The tensors of :attr:`state` by flattened key (:attr:`JobView.held_tensors`)."""
 
     def __init__(self, parallel: str | None = None, commit_barrier: bool | None = None):
+        become_worker()  # a warm spare waits here for the rank of a crashed worker (worker/spare.py)
         self.default_parallel = ParallelSpec.parse(parallel) if parallel else ParallelSpec()
         self.commit_barrier = commit_barrier
         """Before every optimizer step, all ranks meet (a one-element all-reduce): a rank's peer that
@@ -153,11 +155,7 @@ class Job:
         # Imported here: torch.distributed.checkpoint stays out of processes that never checkpoint.
         from etc_agent.worker.checkpoint import PeriodicCheckpointer
 
-        commit = self.link.commit if self.link is not None else None
-        settings = self.settings
-        return PeriodicCheckpointer(
-            self.checkpoint_dir, settings.checkpoint_interval, settings.checkpoint_keep, self.timeout_s, commit
-        )
+        return PeriodicCheckpointer.from_settings(self.settings, self.link.commit if self.link else None)
 
     # ---- public API ------------------------------------------------------------------------
     @property

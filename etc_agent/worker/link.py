@@ -35,6 +35,11 @@ from etc_agent.worker.logs import say
 
 log = logging.getLogger("etc_agent.worker")
 
+HURRIED_POLL_S = 0.02
+"""Seconds between polls while a caller waits for its next assignment (else ``poll_interval``)."""
+HURRY_WINDOW_S = 3.0
+"""For at most this long after a wait began: a warm joiner or a standby may wait for minutes."""
+
 
 class AgentLink:
     """Polls the agent for the newest generation and this worker's assignment; sends its reports."""
@@ -56,6 +61,11 @@ class AgentLink:
         self.error: str | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        """Set to poll at once (a waiter came, or the link closes)."""
+        self._num_waiting = 0
+        """Callers of :meth:`assignment` waiting now (the poll then runs every ``HURRIED_POLL_S``)."""
+        self._hurry_until = 0.0
         self._changed = threading.Condition(self._lock)
         self._stopping = False
         self._severed_for = -1
@@ -134,7 +144,10 @@ class AgentLink:
                     with self._changed:
                         self.error = f"agent at {self.address[0]}:{self.address[1]} unreachable: {err}"
                         self._changed.notify_all()
-            self._stop.wait(self.poll_interval)
+            # Someone waits for a generation: ask again soon (a crash's survivors, a restarted worker).
+            hurried = self._num_waiting and time.monotonic() < self._hurry_until
+            self._wake.wait(HURRIED_POLL_S if hurried else self.poll_interval)
+            self._wake.clear()
 
     def _replied(self) -> None:
         callback = self.on_reply
@@ -169,26 +182,32 @@ class AgentLink:
         """The newest assignment for a generation >= ``at_least`` (waiting for the agent to prepare it)."""
         deadline = time.monotonic() + timeout_s
         with self._changed:
-            while True:
-                reply = self.reply
-                if reply is not None:
-                    if reply.assignment is not None and reply.assignment.generation >= at_least:
-                        return reply.assignment
-                    if reply.latest_status in ("failed", "succeeded") and (reply.latest or -1) >= at_least:
-                        raise JobError(
-                            f"the job {reply.latest_status} while this worker waited for generation {at_least}"
-                        )
-                    if reply.finished:
-                        raise JobFinished()
-                    if reply.standby or reply.fenced:
-                        deadline = time.monotonic() + timeout_s  # a warm joiner waits as long as its node does
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    detail = f"; last error: {self.error}" if self.error else ""
-                    raise JobError(
-                        f"no generation >= {at_least} from the agent within {timeout_s:.0f} s ({why}){detail}"
-                    )
-                self._changed.wait(min(remaining, 0.5))
+            self._num_waiting += 1
+            self._hurry_until = time.monotonic() + HURRY_WINDOW_S
+            self._wake.set()
+            try:
+                return self._await_assignment(at_least, timeout_s, why, deadline)
+            finally:
+                self._num_waiting -= 1
+
+    def _await_assignment(self, at_least: int, timeout_s: float, why: str, deadline: float) -> Assignment:
+        """:meth:`assignment`'s wait (the caller holds ``_changed``)."""
+        while True:
+            reply = self.reply
+            if reply is not None:
+                if reply.assignment is not None and reply.assignment.generation >= at_least:
+                    return reply.assignment
+                if reply.latest_status in ("failed", "succeeded") and (reply.latest or -1) >= at_least:
+                    raise JobError(f"the job {reply.latest_status} while this worker waited for generation {at_least}")
+                if reply.finished:
+                    raise JobFinished()
+                if reply.standby or reply.fenced:
+                    deadline = time.monotonic() + timeout_s  # a warm joiner waits as long as its node does
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                detail = f"; last error: {self.error}" if self.error else ""
+                raise JobError(f"no generation >= {at_least} from the agent within {timeout_s:.0f} s ({why}){detail}")
+            self._changed.wait(min(remaining, 0.5))
 
     def newer_than(self, generation: int) -> Assignment | None:
         with self._lock:
@@ -218,6 +237,7 @@ class AgentLink:
     def close(self, exit_code: int = 0) -> None:
         """Stop polling; a sidecar's worker reports ``exit_code`` and detaches."""
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=2)
         if self._attachment is not None:
             self.send(Exiting(local_rank=self.local_rank, pid=os.getpid(), code=exit_code))
