@@ -12,7 +12,9 @@ torchrun's.
     python scripts/bench_step_time.py --parallel tp=2,pp=1,dp=1   # a sharded layout (commit barrier)
 
 ``--variant NAME="[KEY=VALUE ...] ETCRUN FLAGS"`` adds an etcrun run with those environment
-variables and extra flags to every round.
+variables and extra flags to every round (``--variant no-spare="--spare-worker off"``: without the
+warm spare worker). The last column is the share of the measured gaps during which the agent's
+warm spare was ready (it starts once the job trained 2 s undisturbed).
 Prints a rich table and one JSON line.
 """
 
@@ -26,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from datetime import datetime
 from pathlib import Path
 
 from rich.console import Console
@@ -37,19 +40,37 @@ MODEL = "--data synthetic --hidden 128 --ffn 512 --layers 4 --seq 64 --global-ba
 def launcher(name: str, extra: list[str]) -> list[str]:
     if name == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run"]
-    return [sys.executable, "-m", "etc_agent.cli.etcrun", *extra]
+    # Every event on the console: the spare's readiness is read from it (a few lines a run).
+    return [sys.executable, "-m", "etc_agent.cli.etcrun", "--log-level", "info", *extra]
+
+
+def step_walls(stdout: str) -> list[float]:
+    return [json.loads(line)["wall"] for line in stdout.splitlines() if line.startswith('{"step"')]
 
 
 def step_gap_s(stdout: str, warmup: int) -> float:
     """The median gap between consecutive steps' stamps, after the first ``warmup`` steps."""
-    walls = [json.loads(line)["wall"] for line in stdout.splitlines() if line.startswith('{"step"')]
+    walls = step_walls(stdout)
     gaps = [later - earlier for earlier, later in zip(walls[warmup:], walls[warmup + 1 :])]
     if len(gaps) < 10:
         raise SystemExit(f"only {len(walls)} steps were reported; raise --steps above --warmup")
     return statistics.median(gaps)
 
 
-def run_once(name: str, extra: list[str], args: argparse.Namespace, work: Path) -> float:
+def spare_share(stdout: str, stderr: str, warmup: int) -> float | None:
+    """The share of the measured gaps that began once the agent's warm spare worker was ready
+    (etcrun's log line ``spare_worker_ready``); None for a run without one."""
+    for line in stderr.splitlines():
+        if "spare_worker_ready" in line:
+            ready = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            break
+    else:
+        return None
+    starts = step_walls(stdout)[warmup:-1]
+    return round(sum(start >= ready for start in starts) / len(starts), 3) if starts else None
+
+
+def run_once(name: str, extra: list[str], args: argparse.Namespace, work: Path) -> tuple[float, float | None]:
     # Leading KEY=VALUE tokens are the environment; the rest are flags (whose values may hold "=").
     num_variables = next((i for i, token in enumerate(extra) if token.startswith("-") or "=" not in token), len(extra))
     variables = dict(token.split("=", 1) for token in extra[:num_variables])
@@ -71,7 +92,7 @@ def run_once(name: str, extra: list[str], args: argparse.Namespace, work: Path) 
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=work)
     if done.returncode != 0:
         raise SystemExit(f"{name} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return step_gap_s(done.stdout, args.warmup)
+    return step_gap_s(done.stdout, args.warmup), spare_share(done.stdout, done.stderr, args.warmup)
 
 
 def parse_variants(specs: list[str]) -> dict[str, list[str]]:
@@ -95,19 +116,28 @@ def main() -> None:
     args = parser.parse_args()
     runs = parse_variants(args.variant)
     gaps: dict[str, list[float]] = {name: [] for name in runs}
+    spare: dict[str, list[float | None]] = {name: [] for name in runs}
     with tempfile.TemporaryDirectory(prefix="etc-step-time-") as tmp:
         for _ in range(args.runs):
             for name, extra in runs.items():
-                gaps[name].append(run_once("torchrun" if name == "torchrun" else "etcrun", extra, args, Path(tmp)))
+                gap, share = run_once("torchrun" if name == "torchrun" else "etcrun", extra, args, Path(tmp))
+                gaps[name].append(gap)
+                spare[name].append(share)
     median = {name: statistics.median(values) for name, values in gaps.items()}
     title = f"step time, example GPT, {args.parallel}, {args.nproc} workers, {args.runs} alternating runs each"
     table = Table(title=title)
-    for column in ("launcher", "median ms", "min ms", "max ms", "vs torchrun"):
+    for column in ("launcher", "median ms", "min ms", "max ms", "vs torchrun", "with spare ready"):
         table.add_column(column, justify="left" if column == "launcher" else "right")
     for name, values in gaps.items():
         ratio = median[name] / median["torchrun"]
+        shares = [share for share in spare[name] if share is not None]
         table.add_row(
-            name, f"{median[name] * 1e3:.2f}", f"{min(values) * 1e3:.2f}", f"{max(values) * 1e3:.2f}", f"{ratio:.3f}"
+            name,
+            f"{median[name] * 1e3:.2f}",
+            f"{min(values) * 1e3:.2f}",
+            f"{max(values) * 1e3:.2f}",
+            f"{ratio:.3f}",
+            f"{statistics.median(shares):.0%} of gaps" if shares else "-",
         )
     Console().print(table)
     result = {
@@ -119,6 +149,7 @@ def main() -> None:
         "median_step_ms": {name: round(value * 1e3, 3) for name, value in median.items()},
         "ratio_to_torchrun": {name: round(value / median["torchrun"], 4) for name, value in median.items()},
         "step_ms": {name: [round(v * 1e3, 3) for v in values] for name, values in gaps.items()},
+        "spare_ready_share": spare,
     }
     print(json.dumps(result))
 
