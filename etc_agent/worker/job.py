@@ -88,7 +88,6 @@ class Job:
     """The tensors of :attr:`state` by flattened key (:attr:`JobView.held_tensors`)."""
 
     def __init__(self, parallel: str | None = None, commit_barrier: bool | None = None):
-        become_worker()  # a warm spare waits here for the rank of a crashed worker (worker/spare.py)
         self.default_parallel = ParallelSpec.parse(parallel) if parallel else ParallelSpec()
         self.commit_barrier = commit_barrier
         """Before every optimizer step, all ranks meet (a one-element all-reduce): a rank's peer that
@@ -490,7 +489,9 @@ def init(parallel: str | None = None, commit_barrier: bool | None = None) -> Job
     by default every device is a data-parallel replica. ``commit_barrier``: see :attr:`Job.commit_barrier`.
     """
     global _CURRENT
-    _CURRENT = _CURRENT or Job(parallel, commit_barrier)
+    if _CURRENT is None:
+        become_worker()  # a warm spare waits here for the rank of a crashed worker (worker/spare.py)
+        _CURRENT = Job(parallel, commit_barrier)
     return _CURRENT
 
 

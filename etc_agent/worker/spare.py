@@ -2,8 +2,8 @@
 
 An agent whose workers use the worker API keeps one spare process besides them (``etcrun
 --spare-worker``, :mod:`etc_agent.agent.spares`). It is started like a worker (forked from the fork
-server: torch imported), runs the script from the top like one, and stops in ``etc_agent.init()``
-(``Job()``), the first point where a worker needs its rank: it never says hello, never joins a
+server: torch imported), runs the script from the top like one, and stops in ``etc_agent.init()``,
+the first point where a worker needs its rank: it never says hello, never joins a
 group, and holds no state. There it says ``ready`` on a socket whose other end only its agent
 holds (``ETC_AGENT_SPARE_FD``) and reads its adoption from it: one JSON line,
 :class:`~etc_agent.protocol.control.SpareAdoption`, with the whole environment a worker started for
