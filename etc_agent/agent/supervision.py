@@ -181,6 +181,12 @@ class Supervision:
         state = node.state.state
         if not state.restarting or not state.restarting <= node.contacts.hellos:
             return
+        latest = node.latest
+        if state.crashed_in is not None and (latest is None or latest.number <= state.crashed_in):
+            # The leader has not answered the crash yet: a warm spare says hello within milliseconds,
+            # and a record ready again before the leader reads it would make the others wait for
+            # this node's transfer instead of going on (faults.md). Back once the answer is out.
+            return
         rejoined = node.state.rejoined()
         try:
             node.put_record(rejoined)

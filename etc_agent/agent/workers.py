@@ -185,7 +185,6 @@ class WorkerGroup:
     ) -> subprocess.Popen | ForkedProcess:
         argv = self.spec.python_argv()
         if argv is not None and self.forkserver is not None and self.forkserver.available:
-            script = self.spec.entrypoint[0] if self.spec.entrypoint else "worker"
             return self.forkserver.spawn(
                 argv,
                 env,
@@ -193,7 +192,7 @@ class WorkerGroup:
                 pipe_stdout,
                 pipe_stderr,
                 # A spare shows as one in ps/top until it becomes a worker (then it takes the script's name).
-                name=SPARE_PROCESS_NAME if spare_fd is not None else os.path.basename(script) or "worker",
+                name=SPARE_PROCESS_NAME if spare_fd is not None else self._process_name(),
                 fd_variables={SPARE_FD_VARIABLE: spare_fd} if spare_fd is not None else None,
             )
         try:
@@ -208,6 +207,10 @@ class WorkerGroup:
         finally:
             if spare_fd is not None:
                 os.close(spare_fd)
+
+    def _process_name(self) -> str:
+        """What ``ps -o comm`` shows for a forked worker: the script's name."""
+        return (os.path.basename(self.spec.entrypoint[0]) if self.spec.entrypoint else "") or "worker"
 
     def _retire(self, local_rank: int) -> _Worker:
         """The exited worker of ``local_rank``, its output drained and its files closed."""
@@ -255,19 +258,22 @@ class WorkerGroup:
         self.attempt_dir = attempt_dir
         rank_dir, error_file = self._rank_dir(local_rank)
         full_env = {**os.environ, **env, "TORCHELASTIC_ERROR_FILE": str(error_file)}
-        try:
-            spare.adopt(SpareAdoption(local_rank=local_rank, env=full_env))
-        except OSError:
-            _signal_group(spare.proc, signal.SIGKILL)
-            return False
         files: list[IO] = []
         routes = self._routes(local_rank, env["RANK"], rank_dir, files)
+        # Routed before the adoption is sent: what the worker says from then on is that rank's.
         for name, routed in spare.streams.items():
             # Not piped for this rank: its lines go where the agent's own stream goes, unprefixed.
             console = sys.stdout if name == "stdout" else sys.stderr
             routed.route = routes[name] or Route(None, console, "", None)
         worker = _Worker(local_rank, int(env["RANK"]), spare.proc, error_file, pumps=spare.pumps, files=files)
         self.workers[self.workers.index(old)] = worker
+        try:
+            spare.adopt(SpareAdoption(local_rank=local_rank, env=full_env, process_name=self._process_name()))
+        except OSError:
+            worker.killed_because = "its adoption could not be sent"
+            _signal_group(spare.proc, signal.SIGKILL)
+            spare.proc.wait(timeout=10)
+            return False
         return True
 
     def stop_spare(self, timeout_s: float) -> None:

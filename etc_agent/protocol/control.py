@@ -279,3 +279,4 @@ class SpareAdoption(BaseModel):
 
     local_rank: int = Field(ge=0, description="The local rank whose worker the spare becomes.")
     env: dict[str, str] = Field(description="The whole environment a worker of that local rank is started with.")
+    process_name: str = Field("worker", description="What ps shows for it from then on (the workers' name).")

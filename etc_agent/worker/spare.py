@@ -92,4 +92,4 @@ def become_worker() -> None:
     # environment, which gloo and CUDA read when they start).
     os.environ.clear()
     os.environ.update(adoption.env)
-    set_process_name(os.path.basename(sys.argv[0]) or "worker")  # as the fork server names a worker
+    set_process_name(adoption.process_name)
