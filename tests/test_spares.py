@@ -73,6 +73,22 @@ def test_a_spare_becomes_the_crashed_local_rank_s_worker_with_its_environment_an
     assert "[spare]:top LOCAL_RANK=None" in capfd.readouterr().out
 
 
+def test_a_spare_adopted_before_it_is_ready_still_becomes_the_worker(probe_group, tmp_path):
+    """A crash right after the spare started: the adoption waits in the socket (the agent has closed
+    its end by the time the spare says ready) and the spare goes on as the worker."""
+    group = probe_group
+    for worker in group.workers:
+        worker.proc.wait(timeout=90)
+    group.start_spare({})
+    assert group.adopt_spare(0, _env(0, 9), tmp_path / "restart_1")
+    group.workers[0].proc.wait(timeout=90)
+    assert group.poll()[0] == 3
+    for t in group.workers[0].pumps:
+        t.join(timeout=5)
+    log = (tmp_path / "restart_1" / "0" / "stdout.log").read_text()
+    assert "worker LOCAL_RANK=0 RANK=9 token=set spare_fd=None" in log, log
+
+
 def test_a_spare_let_go_exits_0_at_once_and_none_is_adopted_twice(probe_group, tmp_path):
     group = probe_group
     group.start_spare({})

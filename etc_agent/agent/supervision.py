@@ -182,10 +182,12 @@ class Supervision:
         if not state.restarting or not state.restarting <= node.contacts.hellos:
             return
         latest = node.latest
-        if state.crashed_in is not None and (latest is None or latest.number <= state.crashed_in):
-            # The leader has not answered the crash yet: a warm spare says hello within milliseconds,
-            # and a record ready again before the leader reads it would make the others wait for
-            # this node's transfer instead of going on (faults.md). Back once the answer is out.
+        crashed_in = state.crashed_in if state.crashed_in is not None else -1
+        if latest is not None and latest.number <= crashed_in and node.node_id in latest.members:
+            # The leader has not answered the crash of a member yet: a warm spare says hello within
+            # milliseconds, and a record ready again before the leader reads it would make the others
+            # wait for this node's transfer instead of going on (faults.md). Back once the answer is
+            # out (a crash while already out of the membership needs none).
             return
         rejoined = node.state.rejoined()
         try:

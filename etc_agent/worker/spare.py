@@ -38,6 +38,9 @@ def read_adoption(fd: int) -> SpareAdoption | None:
     with socket.socket(fileno=fd) as channel:
         try:
             channel.sendall(b"ready\n")
+        except OSError:
+            pass  # adopted before it was ready: the agent wrote the adoption and closed its end
+        try:
             while not received.endswith(b"\n"):
                 chunk = channel.recv(1 << 16)
                 if not chunk:
