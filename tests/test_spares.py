@@ -35,6 +35,15 @@ def _wait_ready(group: WorkerGroup, timeout_s: float = 90.0) -> None:
         time.sleep(0.05)
 
 
+def _adopted_worker_log(group: WorkerGroup, local_rank: int, attempt_dir: Path) -> str:
+    """The adopted spare's stdout log, once it exited with the probe's code (3)."""
+    group.workers[local_rank].proc.wait(timeout=90)
+    assert group.poll()[local_rank] == 3
+    for t in group.workers[local_rank].pumps:
+        t.join(timeout=5)
+    return (attempt_dir / str(local_rank) / "stdout.log").read_text()
+
+
 @pytest.fixture
 def probe_group(tmp_path: Path):
     spec = WorkerSpec(
@@ -63,11 +72,7 @@ def test_a_spare_becomes_the_crashed_local_rank_s_worker_with_its_environment_an
     assert group.adopt_spare(1, _env(1, 7), tmp_path / "restart_1")
     assert group.spare is None
     assert group.pids()[1] == spare_pid
-    group.workers[1].proc.wait(timeout=30)
-    assert group.poll()[1] == 3
-    for t in group.workers[1].pumps:
-        t.join(timeout=5)
-    log = (tmp_path / "restart_1" / "1" / "stdout.log").read_text()
+    log = _adopted_worker_log(group, 1, tmp_path / "restart_1")
     assert "worker LOCAL_RANK=1 RANK=7 token=set spare_fd=None" in log, log
     assert "top LOCAL_RANK" not in log  # said before its adoption: on the console, as the spare
     assert "[spare]:top LOCAL_RANK=None" in capfd.readouterr().out
@@ -81,11 +86,7 @@ def test_a_spare_adopted_before_it_is_ready_still_becomes_the_worker(probe_group
         worker.proc.wait(timeout=90)
     group.start_spare({})
     assert group.adopt_spare(0, _env(0, 9), tmp_path / "restart_1")
-    group.workers[0].proc.wait(timeout=90)
-    assert group.poll()[0] == 3
-    for t in group.workers[0].pumps:
-        t.join(timeout=5)
-    log = (tmp_path / "restart_1" / "0" / "stdout.log").read_text()
+    log = _adopted_worker_log(group, 0, tmp_path / "restart_1")
     assert "worker LOCAL_RANK=0 RANK=9 token=set spare_fd=None" in log, log
 
 
