@@ -93,6 +93,10 @@ def test_a_migration_event_becomes_a_switch_its_stall_and_its_bytes():
     parts = {name: 0.01 for name in StallParts.model_fields}
     record = _record(new_world_size=6, bytes_moved=1000, bytes_moved_inter_node=600, transfer_s=0.5, stall_parts=parts)
     metrics.observe_event("migration", record)
+    metrics.observe_event("spare_worker_ready", {"seconds": 0.4})
+    samples = _scrape(metrics.exposition().decode())
+    assert _total(samples, "etc_agent_spare_worker_ready") == 1
+    metrics.observe_event("spare_worker_adopted", {"local_rank": 1, "spare_age_s": 5.0})
     metrics.observe_event("workers_failed", {"exit_codes": {"1": -9}, "restarting": [1]})
     metrics.observe_store("lease_refresh", 0.002, False)
     metrics.observe_progress(0, 10, 0.04, None)
@@ -107,6 +111,8 @@ def test_a_migration_event_becomes_a_switch_its_stall_and_its_bytes():
     assert _total(samples, "etc_agent_transfer_bytes_per_second") == 2000
     assert _total(samples, "etc_agent_worker_failures_total", cause="signal", code="-9") == 1
     assert _total(samples, "etc_agent_worker_restarts_total") == 1
+    assert _total(samples, "etc_agent_spare_worker_adoptions_total") == 1
+    assert _total(samples, "etc_agent_spare_worker_ready") == 0  # taken; the next one not ready yet
     assert _total(samples, "etc_agent_lease_misses_total") == 1
     assert _total(samples, "etc_agent_store_errors_total", op="lease_refresh") == 1
     assert _total(samples, "etc_agent_steps_total", local_rank="0") == 4  # 10 -> 14

@@ -148,6 +148,9 @@ class AgentMetrics:
             "checkpoint_commit_refused": lambda _: self.commits_refused.labels(node_id).inc(),
             "fenced": lambda _: self.fenced.labels(node_id).inc(),
             "workers_failed": self._on_workers_failed,
+            "spare_worker_ready": lambda _: self.spare_ready.labels(node_id).set(1),
+            "spare_worker_adopted": self._on_spare_adopted,
+            "spare_worker_off": lambda _: self.spare_ready.labels(node_id).set(0),
         }
 
     def _counter(self, name: str, doc: str, *labels: str) -> Counter:
@@ -211,6 +214,12 @@ class AgentMetrics:
             "code",
         )
         self.worker_restarts = self._counter("etc_agent_worker_restarts", "Workers restarted in place.")
+        self.spare_ready = self._gauge(
+            "etc_agent_spare_worker_ready", "1 while a warm spare worker waits, ready to take a crashed rank."
+        )
+        self.spare_adoptions = self._counter(
+            "etc_agent_spare_worker_adoptions", "Crashed workers whose place the warm spare took."
+        )
         self.steps = self._counter("etc_agent_steps", "Steps trained, as the workers report them.", "local_rank")
         self.step_time = self._gauge(
             "etc_agent_step_seconds", "The last step's time, as the worker reports it.", "local_rank"
@@ -285,6 +294,10 @@ class AgentMetrics:
         restarting = fields.get("restarting") or ()
         if restarting:
             self.worker_restarts.labels(self.node_id).inc(len(restarting))
+
+    def _on_spare_adopted(self, fields: Mapping[str, Any]) -> None:
+        self.spare_adoptions.labels(self.node_id).inc()
+        self.spare_ready.labels(self.node_id).set(0)  # until the next one says it is ready
 
 
 def metered(emit: Callable[[str, dict], None], metrics: AgentMetrics | None) -> Callable[[str, dict], None]:
