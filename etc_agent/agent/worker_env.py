@@ -68,7 +68,7 @@ def standby_env(node: Node, local_rank: int, generation: int) -> dict[str, str]:
     return {**node_env(node, local_rank, generation), "RANK": "-1"}
 
 
-SPARE_OMITS = ("LOCAL_RANK", "ETC_AGENT_LOCAL_RANK", "RANK", auth.TOKEN_ENV)
+SPARE_OMITS = ("LOCAL_RANK", "ETC_AGENT_LOCAL_RANK", auth.TOKEN_ENV)
 """What a warm spare does not have before its adoption: it has no rank (and no channel key) yet."""
 
 

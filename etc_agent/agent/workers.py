@@ -138,14 +138,18 @@ class WorkerGroup:
             self._filtered[stream] = FilteredLog(path, filters)
         return self._filtered[stream]
 
-    def _rank_dir(self, local_rank: int) -> tuple[Path, Path]:
-        """The attempt's directory of ``local_rank`` and its (cleared) error file."""
+    def _for_rank(self, env: dict[str, str]) -> tuple[dict[str, str], Path, dict[str, Route | None], list[IO]]:
+        """What a worker of ``env``'s local rank gets in this attempt: its whole environment, its
+        (cleared) error file, where each of its streams goes and the log files opened for them."""
+        local_rank = int(env["ETC_AGENT_LOCAL_RANK"])
         rank_dir = self.attempt_dir / str(local_rank)
         rank_dir.mkdir(parents=True, exist_ok=True)
         error_file = rank_dir / "error.json"
         if error_file.exists():
             error_file.unlink()
-        return rank_dir, error_file
+        full_env = {**os.environ, **env, "TORCHELASTIC_ERROR_FILE": str(error_file)}
+        files: list[IO] = []
+        return full_env, error_file, self._routes(local_rank, env["RANK"], rank_dir, files), files
 
     def _routes(self, local_rank: int, rank: str, rank_dir: Path, files: list[IO]) -> dict[str, Route | None]:
         """Where each stream of ``local_rank``'s worker goes (None: not piped, the agent's own
@@ -168,13 +172,9 @@ class WorkerGroup:
         return routes
 
     def _start(self, env: dict[str, str]) -> _Worker:
-        local_rank = int(env["ETC_AGENT_LOCAL_RANK"])
-        rank_dir, error_file = self._rank_dir(local_rank)
-        full_env = {**os.environ, **env, "TORCHELASTIC_ERROR_FILE": str(error_file)}
-        files: list[IO] = []
-        routes = self._routes(local_rank, env["RANK"], rank_dir, files)
+        full_env, error_file, routes, files = self._for_rank(env)
         proc = self._launch(full_env, routes["stdout"] is not None, routes["stderr"] is not None)
-        worker = _Worker(local_rank, int(env["RANK"]), proc, error_file, files=files)
+        worker = _Worker(int(env["ETC_AGENT_LOCAL_RANK"]), int(env["RANK"]), proc, error_file, files=files)
         for name, route in routes.items():
             if route is not None:
                 worker.pumps.append(start_pump(getattr(proc, name), Routed(route)))
@@ -256,10 +256,7 @@ class WorkerGroup:
             return False
         old = self._retire(local_rank)
         self.attempt_dir = attempt_dir
-        rank_dir, error_file = self._rank_dir(local_rank)
-        full_env = {**os.environ, **env, "TORCHELASTIC_ERROR_FILE": str(error_file)}
-        files: list[IO] = []
-        routes = self._routes(local_rank, env["RANK"], rank_dir, files)
+        full_env, error_file, routes, files = self._for_rank(env)
         # Routed before the adoption is sent: what the worker says from then on is that rank's.
         for name, routed in spare.streams.items():
             # Not piped for this rank: its lines go where the agent's own stream goes, unprefixed.
