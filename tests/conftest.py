@@ -49,6 +49,7 @@ TEST_LAYERS: dict[str, tuple[str, dict[str, list[str]]]] = {
         {},
     ),  # also marked cluster: hosts made of network namespaces  # etc-agent plan in a subprocess, about 2 s each
     "test_control_plane.py": ("e2e", {}),
+    "test_control_poll.py": ("unit", {}),
     "test_controlauth.py": ("unit", {}),
     "test_decision.py": ("unit", {}),
     "test_dependencies.py": ("unit", {"e2e": ["test_the_cuda_lock_pins_every_package_the_cuda_wheel_pulls"]}),

@@ -388,6 +388,7 @@ class Agent:
         """Until the next pass: ``seconds``, or less when something wakes the loop. The wake is
         cleared either way: one left set (a watch's error during an outage) made every retry pass
         run at once, against a store that was not answering."""
+        self.node.passes.passed()
         self.node.wake.wait(seconds)
         self.node.wake.clear()
 

@@ -47,7 +47,7 @@ class AgentConfig(BaseModel):
     worker_heartbeat_timeout: float = Field(
         30.0,
         ge=0,
-        description="Seconds without a word from a worker-API process (its control thread polls every 0.1 s) "
+        description="Seconds without a word from a worker-API process (its control thread asks at least once a second) "
         "before it counts as hung: killed and handled as a crash. 0: never.",
     )
     reconfig_delay: float = Field(

@@ -150,24 +150,42 @@ class ControlChannel:
         return Ack()
 
     def _on_assignment_query(self, req: AssignmentQuery) -> AssignmentReply:
+        """The worker's poll. With ``known`` (the digest of the reply it holds) the answer waits, up
+        to ``hold_s``, until the reply differs: it is looked at again after each main-loop pass, so
+        a change reaches the worker in the pass that made it, and an idle worker asks about once
+        per ``hold_s`` instead of every 0.1 s."""
         node = self.node
         node.contacts.seen[req.local_rank] = time.monotonic()
         if self._progress is not None and req.step is not None:
             self._progress(req.local_rank, req.step, req.step_s, req.data_position)
+        deadline = time.monotonic() + req.hold_s
+        seen_pass = node.passes.number
+        reply = self._assignment_reply(req.local_rank)
+        while req.known is not None and reply.digest == req.known:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            seen_pass = node.passes.wait_after(seen_pass, left)
+            reply = self._assignment_reply(req.local_rank)
+        node.contacts.seen[req.local_rank] = time.monotonic()
+        return reply
+
+    def _assignment_reply(self, local_rank: int) -> AssignmentReply:
+        node = self.node
         latest = node.latest
-        served = node.assignments.get(req.local_rank)
+        served = node.assignments.get(local_rank)
         if served is not None:
-            node.contacts.served[req.local_rank] = served.generation
+            node.contacts.served[local_rank] = served.generation
         return AssignmentReply(
             latest=latest.number if latest else None,
             latest_status=latest.status if latest else None,
             assignment=served,
             finished=node.job_finished(),
             standby=not node.assignments or not node.state.state.ready,
-            stop=node.attachments.stop_requested(req.local_rank),
+            stop=node.attachments.stop_requested(local_rank),
             unreachable_hosts=latest.unreachable_hosts if latest else [],
             fenced=node.fenced,
-        )
+        ).with_digest()
 
     def _on_switch_failed(self, req: SwitchFailed) -> Ack:
         self.node.abandon(req.generation, f"{self.node.node_id} local_rank {req.local_rank}: {req.reason[:300]}")

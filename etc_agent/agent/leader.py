@@ -32,6 +32,9 @@ from etc_agent.protocol import keys
 from etc_agent.rendezvous.records import GenerationRecord, LeaderRecord, NodeRecord, NodeStatus
 from etc_agent.rendezvous.store import KeyValue, Lease, MembershipStore, StoreError, WatchEvent
 
+LEADER_KEY_CHECK_S = 1.0
+"""How often a leading agent reads the leader key besides when the watch says it changed (a watch
+may miss an event); reading it on every 0.1-s pass was most of an idle agent's store requests."""
 HAND_OVER_WAIT_S = 2.0
 """How long a departing leader waits for its own record to say ``leaving`` before its last decision."""
 
@@ -75,6 +78,8 @@ class Leader:
         self._peer_failure = threading.Event()
         """Set when this node's workers report a failed collective: check whether the leader is gone."""
         self._dirty = threading.Event()
+        self._leader_key_changed = threading.Event()
+        """The watch saw the leader key change: a leading agent reads it at once, not at its next check."""
         model = None
         if config.model:
             from etc_agent.layout.model import ModelSpec
@@ -216,7 +221,7 @@ class Leader:
         watch = self.store.watch_prefix("", self._on_event)
         try:
             self._dirty.set()
-            last_decision = 0.0
+            last_decision = checked_key = 0.0
             while not self.stop_requested.is_set() and not self.leaving.is_set():
                 if self._went_silent.is_set():
                     self._went_silent.clear()
@@ -229,11 +234,12 @@ class Leader:
                 elif time.monotonic() - last_decision > 1.0:
                     self.decide()  # also without events: a watch may have missed one
                     last_decision = time.monotonic()
-                leader = self.store.get(keys.LEADER)
-                record = self.reader.parse(LeaderRecord, leader) if leader is not None else None
-                if record is None or record.node_id != self.node_id:
-                    self.emit("leadership_lost", {})
-                    return
+                if self._leader_key_changed.is_set() or time.monotonic() - checked_key > LEADER_KEY_CHECK_S:
+                    self._leader_key_changed.clear()
+                    checked_key = time.monotonic()
+                    if not self._still_leader():
+                        self.emit("leadership_lost", {})
+                        return
         finally:
             watch.cancel()
             if self.leaving.is_set():
@@ -285,6 +291,11 @@ class Leader:
             return
         self.decide()
 
+    def _still_leader(self) -> bool:
+        leader = self.store.get(keys.LEADER)
+        record = self.reader.parse(LeaderRecord, leader) if leader is not None else None
+        return record is not None and record.node_id == self.node_id
+
     def _quiet(self) -> None:
         """Debounce: return once nothing changed for ``--reconfig-delay``, or at once when no later
         change can alter the decision."""
@@ -294,6 +305,8 @@ class Leader:
                 return
 
     def _on_event(self, event: WatchEvent) -> None:
+        if event.key == keys.LEADER:
+            self._leader_key_changed.set()
         if (
             event.key.startswith(keys.NODES)
             or "/status/" in event.key

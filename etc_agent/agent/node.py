@@ -49,6 +49,33 @@ class WorkerContacts:
     of that process starts looking)."""
 
 
+class LoopPasses:
+    """The agent's main-loop passes, counted. What the agent serves its workers changes in a pass
+    (a new generation, assignments, readiness) or is seen by the next one (within
+    ``--monitor-interval``: a fence, the finished marker), so a worker's held poll looks again after
+    each pass instead of the worker asking again every 0.1 s."""
+
+    def __init__(self) -> None:
+        self._number = 0
+        self._changed = threading.Condition()
+
+    @property
+    def number(self) -> int:
+        return self._number
+
+    def passed(self) -> None:
+        """A pass ended (called by the main loop only)."""
+        with self._changed:
+            self._number += 1
+            self._changed.notify_all()
+
+    def wait_after(self, number: int, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` for a pass after pass ``number``; the newest pass's number."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._number > number, timeout_s)
+            return self._number
+
+
 class Superseded(Exception):
     """A newer generation appeared while this one was being set up."""
 
@@ -70,6 +97,7 @@ class Node:
     control_keys: ControlKeys
     wake: threading.Event = field(default_factory=threading.Event)
     """Set to run the main loop's next pass now (a generation changed, a worker detached)."""
+    passes: LoopPasses = field(default_factory=LoopPasses)
     contacts: WorkerContacts = field(default_factory=WorkerContacts)
     attachments: Attachments = field(default_factory=Attachments)
     workers: WorkerGroup | AttachedWorkers | None = None
@@ -101,7 +129,8 @@ class Node:
     _finished_unsaid: str | None = None
     """The finished marker a store outage kept from the store."""
     _finished_cache: tuple[float, bool] = (0.0, False)
-    """(when checked, whether the store's ``finished`` marker exists), read at most every 0.5 s."""
+    """(when checked, whether the store's ``finished`` marker exists), read at most once a second (every
+    held poll of every worker asks after each main-loop pass)."""
 
     # ---- the node record ------------------------------------------------------------
     def record(self, state: NodeState | None = None) -> NodeRecord:
@@ -213,7 +242,7 @@ class Node:
 
     def job_finished(self) -> bool:
         checked_at, value = self._finished_cache
-        if value or time.monotonic() - checked_at < 0.5:
+        if value or time.monotonic() - checked_at < 1.0:
             return value
         try:
             value = self.store.get(keys.FINISHED) is not None

@@ -6,6 +6,7 @@ the model) before the agent acts on it; anything else gets an error reply naming
 
 from __future__ import annotations
 
+import hashlib
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
@@ -13,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 from etc_agent.rendezvous.records import GenerationRecord, MigrationRecord
 
 MAX_REASON = 2000
+MAX_HOLD_S = 5.0
+"""The longest an agent holds a worker's poll (its reply unchanged); well under the request timeout."""
 
 
 class _Request(BaseModel):
@@ -61,6 +64,12 @@ class AssignmentQuery(_Request):
     step: int | None = Field(None, ge=0, description="The next step this worker trains (None before training).")
     step_s: float | None = Field(None, ge=0, description="Its last step's time, in seconds.")
     data_position: int | None = Field(None, ge=0, description="Samples its data loader has handed out.")
+    known: str | None = Field(
+        None, description="The digest of the last reply this worker holds: the agent answers once its reply differs."
+    )
+    hold_s: float = Field(
+        0.0, ge=0, le=MAX_HOLD_S, description="With ``known``: answer an unchanged reply after this many seconds."
+    )
 
 
 class GenerationQuery(_Request):
@@ -238,6 +247,12 @@ class AssignmentReply(_Reply):
         description="The agent lost the store while its peers reach it (etc_agent.agent.fence): the "
         "worker trains no further step and commits no checkpoint until the agent says otherwise.",
     )
+    digest: str = Field("", description="A digest of every other field (the next poll's ``known``).")
+
+    def with_digest(self) -> AssignmentReply:
+        """This reply with ``digest`` set from its other fields."""
+        body = self.model_dump_json(exclude={"digest"}).encode()
+        return self.model_copy(update={"digest": hashlib.blake2b(body, digest_size=8).hexdigest()})
 
 
 class Ack(_Reply):

@@ -293,10 +293,19 @@ def _exchange_client(sock: socket.socket, address: tuple[str, int], req: dict[st
     return reply
 
 
-def request(address: tuple[str, int], req: dict[str, Any], timeout: float, key: Key) -> dict[str, Any]:
-    """Send one request on a fresh connection and return the reply."""
+def request(
+    address: tuple[str, int],
+    req: dict[str, Any],
+    timeout: float,
+    key: Key,
+    on_connect: Callable[[socket.socket], None] | None = None,
+) -> dict[str, Any]:
+    """Send one request on a fresh connection and return the reply. ``on_connect(socket)`` is called
+    once connected (a caller that may have to end a held request shuts that socket down)."""
     try:
         with socket.create_connection(address, timeout=timeout) as sock:
+            if on_connect is not None:
+                on_connect(sock)
             return _exchange_client(sock, address, req, key)
     except (OSError, TimeoutError) as err:
         raise JsonLineError(f"cannot reach {address[0]}:{address[1]}: {err}") from err

@@ -35,16 +35,19 @@ from etc_agent.worker.logs import say
 
 log = logging.getLogger("etc_agent.worker")
 
-HURRIED_POLL_S = 0.02
-"""Seconds between polls while a caller waits for its next assignment (else ``poll_interval``)."""
-HURRY_WINDOW_S = 3.0
-"""For at most this long after a wait began: a warm joiner or a standby may wait for minutes."""
+HOLD_S = 1.0
+"""How long the agent holds a poll whose reply has not changed: a change comes back at once (in the
+agent's pass that made it), an idle worker asks about once a second (its progress for the metrics
+is that fresh)."""
+MIN_POLL_GAP_S = 0.01
+"""Never ask more often than this, whatever the agent answers."""
 
 
 class AgentLink:
     """Polls the agent for the newest generation and this worker's assignment; sends its reports."""
 
     def __init__(self, address: str, local_rank: int, poll_interval: float = 0.1):
+        """``poll_interval``: the wait before asking again after a failed poll."""
         self.address = parse_address(address)
         self.local_rank = local_rank
         try:
@@ -61,17 +64,14 @@ class AgentLink:
         self.error: str | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._wake = threading.Event()
-        """Set to poll at once (a waiter came, or the link closes)."""
-        self._num_waiting = 0
-        """Callers of :meth:`assignment` waiting now (the poll then runs every ``HURRIED_POLL_S``)."""
-        self._hurry_until = 0.0
+        self._held: socket.socket | None = None
+        """The connection of the poll in flight (``close`` shuts it down rather than wait for its reply)."""
         self._changed = threading.Condition(self._lock)
         self._stopping = False
         self._severed_for = -1
+        """The newest generation whose unreachable hosts this worker's connections were shut to."""
         self.on_reply: Callable[[], None] | None = None
         """Called in the poll thread after each reply (the job starts preparing a new generation there)."""
-        """The newest generation whose unreachable hosts this worker's connections were shut to."""
         hello = request(
             self.address,
             Hello(local_rank=local_rank, pid=os.getpid(), elastic=True).model_dump(),
@@ -115,39 +115,61 @@ class AgentLink:
     def _poll(self) -> None:
         failures = 0
         while not self._stop.is_set():
+            asked_at = time.monotonic()
             try:
-                query = self._query()
-                reply = AssignmentReply.model_validate(
-                    request(self.address, query.model_dump(exclude_none=True), timeout=10, key=self.key)
-                )
-                failures = 0
-                if reply.stop and not self._stopping:
-                    # Sidecar mode: the agent cannot signal a process it did not start; it asks instead.
-                    self._stopping = True
-                    say(
-                        f"local_rank {self.local_rank}: the agent asks this worker to stop",
-                    )
-                    os.kill(os.getpid(), signal.SIGTERM)
-                if reply.unreachable_hosts and reply.latest is not None and reply.latest > self._severed_for:
-                    self._severed_for = reply.latest
-                    self._sever(reply.latest, reply.unreachable_hosts)
-                with self._changed:
-                    self.reply = reply
-                    if reply.latest is not None:
-                        self.latest = max(self.latest, reply.latest)
-                    self.error = None
-                    self._changed.notify_all()
-                self._replied()
+                reply = self._ask()
             except (OSError, JsonLineError, ValueError) as err:
                 failures += 1
-                if failures >= 3:
+                if failures >= 3 and not self._stop.is_set():
                     with self._changed:
                         self.error = f"agent at {self.address[0]}:{self.address[1]} unreachable: {err}"
                         self._changed.notify_all()
-            # Someone waits for a generation: ask again soon (a crash's survivors, a restarted worker).
-            hurried = self._num_waiting and time.monotonic() < self._hurry_until
-            self._wake.wait(HURRIED_POLL_S if hurried else self.poll_interval)
-            self._wake.clear()
+                self._stop.wait(self.poll_interval)
+                continue
+            failures = 0
+            self._take(reply)
+            self._stop.wait(max(0.0, MIN_POLL_GAP_S - (time.monotonic() - asked_at)))
+
+    def _ask(self) -> AssignmentReply:
+        """One poll, held by the agent up to ``HOLD_S`` while its reply is the one this worker holds."""
+
+        def connected(sock: socket.socket) -> None:
+            with self._lock:
+                self._held = sock
+            if self._stop.is_set():
+                sock.shutdown(socket.SHUT_RDWR)
+
+        try:
+            answer = request(
+                self.address,
+                self._query().model_dump(exclude_none=True),
+                timeout=10,
+                key=self.key,
+                on_connect=connected,
+            )
+        finally:
+            with self._lock:
+                self._held = None
+        return AssignmentReply.model_validate(answer)
+
+    def _take(self, reply: AssignmentReply) -> None:
+        if reply.stop and not self._stopping:
+            # Sidecar mode: the agent cannot signal a process it did not start; it asks instead.
+            self._stopping = True
+            say(
+                f"local_rank {self.local_rank}: the agent asks this worker to stop",
+            )
+            os.kill(os.getpid(), signal.SIGTERM)
+        if reply.unreachable_hosts and reply.latest is not None and reply.latest > self._severed_for:
+            self._severed_for = reply.latest
+            self._sever(reply.latest, reply.unreachable_hosts)
+        with self._changed:
+            self.reply = reply
+            if reply.latest is not None:
+                self.latest = max(self.latest, reply.latest)
+            self.error = None
+            self._changed.notify_all()
+        self._replied()
 
     def _replied(self) -> None:
         callback = self.on_reply
@@ -160,13 +182,17 @@ class AgentLink:
 
     def _query(self) -> AssignmentQuery:
         """The poll, with this worker's progress once it trains (the agent's metrics)."""
+        held = self.reply
+        known = {"known": held.digest, "hold_s": HOLD_S} if held is not None and held.digest else {}
         progress = self.progress
         if progress is None:
-            return AssignmentQuery(local_rank=self.local_rank)
+            return AssignmentQuery(local_rank=self.local_rank, **known)
         # Only a job that uses the elastic loader has a data position; this thread never imports it.
         loader = sys.modules.get("etc_agent.data.loader")
         position = loader.reported_position() if loader is not None else None
-        return AssignmentQuery(local_rank=self.local_rank, step=progress[0], step_s=progress[1], data_position=position)
+        return AssignmentQuery(
+            local_rank=self.local_rank, step=progress[0], step_s=progress[1], data_position=position, **known
+        )
 
     def _sever(self, generation: int, hosts: list[str]) -> None:
         """The newest generation dropped ``hosts`` as unreachable: end any collective blocked on them
@@ -182,13 +208,7 @@ class AgentLink:
         """The newest assignment for a generation >= ``at_least`` (waiting for the agent to prepare it)."""
         deadline = time.monotonic() + timeout_s
         with self._changed:
-            self._num_waiting += 1
-            self._hurry_until = time.monotonic() + HURRY_WINDOW_S
-            self._wake.set()
-            try:
-                return self._await_assignment(at_least, timeout_s, why, deadline)
-            finally:
-                self._num_waiting -= 1
+            return self._await_assignment(at_least, timeout_s, why, deadline)
 
     def _await_assignment(self, at_least: int, timeout_s: float, why: str, deadline: float) -> Assignment:
         """:meth:`assignment`'s wait (the caller holds ``_changed``)."""
@@ -237,7 +257,13 @@ class AgentLink:
     def close(self, exit_code: int = 0) -> None:
         """Stop polling; a sidecar's worker reports ``exit_code`` and detaches."""
         self._stop.set()
-        self._wake.set()
+        with self._lock:
+            held = self._held
+        if held is not None:
+            try:
+                held.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # answered and closed meanwhile
         self._thread.join(timeout=2)
         if self._attachment is not None:
             self.send(Exiting(local_rank=self.local_rank, pid=os.getpid(), code=exit_code))
