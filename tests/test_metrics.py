@@ -158,7 +158,8 @@ def test_the_metrics_port_answers_only_get_of_the_metrics_path_and_a_flood_does_
         endless.sendall(b"GET /" + b"x" * (MAX_LINE * 2))
         started = time.monotonic()
         threads_while_flooded = threading.active_count()
-        assert threads_while_flooded == threads_before, (threads_before, threads_while_flooded)
+        # At most as many: a thread an earlier test left (a closed server's connection) may end meanwhile.
+        assert threads_while_flooded <= threads_before, (threads_before, threads_while_flooded)
         time.sleep(READ_TIMEOUT_S + 0.5)
         assert server.num_open == 0, server.num_open  # every idle connection dropped
         assert _http(server.port, "GET", "/metrics") == 200
