@@ -30,8 +30,14 @@ from etc_agent.agent.store_read import StoreRead
 from etc_agent.layout.config import ParallelSpec
 from etc_agent.protocol import keys
 from etc_agent.rendezvous.records import GenerationRecord, LeaderRecord, NodeRecord, NodeStatus
-from etc_agent.rendezvous.store import KeyValue, Lease, MembershipStore, StoreError, WatchEvent
+from etc_agent.rendezvous.store import KeyValue, Lease, MembershipStore, StoreError, WatchEvent, WatchHandle
 
+REDECIDE_S = 5.0
+"""How often a leader decides with no event and nothing falling due: a watch may miss an event (a
+failed watch is made again, and the leader decides every second until then). Every decision reads
+about ten keys; once a second that was most of an idle leader's store requests."""
+WATCH_REARM_S = 1.0
+"""The wait before a failed watch is made again."""
 LEADER_KEY_CHECK_S = 1.0
 """How often a leading agent reads the leader key besides when the watch says it changed (a watch
 may miss an event); reading it on every 0.1-s pass was most of an idle agent's store requests."""
@@ -78,6 +84,8 @@ class Leader:
         self._peer_failure = threading.Event()
         """Set when this node's workers report a failed collective: check whether the leader is gone."""
         self._dirty = threading.Event()
+        self._watch_failed = threading.Event()
+        self._watch_armed_at = time.monotonic()
         self._leader_key_changed = threading.Event()
         """The watch saw the leader key change: a leading agent reads it at once, not at its next check."""
         model = None
@@ -218,22 +226,25 @@ class Leader:
         return holder.node_id == self.node_id  # still ours (leading stopped on a store error): lead again
 
     def _lead(self) -> None:
-        watch = self.store.watch_prefix("", self._on_event)
+        """Decide on every change the watch reports (after ``--reconfig-delay`` of quiet, or at once
+        when a member went silent), when the last decision said something falls due, and every
+        ``REDECIDE_S`` besides (every second while the watch is broken)."""
+        watch = self._arm_watch()
         try:
             self._dirty.set()
-            last_decision = checked_key = 0.0
+            next_decision = checked_key = 0.0
             while not self.stop_requested.is_set() and not self.leaving.is_set():
                 if self._went_silent.is_set():
                     self._went_silent.clear()
-                    self.decide()  # a member went silent: its peers are blocked, no quiet period
-                    last_decision = time.monotonic()
+                    next_decision = self._decide_and_schedule()  # its peers are blocked: no quiet period
                 elif self._dirty.wait(0.1):
                     self._quiet()
-                    self.decide()
-                    last_decision = time.monotonic()
-                elif time.monotonic() - last_decision > 1.0:
-                    self.decide()  # also without events: a watch may have missed one
-                    last_decision = time.monotonic()
+                    next_decision = self._decide_and_schedule()
+                elif time.monotonic() >= next_decision:
+                    next_decision = self._decide_and_schedule()
+                if self._watch_failed.is_set() and time.monotonic() - self._watch_armed_at >= WATCH_REARM_S:
+                    watch.cancel()
+                    watch = self._arm_watch()
                 if self._leader_key_changed.is_set() or time.monotonic() - checked_key > LEADER_KEY_CHECK_S:
                     self._leader_key_changed.clear()
                     checked_key = time.monotonic()
@@ -291,6 +302,25 @@ class Leader:
             return
         self.decide()
 
+    def _arm_watch(self) -> WatchHandle:
+        self._watch_failed.clear()
+        self._watch_armed_at = time.monotonic()
+        return self.store.watch_prefix("", self._on_event, self._on_watch_error)
+
+    def _on_watch_error(self, err: Exception) -> None:
+        """The watch failed: events may be lost until it is made again (decide every second meanwhile)."""
+        self._watch_failed.set()
+        self._dirty.set()
+
+    def _decide_and_schedule(self) -> float:
+        """Decide now; the ``time.monotonic()`` of the next decision no event asks for."""
+        made = self.decide()
+        now = time.monotonic()
+        due = now + (1.0 if self._watch_failed.is_set() else REDECIDE_S)
+        if made.wait_until is not None:  # a wall-clock time: a held join, records being put back
+            due = min(due, now + max(0.0, made.wait_until - time.time()) + 0.01)
+        return due
+
     def _still_leader(self) -> bool:
         leader = self.store.get(keys.LEADER)
         record = self.reader.parse(LeaderRecord, leader) if leader is not None else None
@@ -329,13 +359,14 @@ class Leader:
         return self._store_read.snapshot()
 
     # ---- the decision -----------------------------------------------------------------
-    def decide(self) -> None:
+    def decide(self) -> Decision:
         """Publish the next generation if the store says one is due (at most one compare-and-set)."""
         snapshot = self._snapshot()
         made = decision.decide(snapshot)
         self._apply(snapshot, made)
         if made.record is None:  # after a publication the snapshot is stale: the next pass prepares
             self._prepare_ready(snapshot)
+        return made
 
     def _prepare_ready(self, snapshot: Snapshot) -> None:
         """While a generation runs, work out in the background the layouts of the memberships its
