@@ -14,7 +14,9 @@ torchrun's.
 ``--variant NAME="[KEY=VALUE ...] ETCRUN FLAGS"`` adds an etcrun run with those environment
 variables and extra flags to every round (``--variant no-spare="--spare-worker off"``: without the
 warm spare worker). The last column is the share of the measured gaps during which the agent's
-warm spare was ready (it starts once the job trained 2 s undisturbed).
+warm spare was ready (it starts once the job trained 2 s undisturbed). "launcher CPU" is the
+launcher process's own CPU time (torchrun's agent, etcrun's agent; not its workers) over the run's
+wall time, in percent of one core, read from ``/proc`` while it runs.
 Prints a rich table and one JSON line.
 """
 
@@ -28,6 +30,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
+import time
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -70,7 +75,35 @@ def spare_share(stdout: str, stderr: str, warmup: int) -> float | None:
     return round(sum(start >= ready for start in starts) / len(starts), 3) if starts else None
 
 
-def run_once(name: str, extra: list[str], args: argparse.Namespace, work: Path) -> tuple[float, float | None]:
+@dataclass
+class RunResult:
+    gap_s: float
+    """The median gap between consecutive steps after the warm-up."""
+    spare_share: float | None
+    """The share of measured gaps with the warm spare ready (None: no spare)."""
+    launcher_cpu: float | None
+    """The launcher process's CPU time over the run's wall time (None where /proc is not readable)."""
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """``pid``'s own user + system CPU time so far (not its children's), from ``/proc``."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def watch_cpu(process: subprocess.Popen, samples: list[float]) -> None:
+    """Sample the process's CPU time every 0.2 s until it exits (the last sample is its total)."""
+    while process.poll() is None:
+        seconds = cpu_seconds(process.pid)
+        if seconds is not None:
+            samples.append(seconds)
+        time.sleep(0.2)
+
+
+def run_once(name: str, extra: list[str], args: argparse.Namespace, work: Path) -> RunResult:
     # Leading KEY=VALUE tokens are the environment; the rest are flags (whose values may hold "=").
     num_variables = next((i for i, token in enumerate(extra) if token.startswith("-") or "=" not in token), len(extra))
     variables = dict(token.split("=", 1) for token in extra[:num_variables])
@@ -89,10 +122,22 @@ def run_once(name: str, extra: list[str], args: argparse.Namespace, work: Path) 
         *MODEL,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ETC_DATA_DIR": str(work), **variables}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=work)
-    if done.returncode != 0:
-        raise SystemExit(f"{name} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return step_gap_s(done.stdout, args.warmup), spare_share(done.stdout, done.stderr, args.warmup)
+    started = time.monotonic()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=work)
+    samples: list[float] = []
+    watcher = threading.Thread(target=watch_cpu, args=(process, samples), daemon=True)
+    watcher.start()
+    try:
+        stdout, stderr = process.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise SystemExit(f"{name} ran past 600 s") from None
+    wall_s = time.monotonic() - started
+    watcher.join()
+    if process.returncode != 0:
+        raise SystemExit(f"{name} failed (exit {process.returncode}):\n{stderr[-3000:]}")
+    cpu = samples[-1] / wall_s if samples else None
+    return RunResult(step_gap_s(stdout, args.warmup), spare_share(stdout, stderr, args.warmup), cpu)
 
 
 def parse_variants(specs: list[str]) -> dict[str, list[str]]:
@@ -115,18 +160,19 @@ def main() -> None:
     parser.add_argument("--variant", action="append", default=[], help='NAME="extra etcrun flags"')
     args = parser.parse_args()
     runs = parse_variants(args.variant)
-    gaps: dict[str, list[float]] = {name: [] for name in runs}
-    spare: dict[str, list[float | None]] = {name: [] for name in runs}
+    results: dict[str, list[RunResult]] = {name: [] for name in runs}
     with tempfile.TemporaryDirectory(prefix="etc-step-time-") as tmp:
         for _ in range(args.runs):
             for name, extra in runs.items():
-                gap, share = run_once("torchrun" if name == "torchrun" else "etcrun", extra, args, Path(tmp))
-                gaps[name].append(gap)
-                spare[name].append(share)
+                results[name].append(run_once("torchrun" if name == "torchrun" else "etcrun", extra, args, Path(tmp)))
+    gaps = {name: [r.gap_s for r in values] for name, values in results.items()}
     median = {name: statistics.median(values) for name, values in gaps.items()}
+    cpu = {name: [r.launcher_cpu for r in values if r.launcher_cpu is not None] for name, values in results.items()}
+    spare = {name: [r.spare_share for r in values] for name, values in results.items()}
     title = f"step time, example GPT, {args.parallel}, {args.nproc} workers, {args.runs} alternating runs each"
     table = Table(title=title)
-    for column in ("launcher", "median ms", "min ms", "max ms", "vs torchrun", "with spare ready"):
+    columns = ("launcher", "median ms", "min ms", "max ms", "vs torchrun", "with spare ready", "launcher CPU")
+    for column in columns:
         table.add_column(column, justify="left" if column == "launcher" else "right")
     for name, values in gaps.items():
         ratio = median[name] / median["torchrun"]
@@ -138,6 +184,7 @@ def main() -> None:
             f"{max(values) * 1e3:.2f}",
             f"{ratio:.3f}",
             f"{statistics.median(shares):.0%} of gaps" if shares else "-",
+            f"{statistics.median(cpu[name]):.1%} of a core" if cpu[name] else "-",
         )
     Console().print(table)
     result = {
@@ -150,6 +197,7 @@ def main() -> None:
         "ratio_to_torchrun": {name: round(value / median["torchrun"], 4) for name, value in median.items()},
         "step_ms": {name: [round(v * 1e3, 3) for v in values] for name, values in gaps.items()},
         "spare_ready_share": spare,
+        "launcher_cpu_share": {name: [round(v, 4) for v in values] for name, values in cpu.items()},
     }
     print(json.dumps(result))
 
