@@ -232,6 +232,23 @@ def json_line_event(line: str) -> dict | None:
     return event if isinstance(event, dict) else None
 
 
+def step_lines(cluster: Cluster) -> list[dict]:
+    """The step lines (``{"step": ...}``) training rank 0 printed, from every agent's console."""
+    steps = []
+    for lines in cluster.outputs:
+        for line in list(lines):
+            start = line.find('{"step": ')
+            if start < 0:
+                continue
+            try:
+                record, _ = json.JSONDecoder().raw_decode(line, start)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                steps.append(record)
+    return steps
+
+
 def read_losses(path: Path) -> dict[int, float]:
     losses: dict[int, float] = {}
     if path.exists():
@@ -390,7 +407,10 @@ def run_scenario(
                 return False
             running = [e["generation"] for e in seen if e["status"] == "running"]
             full = min(e["generation"] for e in seen if e["status"] == "running" and e["members"] == initial_agents)
-            return running[0] == full or any(m["generation"] >= full for m in migrations(cluster))
+            if running[0] == full or any(m["generation"] >= full for m in migrations(cluster)):
+                return True
+            # Workers that had built no state yet enter the full generation with no migration.
+            return any(step["generation"] >= full for step in step_lines(cluster) if "generation" in step)
 
         expected = 0
         if min_nodes is not None and min_nodes < initial_agents:

@@ -192,13 +192,38 @@ def test_a_scrape_is_answered_while_the_port_is_flooded():
     try:
         for t in flooders:
             t.start()
-        time.sleep(0.5)
+        deadline = time.monotonic() + 10
+        while server.num_open < MAX_OPEN and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.num_open == MAX_OPEN  # the flood holds the bound
         answers = [_http(server.port, "GET", "/metrics") for _ in range(10)]
-        assert answers.count(200) >= 9, answers
+        assert answers == [200] * 10, answers
     finally:
         stop.set()
         for t in flooders:
             t.join(timeout=5)
+        server.close()
+
+
+def test_at_the_bound_a_new_connection_takes_the_place_of_the_oldest_idle_one():
+    """Every slot held by a connection that sent nothing: a scrape is answered, the oldest idle
+    connection is the one closed for it, and the count of open connections stays at the bound."""
+    server = MetricsServer("127.0.0.1", 0, lambda: b"etc_agent_x 1\n")
+    idle = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(MAX_OPEN)]
+    try:
+        deadline = time.monotonic() + 10
+        while server.num_open < MAX_OPEN and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.num_open == MAX_OPEN
+        assert _http(server.port, "GET", "/metrics") == 200
+        assert idle[0].recv(1) == b""  # the oldest was closed for the scrape
+        idle[-1].setblocking(False)
+        with pytest.raises(BlockingIOError):  # the newest is still open, waiting for its request
+            idle[-1].recv(1)
+        assert server.num_open <= MAX_OPEN
+    finally:
+        for sock in idle:
+            sock.close()
         server.close()
 
 

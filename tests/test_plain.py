@@ -58,12 +58,12 @@ class PlainJob:
         self.agents: list[subprocess.Popen] = []
         self.store = None
 
-    def add_agent(self, steps: int = STEPS) -> subprocess.Popen:
+    def add_agent(self, steps: int = STEPS, step_delay: str = STEP_DELAY) -> subprocess.Popen:
         conf = [self.rdzv_conf] if self.rdzv_conf else []
         if self.backend == "embedded":
             conf.append(f"is_host={'true' if not self.agents else 'false'}")
         host = ["--rdzv-conf", ",".join(conf)] if conf else []
-        script = ["-m", "etc_agent.examples.plain_ddp", "--steps", str(steps), "--step-delay", STEP_DELAY]
+        script = ["-m", "etc_agent.examples.plain_ddp", "--steps", str(steps), "--step-delay", step_delay]
         script += ["--checkpoint-dir", str(self.out / "ckpt"), "--progress", str(self.progress)]
         p = subprocess.Popen(
             [sys.executable, "-m", "etc_agent.cli.etcrun", *self.args, *host, *script],
@@ -157,12 +157,16 @@ def test_a_planned_leave_never_ends_the_job(plain_job, backend, num_agents, whom
     counted, every agent exits 0, and the script's own checkpoint carries the training through (the
     final weights are an uninterrupted run's). With three agents the third joins the running job
     after a warm-up of its fork server."""
+    # A joiner warms its fork server up before it registers (4 s alone here, over 10 s on two loaded
+    # cores): slower steps keep the job running until it joined (the same steps: the final weights
+    # are compared within a tolerance that more steps would outgrow).
+    delay = STEP_DELAY if num_agents == 2 else "0.25"
     job = plain_job(backend)
-    job.add_agent()
-    job.add_agent()
+    job.add_agent(step_delay=delay)
+    job.add_agent(step_delay=delay)
     job.wait_training(world_size=2, past_step=3)
     if num_agents == 3:
-        job.add_agent()  # a join of the running job
+        job.add_agent(step_delay=delay)  # a join of the running job
     running = job.wait_training(world_size=num_agents, past_step=job.step()["step"] + 3)
     before = job.generation()
     leaving = {"leader": job.leader, "non-leader": job.non_leader, "store host": lambda: job.agents[0]}[whom]()

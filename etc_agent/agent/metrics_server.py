@@ -3,8 +3,9 @@
 It answers ``GET /metrics`` with the Prometheus text format and nothing else: any other path is a
 404, any other method a 405, a request it cannot parse a 400, and no request changes anything. One
 thread serves every connection (an asyncio loop of its own), so a flood of connections costs the
-agent no threads: at most :data:`MAX_OPEN` connections are open at once (the rest are closed as they
-come), each has :data:`READ_TIMEOUT_S` to send its request line and headers (a scraper sends them as
+agent no threads: at most :data:`MAX_OPEN` connections are open at once (a new one past the bound
+takes the place of the oldest that has not sent its request yet, so idle connections cannot keep a
+scraper out; where none is idle, the new one is closed), each has :data:`READ_TIMEOUT_S` to send its request line and headers (a scraper sends them as
 it connects; an idle connection is dropped), a line longer than :data:`MAX_LINE` ends it, and a
 request body is never read. A scraper's request is answered as soon as it arrives, whatever the
 flood's other connections do.
@@ -52,6 +53,9 @@ class MetricsServer:
         self.exposition = exposition
         self.num_open = 0
         self._writers: set[asyncio.StreamWriter] = set()
+        self._reading: dict[asyncio.StreamWriter, None] = {}
+        """Open connections whose request is not read yet, oldest first (the ones a new one may evict)."""
+        self._evicted: set[asyncio.StreamWriter] = set()
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.Server | None = None
         started = threading.Event()
@@ -82,14 +86,30 @@ class MetricsServer:
         self._loop.run_forever()
         self._loop.close()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _admit(self, writer: asyncio.StreamWriter) -> bool:
+        """Count a new connection in, evicting the oldest idle one at the bound; False: no room."""
         if self.num_open >= MAX_OPEN:
-            writer.close()
-            return
+            if not self._reading:
+                return False
+            oldest = next(iter(self._reading))
+            del self._reading[oldest]
+            self._evicted.add(oldest)
+            self.num_open -= 1
+            oldest.close()
         self.num_open += 1
         self._writers.add(writer)
+        self._reading[writer] = None
+        return True
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not self._admit(writer):
+            writer.close()
+            return
         try:
             status, body = await asyncio.wait_for(self._read(reader), READ_TIMEOUT_S)
+            self._reading.pop(writer, None)
+            if writer in self._evicted:
+                return
             if body is None:
                 body = self.exposition()
                 headers = f"Content-Type: {CONTENT_TYPE_LATEST}\r\n"
@@ -103,7 +123,11 @@ class MetricsServer:
         except Exception:  # a bug here must not end the loop that serves the next scrape
             log.exception("metrics request failed")
         finally:
-            self.num_open -= 1
+            self._reading.pop(writer, None)
+            if writer in self._evicted:
+                self._evicted.discard(writer)  # counted out when it was evicted
+            else:
+                self.num_open -= 1
             self._writers.discard(writer)
             writer.close()
 
