@@ -232,29 +232,23 @@ def json_line_event(line: str) -> dict | None:
     return event if isinstance(event, dict) else None
 
 
-def step_lines(cluster: Cluster) -> list[dict]:
-    """The step lines (``{"step": ...}``) training rank 0 printed, from every agent's console."""
-    steps = []
-    for lines in cluster.outputs:
-        for line in list(lines):
-            start = line.find('{"step": ')
-            if start < 0:
-                continue
-            try:
-                record, _ = json.JSONDecoder().raw_decode(line, start)
-            except ValueError:
-                continue
-            if isinstance(record, dict):
-                steps.append(record)
-    return steps
+def loss_records(path: Path) -> list[dict]:
+    """Every line of the loss log (rank 0's ``{step, loss, generation, ...}`` per step)."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:  # the line rank 0 is appending right now
+            continue
+    return records
 
 
 def read_losses(path: Path) -> dict[int, float]:
     losses: dict[int, float] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            losses[record["step"]] = record["loss"]  # a step redone after a crash: the completed one wins
+    for record in loss_records(path):
+        losses[record["step"]] = record["loss"]  # a step redone after a crash: the completed one wins
     return losses
 
 
@@ -397,7 +391,8 @@ def run_scenario(
         def all_initial_training() -> bool:
             """Every initial agent's workers train: the first running generation had them all, or the
             workers migrated into one that has (a published generation is entered a little later:
-            the ranks train on while they prepare it)."""
+            the ranks train on while they prepare it), or rank 0 trained a step in one (workers
+            that had built no state yet enter it without a migration)."""
             seen = [
                 event
                 for line in list(cluster.outputs[0])
@@ -410,7 +405,7 @@ def run_scenario(
             if running[0] == full or any(m["generation"] >= full for m in migrations(cluster)):
                 return True
             # Workers that had built no state yet enter the full generation with no migration.
-            return any(step["generation"] >= full for step in step_lines(cluster) if "generation" in step)
+            return any(record.get("generation", -1) >= full for record in loss_records(loss_log))
 
         expected = 0
         if min_nodes is not None and min_nodes < initial_agents:

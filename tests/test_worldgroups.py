@@ -14,6 +14,18 @@ from dist_harness import free_port, run_workers
 TIMEOUT = timedelta(seconds=30)
 
 
+def _generation_store(rank: int, world: int, port: int, generation: int):
+    """The store a switch forms its groups on: a generation store over a TCPStore. Its waits for the
+    peers' addresses keep the switch's bound (a bare TCPStore would bound them by gloo's 1-s connect
+    bound, which a rank busy elsewhere on two loaded cores outlasts)."""
+    import torch.distributed as dist
+
+    from etc_agent.worker.genstore import GenerationStore
+
+    inner = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=TIMEOUT)
+    return GenerationStore(inner, generation, lambda: None, TIMEOUT.total_seconds())
+
+
 def _form_in_the_stall(rank: int, world: int, port: int, spec: str) -> dict:
     """No default group at all while the groups form (the switch's own path, after the teardown)."""
     import torch
@@ -23,7 +35,7 @@ def _form_in_the_stall(rank: int, world: int, port: int, spec: str) -> dict:
     from etc_agent.worker.groups import release_all_groups
     from etc_agent.worker.worldgroups import form_world
 
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=TIMEOUT)
+    store = _generation_store(rank, world, port, 3)
     release_all_groups()
     new_rank = world - 1 - rank
     formed = form_world(store, 3, ParallelConfig.parse(spec), new_rank, torch.device("cpu"), TIMEOUT)
@@ -60,7 +72,7 @@ def _form_beside_training(rank: int, world: int, port: int, spec: str) -> dict:
     from etc_agent.worker.groups import release_all_groups
     from etc_agent.worker.worldgroups import form_world
 
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=TIMEOUT)
+    store = _generation_store(rank, world, port, 7)
     config = ParallelConfig.parse(spec)
     new_rank = world - 1 - rank  # the new world numbers its ranks the other way round
     formed: dict = {}

@@ -68,7 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(a test keeps the run from ending before a membership event has taken effect)",
     )
     parser.add_argument("--slow-step-delay", type=float, default=4.0)
-    parser.add_argument("--loss-log", default=None, help="rank 0 appends {step, loss, layout} JSON lines here")
+    parser.add_argument(
+        "--loss-log", default=None, help="rank 0 appends {step, loss, layout, generation} JSON lines here"
+    )
     add_data_args(parser)
     parser.add_argument(
         "--dump-state", default=None, help="rank 0 saves the whole state, unsharded, here after the last step"
@@ -309,7 +311,7 @@ def main(argv: list[str] | None = None) -> None:
         log_samples(job, args, step)
         value = torch.tensor([loss if loss is not None else 0.0], dtype=torch.float64)
         dist.broadcast(value, src=ctx.config.rank(ctx.pp - 1, 0, 0))
-        record = {"step": step, "loss": float(value.item()), "layout": ctx.config.short()}
+        record = {"step": step, "loss": float(value.item()), "layout": ctx.config.short(), "generation": ctx.generation}
         if ctx.rank == 0:
             print(f"step {step} loss {record['loss']:.6f} layout {record['layout']}", flush=True)
             _append(args.loss_log, record)
