@@ -38,6 +38,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench_step_time import cpu_seconds
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -227,11 +229,12 @@ class Fleet:
 
     def usage(self, seconds: float) -> tuple[list[float], list[float]]:
         """Each living agent's RSS (MiB) and CPU share of one core over ``seconds``."""
-        ticks = os.sysconf("SC_CLK_TCK")
 
         def cpu(pid: int) -> float:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) / ticks
+            seconds = cpu_seconds(pid)
+            if seconds is None:
+                raise RuntimeError(f"agent pid {pid}: /proc/{pid}/stat is not readable")
+            return seconds
 
         pids = [self.agents[i].proc.pid for i in self.alive()]
         before = {p: cpu(p) for p in pids}

@@ -24,20 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import socket
 import time
 from datetime import timedelta
 
+from elastic_demo import free_port
 from rich.console import Console
 from rich.table import Table
 
 TIMEOUT = timedelta(seconds=30)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _pair(rank: int, port: int, mode: str, delay_s: float, results) -> None:
@@ -72,7 +66,7 @@ def main() -> None:
     with ctx.Manager() as manager:
         results = manager.dict()
         for mode in ("bounded", "plain"):
-            port = _free_port()
+            port = free_port()
             procs = [ctx.Process(target=_pair, args=(r, port, mode, args.delay, results)) for r in range(2)]
             for p in procs:
                 p.start()

@@ -5,9 +5,9 @@ It answers ``GET /metrics`` with the Prometheus text format and nothing else: an
 thread serves every connection (an asyncio loop of its own), so a flood of connections costs the
 agent no threads: at most :data:`MAX_OPEN` connections are open at once (a new one past the bound
 takes the place of the oldest that has not sent its request yet, so idle connections cannot keep a
-scraper out; where none is idle, the new one is closed), each has :data:`READ_TIMEOUT_S` to send its request line and headers (a scraper sends them as
-it connects; an idle connection is dropped), a line longer than :data:`MAX_LINE` ends it, and a
-request body is never read. A scraper's request is answered as soon as it arrives, whatever the
+scraper out; where none is idle, the new one is closed), each has :data:`READ_TIMEOUT_S` to send
+its request line and headers (a scraper sends them as it connects; an idle connection is dropped),
+a line longer than :data:`MAX_LINE` ends it, and a request body is never read. A scraper's request is answered as soon as it arrives, whatever the
 flood's other connections do.
 """
 
