@@ -1,22 +1,20 @@
-"""Reproduce a point-to-point receive that fails after the connect bound (a known defect).
+"""Check that a point-to-point receive on a :func:`~etc_agent.worker.connect.gloo_group` group waits for a late sender.
 
-:func:`etc_agent.worker.connect.gloo_group` forms a gloo group under ``ETC_AGENT_CONNECT_TIMEOUT``
-(1 s by default) and then gives it the collective timeout with ``_set_default_timeout``. That
-setter reaches the collectives only: a ``send``/``recv`` pair waits on gloo's unbound buffer,
-whose wait without a timeout (``dist.recv``, ``work.wait()``) takes the gloo context's timeout,
-fixed at construction, i.e. the connect bound. A receive whose sender comes more than that later
-(a pipeline stage waiting for the previous stage's forward) fails with "Timed out waiting 1000ms
-for recv operation". ``set_timeout`` does not reach it either.
+gloo copies a group's forming timeout into its transport context, and a receive without a timeout
+of its own (``dist.recv``, ``work.wait()``: a pipeline stage waiting for the previous stage's
+forward) waits that long; ``_set_default_timeout`` and ``set_timeout`` do not reach it. Groups once
+formed under ``ETC_AGENT_CONNECT_TIMEOUT`` (1 s) and given the collective timeout afterwards failed
+such a receive after 1 s ("Timed out waiting 1000ms for recv operation"); :func:`gloo_group` now
+forms them with the collective timeout and bounds the connect another way (docs/faults.md).
 
 Two processes form a group with a 30-s collective timeout; rank 0 sends after ``--delay`` seconds,
 rank 1 receives with ``work.wait()``. Each mode reports whether the receive completed and when:
 
     python scripts/repro_gloo_p2p_timeout.py              # delay 2.5 s
-    python scripts/repro_gloo_p2p_timeout.py --delay 0.5  # within the bound: both complete
+    python scripts/repro_gloo_p2p_timeout.py --delay 0.5
 
 ``bounded``: :func:`~etc_agent.worker.connect.gloo_group`; ``plain``: ``ProcessGroupGloo`` formed
-with the 30-s timeout (what the training groups would need for their receives). Prints a table and
-a JSON line. Workers' migrations are not affected: their waits pass a timeout of their own.
+with the 30-s timeout. Prints a table and a JSON line.
 """
 
 from __future__ import annotations

@@ -113,8 +113,10 @@ def test_every_survivor_leaves_a_functional_collective_within_2s_of_a_peer_death
 
 
 def _form_through_a_generation_store(rank: int, world: int, port: int, marks: str, mode: str) -> tuple[float, str]:
-    """Ranks 0..world-2 form a gloo group of ``world`` through a GenerationStore; the last rank never
-    comes. ``mode`` "superseded": a newer generation appears 1 s in; "timeout": none does (2 s limit)."""
+    """Ranks 0..world-2 form a gloo group of ``world`` with :func:`gloo_group` through a GenerationStore;
+    the last rank never comes. ``mode`` "superseded": a newer generation appears 1 s in; "timeout":
+    none does (2 s limit)."""
+    from etc_agent.worker.connect import gloo_group
     from etc_agent.worker.genstore import GenerationStore
 
     inner = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, timeout=timedelta(seconds=30), wait_for_workers=False)
@@ -132,7 +134,7 @@ def _form_through_a_generation_store(rank: int, world: int, port: int, marks: st
 
     store = GenerationStore(inner, 7, superseded, timeout_s=2.0 if mode == "timeout" else 30.0)
     try:
-        dist.ProcessGroupGloo(dist.PrefixStore("gen7/migrate/", store), rank, world, timedelta(seconds=30))
+        gloo_group(dist.PrefixStore("gen7/migrate/", store), rank, world, timedelta(seconds=30))
     except RuntimeError as err:
         message = str(err)
     else:
@@ -156,7 +158,7 @@ def test_forming_a_group_gives_up_when_a_newer_generation_exists_or_at_its_timeo
     ):
         results = run_workers(3, _form_through_a_generation_store, free_port(), str(tmp_path), mode)
         for took, message in results[:2]:
-            assert took <= limit_s and words in message and "gen7/migrate//0/2" in message, (mode, took, message)
+            assert took <= limit_s and words in message and "did not arrive: 2)" in message, (mode, took, message)
             assert is_peer_failure(RuntimeError(message))
         for mark in tmp_path.glob("done*"):
             mark.unlink()
@@ -164,15 +166,15 @@ def test_forming_a_group_gives_up_when_a_newer_generation_exists_or_at_its_timeo
 
 def _form_while_a_peer_dies_after_publishing(rank: int, world: int, port: int, marks: str) -> tuple[float, str]:
     """Ranks form a gloo group of ``world`` with :func:`gloo_group` (collective timeout 30 s); the last
-    rank publishes its address and exits at its first wait in the store, before it connects. Each
-    survivor reports how long it took to learn of the death (in the constructor or at its first
-    receive from that peer) and the error."""
-    from etc_agent.worker.connect import gloo_group
+    rank arrives, publishes its address and exits at gloo's first wait in the store, before it
+    connects. Each survivor reports how long it took to learn of the death (in the constructor or at
+    its first receive from that peer) and the error."""
+    from etc_agent.worker.connect import ARRIVED, gloo_group
     from etc_agent.worker.genstore import GenerationStore
 
     class DiesAfterPublishing(GenerationStore):
         def wait(self, keys, timeout=None):
-            if rank == world - 1:
+            if rank == world - 1 and not any(f"/{ARRIVED}/" in key for key in keys):
                 os._exit(9)
             super().wait(keys, timeout)
 
@@ -238,3 +240,43 @@ def test_a_group_formed_under_the_connect_bound_keeps_the_collective_timeout():
     assert connect_timeout_s() < 3.0  # else the late peer below would not test anything
     waits = run_workers(2, _late_collective, free_port())
     assert waits[0][0] >= 2.5 and all(total == 16.0 for _, total in waits), waits
+
+
+def _late_send(rank: int, world: int, port: int, how: str) -> tuple[float, list[float]]:
+    """A pair of ranks in a group formed by ``how``; rank 0 sends an arange 3 s late, rank 1 receives
+    without a timeout of its own (as ``dist.recv`` and a pipeline stage's ``work.wait()`` do)."""
+    from etc_agent.layout.config import ParallelConfig
+    from etc_agent.worker.connect import gloo_group
+    from etc_agent.worker.context import make_context
+
+    timeout = timedelta(seconds=30)
+    if how == "gloo_group":
+        store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, timeout=timeout)
+        group = gloo_group(dist.PrefixStore("p2p/", store), rank, world, timeout)
+        send = lambda tensor: group.send([tensor], 1, 0).wait()  # noqa: E731
+        recv = lambda tensor: group.recv([tensor], 0, 0).wait()  # noqa: E731
+    else:  # a mesh's pp group, as a job without an agent forms it (the harness made the default group)
+        ctx = make_context(ParallelConfig(tp=1, pp=2, dp=1), rank, 0, torch.device("cpu"), timeout=timeout)
+        send = lambda tensor: dist.send(tensor, 1, group=ctx.pp_group)  # noqa: E731
+        recv = lambda tensor: dist.recv(tensor, 0, group=ctx.pp_group)  # noqa: E731
+    tensor = torch.arange(4, dtype=torch.float32) if rank == 0 else torch.zeros(4)
+    started = time.monotonic()
+    if rank == 0:
+        time.sleep(3.0)
+        send(tensor)
+    else:
+        recv(tensor)
+    return time.monotonic() - started, tensor.tolist()
+
+
+def test_a_point_to_point_receive_waits_for_a_late_sender_up_to_the_collective_timeout():
+    """gloo copies a group's forming timeout into the receive path: groups formed under a 1-s
+    connect bound failed a receive whose sender came over 1 s late (a pipeline stage's neighbour)."""
+    from dist_harness import free_port
+
+    from etc_agent.worker.connect import connect_timeout_s
+
+    assert connect_timeout_s() < 3.0  # else the late sender below would not test anything
+    for how in ("gloo_group", "mesh"):
+        results = run_workers(2, _late_send, free_port(), how)
+        assert results[1][0] >= 2.5 and results[1][1] == [0.0, 1.0, 2.0, 3.0], (how, results)

@@ -71,7 +71,7 @@ class WorkerSettings(BaseModel):
         1.0,
         gt=0,
         alias="ETC_AGENT_CONNECT_TIMEOUT",
-        description="Seconds: bounds gloo's pairwise connect while a group forms.",
+        description="Seconds: once every rank of a gloo group arrived, its forming is given up after 5 x this (a peer died).",
     )
     vote_interval_s: float = Field(
         0.5,

@@ -11,7 +11,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from etc_agent.layout.config import ParallelConfig
 from etc_agent.utils.backends import data_backend
-from etc_agent.worker.connect import forming_timeout
 
 MESH_DIMS = ("pp", "dp", "tp")
 FSDP_MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -104,7 +103,7 @@ def _bounded_groups(timeout: timedelta) -> dict | None:
         options = c10d.Backend.Options(backend)
     else:
         return None
-    options._timeout = forming_timeout(backend, timeout)
+    options._timeout = timeout
     return {name: (backend, options) for name in (*MESH_DIMS, *FSDP_MESH_DIMS)}
 
 
@@ -153,9 +152,9 @@ def make_context(
 
     ``timeout`` bounds every collective of the mesh's groups (as the default group's is bounded):
     subgroups otherwise get torch's default of 30 minutes, and a rank blocked in one of them on a
-    peer that went into recovery would wait that long. Their creation is bounded too, by the
-    connect timeout (:mod:`etc_agent.worker.connect`): a rank still connecting a subgroup of a
-    generation its peer had given up once waited 30 minutes there, and every later generation for it.
+    peer that went into recovery would wait that long. They are formed with it too: a gloo group
+    keeps its forming timeout for point-to-point receives (:mod:`etc_agent.worker.connect`), and a
+    rank still connecting a subgroup of a generation its peer had given up once waited 30 minutes there.
     """
     config.check_world_size(dist.get_world_size())
     overrides = _bounded_groups(timeout) if timeout is not None else None
