@@ -13,15 +13,18 @@ The group's timeout cannot simply be short while it forms: gloo copies it into i
 context at construction, and a point-to-point receive without a timeout of its own (``dist.recv``,
 ``work.wait()``: a pipeline stage waiting for its neighbour) waits that long; neither
 ``_set_default_timeout`` nor ``set_timeout`` reaches it (``scripts/repro_gloo_p2p_timeout.py``).
-So :func:`gloo_group` forms the group with the job's timeout and bounds the connect another way:
-
-1. every rank arrives in the store first (a barrier through the generation store, whose wait a
-   newer generation ends, and whose timeout names the ranks that did not come);
-2. then the constructor runs in a thread the caller waits on for at most
-   ``CONNECT_WAIT_FACTOR x ETC_AGENT_CONNECT_TIMEOUT`` (5 s by default): with every peer inside
-   the same constructor a live pair connects within milliseconds, so a longer wait means a peer
-   died while connecting. The caller then raises (the switch takes it for a peer failure) and the
-   abandoned constructor ends by itself in C++, at its own timeout, on a daemon thread.
+So :func:`gloo_group` forms the group with the job's timeout and bounds the connect another way.
+gloo's constructor reads every rank's address from the store before it connects any pair (each
+rank publishes its own, then waits for and reads all of them; checked on torch 2.13's gloo, and
+``tests/test_groups.py`` forms a group whose last rank comes later than the bound). Once its last
+store call has returned, every peer has published and is inside the same constructor, so a live
+pair connects within milliseconds. The constructor therefore runs in a thread and sees the store
+through :class:`_Watched`, which notes its calls; the caller gives up when no store call has been
+in progress for ``CONNECT_WAIT_FACTOR x ETC_AGENT_CONNECT_TIMEOUT`` (5 s by default) and the group
+has not formed: a peer died while connecting. It raises (the switch takes it for a peer failure)
+and the abandoned constructor ends by itself in C++, at gloo's own timeout, on a daemon thread.
+Waits in the store stay the store's: a :class:`~etc_agent.worker.genstore.GenerationStore` ends
+them when a newer generation exists or at its timeout, naming the keys (ranks) that did not come.
 
 NCCL forms its communicators through the store (whose waits the generation store already ends)
 and has no such pairwise wait; the gloo half of a ``cpu:gloo,cuda:nccl`` default group
@@ -33,19 +36,22 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
 from etc_agent.protocol.settings import WorkerSettings
 from etc_agent.utils.backends import default_group_backend
+from etc_agent.worker.genstore import ForwardingStore
 
 CONNECT_WAIT_FACTOR = 5
-"""Once every rank arrived, a group that has not connected within this many connect timeouts
-(``ETC_AGENT_CONNECT_TIMEOUT``) has lost a peer (gloo's own passive side waits 5 x its timeout)."""
+"""Once a group's store calls are over, a group that has not connected within this many connect
+timeouts (``ETC_AGENT_CONNECT_TIMEOUT``) has lost a peer (gloo's own passive side waits 5 x its timeout)."""
 
-ARRIVED = "arrived"
-"""Store keys of the barrier before the constructor (under the group's own prefix)."""
+POLL_S = 0.005
+"""Seconds between two looks of the caller at the forming thread."""
 
 
 def connect_timeout_s() -> float:
@@ -55,55 +61,60 @@ def connect_timeout_s() -> float:
 
 def gloo_group(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> dist.ProcessGroupGloo:
     """A gloo group whose collectives and point-to-point receives are bounded by ``timeout``, formed
-    on ``store`` at most ``CONNECT_WAIT_FACTOR`` connect timeouts after every rank arrived.
+    on ``store``; given up ``CONNECT_WAIT_FACTOR`` connect timeouts after its store calls are over.
 
     Every rank of the group calls this with the same ``store`` prefix and ``world_size``. Raises
-    ``RuntimeError`` (a peer failure to the switch) when a rank does not arrive (the store's wait:
-    its timeout, or a newer generation) or does not connect."""
-    if world_size > 1:
-        _all_arrived(store, rank, world_size)
-    return _construct_bounded(store, rank, world_size, timeout, CONNECT_WAIT_FACTOR * connect_timeout_s())
-
-
-def _all_arrived(store: dist.Store, rank: int, world_size: int) -> None:
-    """Wait until every rank of the group reached :func:`gloo_group` (one key awaited, however many
-    ranks; each rank's own key names the missing ones when the wait fails)."""
-    store.set(f"{ARRIVED}/{rank}", "1")
-    if store.add(f"{ARRIVED}/count", 1) == world_size:
-        store.set(f"{ARRIVED}/all", "1")
-    try:
-        store.wait([f"{ARRIVED}/all"])
-    except RuntimeError as err:
-        missing = [r for r in range(world_size) if not store.check([f"{ARRIVED}/{r}"])]
-        shown = ", ".join(map(str, missing[:16])) + (f" and {len(missing) - 16} more" if len(missing) > 16 else "")
-        raise RuntimeError(f"{err} (group ranks that did not arrive: {shown or 'none'})") from err
-
-
-def _construct_bounded(
-    store: dist.Store, rank: int, world_size: int, timeout: timedelta, bound_s: float
-) -> dist.ProcessGroupGloo:
-    """``ProcessGroupGloo(store, rank, world_size, timeout)``, given up after ``bound_s``."""
+    ``RuntimeError`` (a peer failure to the switch) when a rank does not come (the store's wait: its
+    timeout, or a newer generation) or does not connect."""
+    watched = _Watched(store)
     outcome: dict[str, object] = {}
 
     def construct() -> None:
         try:
-            outcome["group"] = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+            outcome["group"] = dist.ProcessGroupGloo(watched, rank, world_size, timeout)
         except BaseException as err:  # noqa: BLE001  # handed to the waiting caller
             outcome["error"] = err
 
     thread = threading.Thread(target=construct, name="etc-agent-gloo-connect", daemon=True)
     thread.start()
-    thread.join(bound_s)
-    if thread.is_alive():
-        raise RuntimeError(
-            f"gloo group of {world_size} ranks (this one rank {rank}) did not form within {bound_s:g} s "
-            "after every rank arrived: a peer died while it formed (gloo could not connect to it)"
-        )
+    bound_s = CONNECT_WAIT_FACTOR * connect_timeout_s()
+    while thread.is_alive():
+        thread.join(POLL_S)
+        if thread.is_alive() and watched.quiet_s() > bound_s:
+            raise RuntimeError(
+                f"gloo group of {world_size} ranks (this one rank {rank}) did not connect within {bound_s:g} s "
+                "after every rank's address was read: a peer died while it formed"
+            )
     if "error" in outcome:
         raise outcome["error"]  # type: ignore[misc]  # a BaseException, set above
     group = outcome["group"]
     assert isinstance(group, dist.ProcessGroupGloo)
     return group
+
+
+class _Watched(ForwardingStore):
+    """The store as gloo's constructor sees it: how long since its last call returned, none running."""
+
+    def __init__(self, inner: dist.Store) -> None:
+        super().__init__(inner)
+        self._lock = threading.Lock()
+        self._calls_running = 0
+        self._last_return = time.monotonic()
+
+    def _forward(self, method: str, *args: Any) -> Any:
+        with self._lock:
+            self._calls_running += 1
+        try:
+            return super()._forward(method, *args)
+        finally:
+            with self._lock:
+                self._calls_running -= 1
+                self._last_return = time.monotonic()
+
+    def quiet_s(self) -> float:
+        """Seconds since the last call returned, while none runs (0 while one does)."""
+        with self._lock:
+            return 0.0 if self._calls_running else time.monotonic() - self._last_return
 
 
 def init_static_group(backend: str, timeout: timedelta) -> tuple[int, int]:
