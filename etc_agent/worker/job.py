@@ -101,7 +101,7 @@ class Job:
         self.timeout_s = settings.timeout_s
         """Bound on every wait of a switch in the store, on every collective, and on waiting for a generation."""
         self.connect_timeout_s = settings.connect_timeout_s
-        """Bound on gloo's pairwise connect while a group forms (read here so a bad value fails at start)."""
+        """Bound on a gloo group's connect once its store calls are over (x5; read here so a bad value fails at start)."""
         # ETC_AGENT_LOCAL_RANK: the agent's own count, which --virtual-local-rank leaves intact (LOCAL_RANK is then 0).
         self.local_rank = settings.local_rank
         self.elastic = settings.agent_addr is not None and settings.elastic
