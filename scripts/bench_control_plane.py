@@ -231,10 +231,10 @@ class Fleet:
         """Each living agent's RSS (MiB) and CPU share of one core over ``seconds``."""
 
         def cpu(pid: int) -> float:
-            seconds = cpu_seconds(pid)
-            if seconds is None:
+            used = cpu_seconds(pid)
+            if used is None:
                 raise RuntimeError(f"agent pid {pid}: /proc/{pid}/stat is not readable")
-            return seconds
+            return used
 
         pids = [self.agents[i].proc.pid for i in self.alive()]
         before = {p: cpu(p) for p in pids}

@@ -166,8 +166,9 @@ def test_forming_a_group_gives_up_when_a_newer_generation_exists_or_at_its_timeo
 
 def _form_while_a_peer_dies_after_publishing(rank: int, world: int, port: int, marks: str) -> tuple[float, str]:
     """Ranks form a gloo group of ``world`` with :func:`gloo_group` (collective timeout 30 s); the last
-    rank publishes its address and exits at its first wait in the store, before it connects. Each survivor reports how long it took to learn of the death (in the constructor or at
-    its first receive from that peer) and the error."""
+    rank publishes its address and exits at its first wait in the store, before it connects. Each
+    survivor reports how long it took to learn of the death (in the constructor or at its first
+    receive from that peer) and the error."""
     from etc_agent.worker.connect import gloo_group
     from etc_agent.worker.genstore import GenerationStore
 
@@ -218,7 +219,7 @@ def test_a_peer_that_dies_between_publishing_its_address_and_connecting_costs_th
 
 
 def _late_collective(rank: int, world: int, port: int) -> tuple[float, float]:
-    """A group formed under the connect bound, then an all-reduce that rank 1 joins 3 s late."""
+    """A group formed by :func:`gloo_group`, then an all-reduce that rank 1 joins 3 s late."""
     from etc_agent.worker.connect import gloo_group
 
     store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, timeout=timedelta(seconds=30))
@@ -231,7 +232,7 @@ def _late_collective(rank: int, world: int, port: int) -> tuple[float, float]:
     return time.monotonic() - started, float(tensor.sum())
 
 
-def test_a_group_formed_under_the_connect_bound_keeps_the_collective_timeout():
+def test_a_gloo_group_s_collective_waits_for_a_late_rank_up_to_the_collective_timeout():
     from dist_harness import free_port
 
     from etc_agent.worker.connect import connect_timeout_s

@@ -15,9 +15,8 @@ TIMEOUT = timedelta(seconds=30)
 
 
 def _generation_store(rank: int, world: int, port: int, generation: int):
-    """The store a switch forms its groups on: a generation store over a TCPStore. Its waits for the
-    peers' addresses keep the switch's bound (a bare TCPStore would bound them by gloo's 1-s connect
-    bound, which a rank busy elsewhere on two loaded cores outlasts)."""
+    """The store a switch forms its groups on: a generation store over a TCPStore, whose waits for
+    the peers' addresses keep the switch's bound and end when a newer generation exists."""
     import torch.distributed as dist
 
     from etc_agent.worker.genstore import GenerationStore

@@ -7,8 +7,8 @@ agent no threads: at most :data:`MAX_OPEN` connections are open at once (a new o
 takes the place of the oldest that has not sent its request yet, so idle connections cannot keep a
 scraper out; where none is idle, the new one is closed), each has :data:`READ_TIMEOUT_S` to send
 its request line and headers (a scraper sends them as it connects; an idle connection is dropped),
-a line longer than :data:`MAX_LINE` ends it, and a request body is never read. A scraper's request is answered as soon as it arrives, whatever the
-flood's other connections do.
+a line longer than :data:`MAX_LINE` ends it, and a request body is never read. A scraper's request
+is answered as soon as it arrives, whatever the flood's other connections do.
 """
 
 from __future__ import annotations

@@ -71,7 +71,8 @@ class WorkerSettings(BaseModel):
         1.0,
         gt=0,
         alias="ETC_AGENT_CONNECT_TIMEOUT",
-        description="Seconds: once every rank of a gloo group arrived, its forming is given up after 5 x this (a peer died).",
+        description="Seconds: a gloo group not connected 5 x this after its store calls are over is given up "
+        "(a peer died while it formed).",
     )
     vote_interval_s: float = Field(
         0.5,
