@@ -157,6 +157,8 @@ def silent_cut(work: Path, whom: str = "non-leader", cut_s: float = 20.0, steps:
             outcome.stall_s = run.wait_steps_at(2, 1, after=cut_at, timeout=60)[0]["wall"] - cut_at
             gone = [e for e in _events(run.cluster, "agent_gone") if e["ts"] > cut_at]
             outcome.detect_s = gone[0]["ts"] - cut_at if gone else None
+            published = [e for e in _events(run.cluster, "generation_published") if e["ts"] > cut_at]
+            outcome.extra["layout_s"] = published[0].get("layout_s") if published else None
             _wait(lambda: time.time() - cut_at >= cut_s, cut_s + 5, "the end of the cut", run.cluster)
             healed_at = time.time()
             lab.heal()

@@ -59,8 +59,8 @@ def probe_at(
     reach, prober, clock = watch
     clock.now = when
     prober.answers = dict(answers)
-    never, went_silent = reach.round(records)
-    return [r.node_id for r in never], went_silent
+    found = reach.round(records)
+    return [r.node_id for r in found.never], found.went_silent
 
 
 @pytest.mark.parametrize(
@@ -124,6 +124,29 @@ def silent_rounds(watch, start: float, end: float, nodes: list[NodeRecord], **an
     """A round every probe interval from ``start`` to ``end`` (inclusive); their went_silent."""
     steps = round((end - start) / probe_interval(TIMEOUT))
     return [probe_at(watch, start + i * probe_interval(TIMEOUT), nodes, **answers)[1] for i in range(steps + 1)]
+
+
+def test_a_round_says_when_an_unreachable_node_answers_again_once(watch):
+    """What lets a leader admit a host back at once after a cut, not at its next periodic decision."""
+    reach, prober, clock = watch
+    nodes = [record("a"), record("b")]
+
+    def back_at(when: float, probed: list[NodeRecord], **answers: Probe) -> bool:
+        clock.now, prober.answers = when, dict(answers)
+        return reach.round(probed).answered_again
+
+    probe_at(watch, 0.0, nodes, a="alive", b="alive")
+    silent_rounds(watch, 0.25, 1.25, nodes, a="alive")
+    assert reach.unreachable(["a", "b"]) == ["b"]
+    assert back_at(1.5, nodes, a="alive") is False  # still silent
+    assert back_at(1.75, nodes, a="alive", b="alive") is True
+    assert back_at(2.0, nodes, a="alive", b="alive") is False  # said once
+    # Cut again: its record goes with its lease (not probed meanwhile), it registers again after
+    # the heal and answers its first probe: back, though no round saw it unreachable since.
+    silent_rounds(watch, 2.25, 3.5, nodes, a="alive")
+    assert reach.unreachable(["b"]) == ["b"]
+    assert back_at(3.75, [record("a")], a="alive") is False
+    assert back_at(9.0, nodes, a="alive", b="alive") is True
 
 
 def test_a_node_that_answers_again_is_reachable(watch):

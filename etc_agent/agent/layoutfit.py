@@ -1,6 +1,6 @@
 """Which of the members a layout uses, and where its ranks go: the layout half of the leader's
 decision (:mod:`etc_agent.agent.decision`), pure. The planner is imported when first needed (the
-agent starts without numpy's import time)."""
+agent starts without numpy's import time), or ahead by :func:`warm` on an agent that may take over."""
 
 from __future__ import annotations
 
@@ -11,6 +11,18 @@ from etc_agent.rendezvous.records import GenerationRecord
 
 if TYPE_CHECKING:
     from etc_agent.layout.model import ModelSpec
+
+
+def warm() -> None:
+    """Import the planner and the solvers it loads on first use now. An agent that follows a leader
+    calls it in the background: when it takes over from a leader gone silent, its first decision
+    would otherwise spend the imports (0.4-0.6 s here, numpy's and scipy's) inside the survivors'
+    stall."""
+    import scipy.optimize
+    import scipy.sparse.csgraph  # noqa: F401
+
+    import etc_agent.planner.placement
+    import etc_agent.planner.policy  # noqa: F401
 
 
 def fits(spec: ParallelSpec | None, model: ModelSpec | None, sizes: list[int], min_nodes: int) -> bool:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from etc_agent.agent import decision
+from etc_agent.agent import decision, layoutfit
 from etc_agent.agent.config import AgentConfig
 from etc_agent.agent.decision import Decision, failure_evidence, settled
 from etc_agent.agent.gone import GoneAgents
@@ -79,6 +79,8 @@ class Leader:
         """The node record of the agent that holds the leader key (another one), for the prober."""
         self._holder_seen: str | None = None
         """Another agent that held the leader key at the last look."""
+        self._planner_warmed = False
+        """Whether this agent, as a follower, has started importing the planner (:meth:`_warm_planner`)."""
         self._vanished_since: float | None = None
         """When this leader first found the job's generation record gone (None: it never did)."""
         self._peer_failure = threading.Event()
@@ -179,6 +181,15 @@ class Leader:
         if found is not None:
             self._leader_record = found[1]
             self._gone.learn([found[1]])
+            self._warm_planner()
+
+    def _warm_planner(self) -> None:
+        """Once, while following: import the planner in the background (:func:`layoutfit.warm`), so
+        that a takeover's first decision does not spend the import inside the survivors' stall."""
+        if self._planner_warmed or self._settings.spec is None:
+            return
+        self._planner_warmed = True
+        threading.Thread(target=layoutfit.warm, name="etc-warm-planner", daemon=True).start()
 
     def _take_over_from_a_gone_leader(self) -> bool:
         """The leader's agent is gone (:mod:`etc_agent.agent.gone`) or its host unreachable
@@ -276,14 +287,17 @@ class Leader:
                 return list(self._probed)
             return [self._leader_record] if self._leader_record is not None else []
 
-        def went_silent() -> None:
-            (self._went_silent if self.is_leader else self._peer_failure).set()
+        def changed(went_silent: bool) -> None:
+            if went_silent:
+                (self._went_silent if self.is_leader else self._peer_failure).set()
+            elif self.is_leader:
+                self._dirty.set()  # a node cut off and back (re-registered meanwhile) is admitted now
 
         def never(record: NodeRecord) -> None:
             port = f"{record.host}:{record.probe_port}"
             self.emit("liveness_port_silent", {"node": record.node_id, "port": port, "note": "left to its lease"})
 
-        return Prober(self._reach, targets, went_silent, never)
+        return Prober(self._reach, targets, changed, never)
 
     def _hand_over(self) -> None:
         """A departing leader publishes the generation without its own node before it gives up the

@@ -24,6 +24,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 
 from etc_agent.rendezvous.records import NodeRecord
 from etc_agent.utils.liveness import Probe, probe_many
@@ -34,6 +35,18 @@ ProbeMany = Callable[[Mapping[str, tuple[str, int]], float], dict[str, Probe]]
 def probe_interval(peer_timeout_s: float) -> float:
     """How often the ports are probed (and how long a probe waits): four probes fit in ``peer_timeout_s``."""
     return max(0.05, min(0.25, peer_timeout_s / 4))
+
+
+@dataclass(frozen=True)
+class Round:
+    """What one probe round found."""
+
+    never: list[NodeRecord]
+    """Nodes whose ports never answered, seen for the first time now (to be said once)."""
+    went_silent: bool
+    """A node became unreachable since the last round."""
+    answered_again: bool
+    """A node that was unreachable answers again (a leader admits it at its next decision)."""
 
 
 class Reachability:
@@ -64,22 +77,24 @@ class Reachability:
         self._silent: set[str] = set()
         """The nodes unreachable after the last round."""
 
-    def round(self, records: Iterable[NodeRecord]) -> tuple[list[NodeRecord], bool]:
-        """Probe every other node's port once: (the nodes whose ports never answered, seen for the
-        first time now, to be said once; whether a node went silent since the last round)."""
+    def round(self, records: Iterable[NodeRecord]) -> Round:
+        """Probe every other node's port once."""
         records = [r for r in records if r.node_id != self.node_id and r.probe_port is not None]
         if not records:
-            return [], False
+            return Round([], False, False)
         targets = {r.node_id: (r.host, r.probe_port) for r in records if r.probe_port is not None}
+        # Unreachable before this round's answers: a node cut off, whose record went with its lease
+        # and came back, is unreachable from its old silence until its first probe here.
+        before = set(self.unreachable(targets))
         results = self._probe(targets, probe_interval(self.peer_timeout_s))
         now = self._clock()
         with self._lock:
             never = [r for r in records if self._record(r.node_id, results.get(r.node_id, "unknown"), now)]
-        silent = set(self.unreachable(r.node_id for r in records))
+        silent = set(self.unreachable(targets))
         with self._lock:
             went_silent = bool(silent - self._silent)
             self._silent = silent
-        return never, went_silent
+        return Round(never, went_silent, answered_again=bool(before - silent))
 
     def _record(self, node_id: str, result: Probe, now: float) -> bool:
         """One probe's answer; True for a node seen never to answer, the first time."""
@@ -116,18 +131,18 @@ class Reachability:
 class Prober:
     """The probe rounds of one leadership, in a thread of their own: a decision (or its quiet period)
     never delays a probe, and a slow probe never delays a decision. ``records()`` gives the nodes
-    to probe; ``on_silent()`` is called when a node went silent; ``on_never(record)`` once per node
-    whose port never answered."""
+    to probe; ``on_change(went_silent)`` is called when a node went silent (True) or answered again
+    after it was unreachable (False); ``on_never(record)`` once per node whose port never answered."""
 
     def __init__(
         self,
         reach: Reachability,
         records: Callable[[], Iterable[NodeRecord]],
-        on_silent: Callable[[], None],
+        on_change: Callable[[bool], None],
         on_never: Callable[[NodeRecord], None],
     ):
         self.reach = reach
-        self._records, self._on_silent, self._on_never = records, on_silent, on_never
+        self._records, self._on_change, self._on_never = records, on_change, on_never
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="etc-prober", daemon=True)
         self._thread.start()
@@ -136,11 +151,13 @@ class Prober:
         interval = probe_interval(self.reach.peer_timeout_s)
         while not self._stop.is_set():
             started = time.monotonic()
-            never, went_silent = self.reach.round(self._records())
-            for record in never:
+            found = self.reach.round(self._records())
+            for record in found.never:
                 self._on_never(record)
-            if went_silent:
-                self._on_silent()
+            if found.went_silent:
+                self._on_change(True)
+            elif found.answered_again:
+                self._on_change(False)
             self._stop.wait(max(0.0, interval - (time.monotonic() - started)))
 
     def stop(self) -> None:
