@@ -7,7 +7,8 @@ seconds. Its liveness port stops answering at once, though, and the answer to a 
 the kernel, not from the agent process: a busy or slow agent still answers, so only the network or
 a dead host makes a port silent. The leader then drops the node from the job now (the next
 generation carries its address, and the survivors' workers shut their sockets to it, which ends
-their blocked collective) and does not admit it again until its port answers.
+their blocked collective) and does not admit it again until its port answers; the round whose
+probe it answers says so (:attr:`Round.answered_again`), and the leader decides then.
 
 Silence is measured between probes made, never by the clock alone: a prober that was not
 scheduled for a while must not take its own pause for the nodes' silence. Only a node whose port
