@@ -1,6 +1,6 @@
 """Which of the members a layout uses, and where its ranks go: the layout half of the leader's
 decision (:mod:`etc_agent.agent.decision`), pure. The planner is imported when first needed (the
-agent starts without numpy's import time), or ahead by :func:`warm` on an agent that may take over."""
+agent starts without numpy's import time), in the background by :func:`warm` as an agent starts."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ if TYPE_CHECKING:
 
 
 def warm() -> None:
-    """Import the planner and the solvers it loads on first use now. An agent that follows a leader
-    calls it in the background: when it takes over from a leader gone silent, its first decision
-    would otherwise spend the imports (0.4-0.6 s here, numpy's and scipy's) inside the survivors'
-    stall."""
+    """Import the planner and the solvers it loads on first use now. Every agent calls it in the
+    background as it starts: the first generation's decision, and a takeover's from a leader gone
+    silent, would otherwise spend the imports (0.4-0.9 s here, numpy's and scipy's), the latter
+    inside the survivors' stall."""
     import scipy.optimize
     import scipy.sparse.csgraph  # noqa: F401
 

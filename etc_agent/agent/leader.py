@@ -79,8 +79,6 @@ class Leader:
         """The node record of the agent that holds the leader key (another one), for the prober."""
         self._holder_seen: str | None = None
         """Another agent that held the leader key at the last look."""
-        self._planner_warmed = False
-        """Whether this agent, as a follower, has started importing the planner (:meth:`_warm_planner`)."""
         self._vanished_since: float | None = None
         """When this leader first found the job's generation record gone (None: it never did)."""
         self._peer_failure = threading.Event()
@@ -113,6 +111,7 @@ class Leader:
         ports are probed meanwhile (:mod:`etc_agent.agent.reach`): the leader probes every node, the
         others the leader."""
         prober = self._start_probing()
+        self._warm_planner()
         try:
             self._elect()
         finally:
@@ -181,14 +180,12 @@ class Leader:
         if found is not None:
             self._leader_record = found[1]
             self._gone.learn([found[1]])
-            self._warm_planner()
 
     def _warm_planner(self) -> None:
-        """Once, while following: import the planner in the background (:func:`layoutfit.warm`), so
-        that a takeover's first decision does not spend the import inside the survivors' stall."""
-        if self._planner_warmed or self._settings.spec is None:
+        """Import the planner in the background (:func:`layoutfit.warm`) while the agents register,
+        so that neither the first generation's decision nor a takeover's spends the import."""
+        if self._settings.spec is None:
             return
-        self._planner_warmed = True
         threading.Thread(target=layoutfit.warm, name="etc-warm-planner", daemon=True).start()
 
     def _take_over_from_a_gone_leader(self) -> bool:
