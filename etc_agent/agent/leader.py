@@ -22,7 +22,7 @@ from etc_agent.agent import decision, layoutfit
 from etc_agent.agent.config import AgentConfig
 from etc_agent.agent.decision import Decision, failure_evidence, settled
 from etc_agent.agent.gone import GoneAgents
-from etc_agent.agent.reach import Prober, Reachability
+from etc_agent.agent.reach import Prober, Reachability, Round
 from etc_agent.agent.ready import ReadyLayouts
 from etc_agent.agent.records import RecordReader, where
 from etc_agent.agent.snapshot import Settings, Snapshot, members, ordered_nodes
@@ -284,8 +284,8 @@ class Leader:
                 return list(self._probed)
             return [self._leader_record] if self._leader_record is not None else []
 
-        def changed(went_silent: bool) -> None:
-            if went_silent:
+        def changed(found: Round) -> None:
+            if found.went_silent:
                 (self._went_silent if self.is_leader else self._peer_failure).set()
             elif self.is_leader:
                 self._dirty.set()  # a node cut off and back (re-registered meanwhile) is admitted now

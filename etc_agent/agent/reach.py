@@ -132,14 +132,14 @@ class Reachability:
 class Prober:
     """The probe rounds of one leadership, in a thread of their own: a decision (or its quiet period)
     never delays a probe, and a slow probe never delays a decision. ``records()`` gives the nodes
-    to probe; ``on_change(went_silent)`` is called when a node went silent (True) or answered again
-    after it was unreachable (False); ``on_never(record)`` once per node whose port never answered."""
+    to probe; ``on_change(round)`` is called after a round in which a node went silent or answered
+    again after it was unreachable; ``on_never(record)`` once per node whose port never answered."""
 
     def __init__(
         self,
         reach: Reachability,
         records: Callable[[], Iterable[NodeRecord]],
-        on_change: Callable[[bool], None],
+        on_change: Callable[[Round], None],
         on_never: Callable[[NodeRecord], None],
     ):
         self.reach = reach
@@ -155,10 +155,8 @@ class Prober:
             found = self.reach.round(self._records())
             for record in found.never:
                 self._on_never(record)
-            if found.went_silent:
-                self._on_change(True)
-            elif found.answered_again:
-                self._on_change(False)
+            if found.went_silent or found.answered_again:
+                self._on_change(found)
             self._stop.wait(max(0.0, interval - (time.monotonic() - started)))
 
     def stop(self) -> None:
