@@ -71,8 +71,8 @@ def test_a_host_cut_off_silently_costs_the_survivors_at_most_3_s_and_rejoins_aft
     assert outcome.extra["layout_s"] is not None and outcome.extra["layout_s"] < 0.1, outcome.extra
     assert outcome.steps_during_cut_at_old_size == 0, "a step at the old world size while a host was cut"
     # Admitted as soon as its port answers after it registers again (6-7 s when that waited for the
-    # leader's periodic decision, 2-2.6 s here).
-    assert outcome.rejoin_s is not None and outcome.rejoin_s <= 5.0, f"rejoined after {outcome.rejoin_s} s"
+    # leader's periodic decision, 1.6-2.3 s here).
+    assert outcome.rejoin_s is not None and outcome.rejoin_s <= 5.5, f"rejoined after {outcome.rejoin_s} s"
     # Every step applied exactly once is what the bitwise state proves (each step's update is a
     # distinct function of the state); a step reported twice would mean two groups trained it.
     assert outcome.steps_trained_twice == 0, outcome.logs
