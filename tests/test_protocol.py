@@ -247,6 +247,7 @@ def test_detection_after_a_failure_is_measured_even_when_a_replacement_reports_i
         "failure": True,
         "prepared": True,
         "built_ahead": True,
+        "touched_ahead": 4096,
     }
     clocks = Clocks(started=0.0, grouped=0.0, built=0.0)
     record = live_record(
@@ -266,7 +267,7 @@ def test_detection_after_a_failure_is_measured_even_when_a_replacement_reports_i
     assert record is not None and record.detect_s == pytest.approx(1.2)
     assert record.devices == devices and record.lost == ["b:0"] and record.step == 7
     assert record.num_prepared == 1  # the survivor had formed the generation's migration group; the replacement not
-    assert record.num_built_ahead == 1
+    assert record.num_built_ahead == 1 and record.bytes_touched_ahead == 4096
 
 
 def test_a_stall_splits_into_consecutive_parts_that_add_up():

@@ -299,6 +299,12 @@ class MigrationRecord(Record):
         description="Live: members whose training groups formed and whose state was built while still "
         "training (a gloo job whose build allows it: job.start(build, build_ahead=True)).",
     )
+    bytes_touched_ahead: int = Field(
+        0,
+        description="Live: bytes of new shards built ahead that were made resident before the data phase (one "
+        "write per memory page), summed over the members; a new shard equal to one the member holds is not "
+        "touched (its storage is taken over).",
+    )
     stall_parts: StallParts | None = Field(
         None, description="Live: the slowest rank's stall in named parts that add up to it (None: the checkpoint way)."
     )

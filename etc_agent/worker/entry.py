@@ -154,6 +154,7 @@ def form(
             migration_grouped=migration_grouped,
             prepared=prepared,
             built_ahead=prepared_member is not None and prepared_member.built is not None,
+            touched_ahead=prepared_member.bytes_touched if prepared_member is not None else 0,
         ),
         # GroupTransport's hint says ProcessGroup; it uses only rank/size/allgather/send/recv, which gloo has.
         transport=GroupTransport(group, "gloo"),  # type: ignore[arg-type]

@@ -85,7 +85,9 @@ class Job:
     _build_ahead = False
     """``start(build, build_ahead=True)``: the build may run beside training."""
     _held: dict | None = None
-    """The tensors of :attr:`state` by flattened key (:attr:`JobView.held_tensors`)."""
+    """The tensors of :attr:`state` by flattened key (:attr:`JobView.held_tensors`); inside a switch,
+    of the state it brings (its boxes keep them alive until the migration anyway), until it resumes
+    a new state or leaves one behind."""
 
     def __init__(self, parallel: str | None = None, commit_barrier: bool | None = None):
         self.default_parallel = ParallelSpec.parse(parallel) if parallel else ParallelSpec()
@@ -451,12 +453,13 @@ class Job:
         )
 
     def _take_state(self) -> tuple[dict | None, ParallelContext | None]:
-        # The app objects may hold old groups (the teardown frees them); their tensors go with them.
-        state, self.state, self._held = self.state, None, None
+        # The app objects may hold old groups (the teardown frees them). Their tensors stay in
+        # _held: a preparation made inside the switch (after a failure) compares its new shards with them.
+        state, self.state = self.state, None
         return state, self.ctx
 
     def _leave(self) -> None:
-        self.state, self.ctx = None, None
+        self.state, self.ctx, self._held = None, None, None
         self.teardown_group()
 
     def _resume(self, resumed: Resumed) -> None:

@@ -82,6 +82,8 @@ class Clocks:
     built_ahead: bool = False
     """Training groups formed and state built while training (``grouped`` and ``built`` then follow
     the migration group at once)."""
+    touched_ahead: int = 0
+    """Bytes of the state built ahead made resident then (:func:`etc_agent.worker.member.touch_new_shards`)."""
 
     def parts(self, stopped: float, migration: MigrationTimes, now: float) -> dict[str, float]:
         """This process's stall from ``stopped`` to ``now`` in named parts (the fields of
@@ -173,6 +175,7 @@ def live_record(
         total_stall_s=round(_worst(everyone, "stall"), 4),
         num_prepared=sum(e["prepared"] for e in everyone),
         num_built_ahead=sum(e["built_ahead"] for e in everyone),
+        bytes_touched_ahead=sum(e["touched_ahead"] for e in everyone),
         stall_parts=_slowest_parts(everyone),
     )
 
@@ -206,6 +209,7 @@ def _phase_times(result: MigrationResult | None, stopped: Stopped | None, clocks
         "parts": clocks.parts(stopped.perf, times, now) if stopped else None,
         "prepared": clocks.prepared,
         "built_ahead": clocks.built_ahead,
+        "touched_ahead": clocks.touched_ahead,
         "agree": (clocks.grouped - stopped.perf) if stopped else None,
         "rebuild": clocks.built - clocks.grouped,
         "plan": times.plan_s,

@@ -68,8 +68,8 @@ class JobView:
     """The context training now (None inside a switch, after the teardown)."""
     held_tensors: Callable[[], dict | None]
     """The tensors of the state training now, by flattened key, as the switch that resumed it had
-    them (None when it holds none); safe to describe beside the training thread, unlike the app
-    objects (a state dict of an FSDP2 module reshards it)."""
+    them, or inside a switch of the state it brings (None when it holds none); safe to describe
+    beside the training thread, unlike the app objects (a state dict of an FSDP2 module reshards it)."""
     publish: Callable[[MigrationRecord], None]
     fatal: Callable[[JobError], None]
     """Tell the agent the job cannot go on, then raise the error."""
