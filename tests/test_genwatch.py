@@ -1,5 +1,6 @@
 """The main loop's generation record (etc_agent.agent.genwatch) against the embedded store: read
-when its key changes, at most ``REFRESH_S`` apart otherwise, every pass while the watch is broken."""
+when its key changes, at most ``REFRESH_S`` apart otherwise, every pass while the watch is broken;
+a member waiting for its generation's workers' store address reads it as soon as it is put."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class _Node:
 
     def __init__(self, store: EmbeddedStore) -> None:
         self.store, self.wake, self.num_reads = store, threading.Event(), 0
+        self.generation_keys_changed = threading.Event()
         self.fail_next = False
 
     def read_generation(self) -> GenerationRecord | None:
@@ -103,4 +105,48 @@ def test_a_broken_watch_means_a_read_every_pass_until_it_is_made_again(node, mon
     _publish(node, 7)  # the new watch works
     gen = watch.read()
     assert gen is not None and gen.number == 7
+    watch.close()
+
+
+def test_a_member_reads_the_workers_store_address_as_soon_as_the_first_member_puts_it(node, monkeypatch):
+    """Without the watch's event the member would read the address only at its next poll."""
+    from pathlib import Path
+
+    from etc_agent.agent import generations
+    from etc_agent.agent.config import AgentConfig
+    from etc_agent.agent.controlauth import ControlKeys
+    from etc_agent.agent.node import Node
+    from etc_agent.agent.node_state import NodeStateMachine
+    from etc_agent.agent.records import RecordReader
+    from etc_agent.agent.workers import WorkerSpec
+    from etc_agent.rendezvous.records import MasterRecord
+
+    monkeypatch.setattr(generations, "MASTER_POLL_S", 60.0)
+    emit = lambda e, f: None  # noqa: E731
+    member = Node(
+        config=AgentConfig(run_id="master", min_nodes=1, max_nodes=2, nproc_per_node=1),
+        spec=WorkerSpec(entrypoint=["train.py"]),
+        store=node.store,
+        node_id="b",
+        host="127.0.0.1",
+        emit=emit,
+        run_dir=Path("/nonexistent"),
+        state=NodeStateMachine("agent b"),
+        reader=RecordReader(emit),
+        control_keys=ControlKeys(1, False),
+    )
+    watch = GenerationWatch(member)
+    watch.arm()
+    gen = GenerationRecord(number=2, status="running", members=["a", "b"])
+    node.store.put(keys.GENERATION, gen.dumps())
+    got: list[MasterRecord] = []
+    waiting = threading.Thread(target=lambda: got.append(generations.Generations(member, None, None).master(gen)))  # type: ignore[arg-type]
+    waiting.start()
+    time.sleep(0.5)  # the member read no address yet and waits
+    assert not got
+    put_at = time.monotonic()
+    node.store.put(keys.master(2), MasterRecord(addr="127.0.0.1", port=29511).dumps())
+    waiting.join(10)
+    assert got and got[0].port == 29511
+    assert time.monotonic() - put_at < 2.0
     watch.close()

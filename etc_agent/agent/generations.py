@@ -33,6 +33,9 @@ importing torch in its fork server to host the store (seconds on a loaded machin
 ``join_timeout`` must not end the wait; a first member that died is caught by its lease, and the
 newer generation ends the wait at once (:class:`Superseded`)."""
 
+MASTER_POLL_S = 0.05
+"""How often a member reads the workers' store address again when no watch event came."""
+
 
 class StaticStore(Protocol):
     """A store at a fixed address (etcrun's TCPStore on ``--master-port``)."""
@@ -125,6 +128,7 @@ class Generations:
         deadline = time.monotonic() + max(node.config.join_timeout, MASTER_WAIT_FLOOR_S)
         said = False
         while time.monotonic() < deadline and not node.state.state.stop_requested:
+            node.generation_keys_changed.clear()  # before the read: a put after it wakes the wait below
             try:
                 if unpublished is not None:
                     node.store.create(key, unpublished)  # False when a lost reply's create had landed
@@ -144,7 +148,9 @@ class Generations:
                 continue
             if newer and newer.number != gen.number:
                 raise Superseded()
-            time.sleep(0.05)
+            # The generation watch sees the address put (its first member's agent saw the generation
+            # at about the time this one did); the timeout covers a watch that is down.
+            node.generation_keys_changed.wait(MASTER_POLL_S)
         raise TimeoutError(f"generation {gen.number}: member {gen.members[0]} did not publish the master address")
 
     def _host_master(self, gen: GenerationRecord) -> MasterRecord:

@@ -81,8 +81,11 @@ class GenerationWatch:
             self._handle = None
 
     def _on_event(self, event: WatchEvent) -> None:
+        # The prefix also covers every generation's own keys (generations/<n>/...), its workers'
+        # store address among them.
         with self._lock:
             self._changed = True
+        self._node.generation_keys_changed.set()
         self._node.wake.set()
 
     def _on_error(self, err: Exception) -> None:

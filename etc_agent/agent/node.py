@@ -97,6 +97,10 @@ class Node:
     control_keys: ControlKeys
     wake: threading.Event = field(default_factory=threading.Event)
     """Set to run the main loop's next pass now (a generation changed, a worker detached)."""
+    generation_keys_changed: threading.Event = field(default_factory=threading.Event)
+    """Set at every change under the generation keys the watch sees (the current generation, a
+    generation's workers' store address): a member waiting for that address reads it again at once
+    (:meth:`etc_agent.agent.generations.Generations.master`)."""
     passes: LoopPasses = field(default_factory=LoopPasses)
     contacts: WorkerContacts = field(default_factory=WorkerContacts)
     attachments: Attachments = field(default_factory=Attachments)
