@@ -294,3 +294,16 @@ def test_a_member_is_built_ahead_only_where_the_job_and_the_generation_allow_it(
     assert out["same_mesh_built"] is False
     assert out["off_built"] is False  # the job did not allow it (job.start(build) without build_ahead)
     assert out["raised"] == "tp=3 must divide heads (4)"  # raised in the switch, where the build would have run
+
+
+def test_pages_made_resident_in_the_background_skip_held_shards_and_end_before_the_data_phase():
+    import torch
+
+    from etc_agent.worker.member import ResidentPages
+
+    new = {"new": torch.full((4096,), 7.0), "kept": torch.full((1024,), 7.0)}
+    pages = ResidentPages(new, {"kept": torch.full((1024,), 3.0)})
+    assert pages.wait() == 4096 * 4  # one element per 4 KiB page of "new"; "kept" is taken over, not touched
+    assert new["new"][::1024].tolist() == [0.0] * 4 and sorted(set(new["new"].tolist())) == [0.0, 7.0]
+    assert sorted(set(new["kept"].tolist())) == [7.0]
+    assert ResidentPages({"odd": torch.full((8, 8), 1.0).t()}, None).wait() == 0  # strided: left alone

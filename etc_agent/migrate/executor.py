@@ -85,7 +85,7 @@ class MigrationMetrics:
     check_s: float
     """Comparing the plan's hash across processes (waits for the slowest planner)."""
     setup_s: float
-    """Setting up this process's part: new shards given storage, the pieces indexed."""
+    """Setting up this process's part: ``on_plan``, new shards given storage, the pieces indexed."""
     local_s: float
     pack_s: float
     transfer_s: float

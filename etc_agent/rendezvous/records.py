@@ -219,7 +219,11 @@ class StallParts(BaseModel):
     plan_check_s: float = Field(
         0.0, description="The plan's hash compared across processes (includes waiting for the slowest planner)."
     )
-    setup_s: float = Field(0.0, description="The new shards given storage and this process's pieces indexed.")
+    setup_s: float = Field(
+        0.0,
+        description="The new shards given storage (and their pages made resident, where that still ran in the "
+        "background) and this process's pieces indexed.",
+    )
     peer_wait_s: float = Field(
         0.0, description="This process's data phase done, until every process finished its own (the slowest receiver)."
     )
@@ -301,9 +305,9 @@ class MigrationRecord(Record):
     )
     bytes_touched_ahead: int = Field(
         0,
-        description="Live: bytes of new shards built ahead that were made resident before the data phase (one "
-        "write per memory page), summed over the members; a new shard equal to one the member holds is not "
-        "touched (its storage is taken over).",
+        description="Live: bytes of new shards made resident before the data phase (one write per memory page), "
+        "summed over the members: built ahead, by the preparation; built in the switch, in the background while "
+        "the plan was made. A new shard equal to one the member holds is not touched (its storage is taken over).",
     )
     stall_parts: StallParts | None = Field(
         None, description="Live: the slowest rank's stall in named parts that add up to it (None: the checkpoint way)."

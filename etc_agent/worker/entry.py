@@ -19,7 +19,7 @@ from etc_agent.worker.context import ParallelContext
 from etc_agent.worker.errors import ArrivalTimeout, JobFinished
 from etc_agent.worker.genstore import GenerationStore
 from etc_agent.worker.link import AgentLink
-from etc_agent.worker.member import Member, form_member
+from etc_agent.worker.member import Member, ResidentPages, form_member
 from etc_agent.worker.report import Clocks
 from etc_agent.worker.switch_view import JobView
 
@@ -36,6 +36,14 @@ class Entry:
     ctx: ParallelContext | None = None
     new_state: dict | None = None
     new_tensors: dict | None = None
+    resident: ResidentPages | None = None
+    """The new shards' pages being written in the background (a state built inside the switch)."""
+
+    def wait_resident(self) -> None:
+        """Before the data phase: the new shards' pages are resident (counted in the record)."""
+        if self.resident is not None:
+            self.clocks.touched_ahead += self.resident.wait()
+            self.resident = None
 
     @property
     def new_rank(self) -> int | None:
@@ -127,7 +135,7 @@ def form(
     The migration group comes first for every process, so that a joiner's, which has no
     preparation, meets the group its peers form in the background before they stop training.
     """
-    ctx = new_state = new_tensors = None
+    ctx = new_state = new_tensors = resident = None
     prepared = prepared_group is not None
     arrived = started if prepared else time.perf_counter()
     group = prepared_group if prepared else migration_group(job_store, assignment, job.link, job.timeout_s)
@@ -143,6 +151,8 @@ def form(
         state = member.take_state(job)
         new_state, new_tensors = state.state, state.tensors
         built = time.perf_counter()
+        if member.built is None and ctx.restoring:  # built just now, to be migrated into
+            resident = ResidentPages(new_tensors, job.held_tensors())
     return Entry(
         assignment=assignment,
         device=Device.parse(assignment.device),
@@ -162,6 +172,7 @@ def form(
         ctx=ctx,
         new_state=new_state,
         new_tensors=new_tensors,
+        resident=resident,
     )
 
 

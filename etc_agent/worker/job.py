@@ -21,12 +21,11 @@ runs the switch with the surviving replicas as sources, and re-enters the script
 ``init``/``start`` return the live job and whose ``steps`` continue from the recovered step.
 
 The worker's modules: this one (the public API), :mod:`~etc_agent.worker.link` (the agent link),
-:mod:`~etc_agent.worker.boundary` (the step boundary's votes), :mod:`~etc_agent.worker.switch` (the
-switch; it sees this job through a :class:`~etc_agent.worker.switch_view.JobView`; a member's
-groups and state: :mod:`~etc_agent.worker.member`), :mod:`~etc_agent.worker.report` (migration
-records), :mod:`~etc_agent.worker.baseline` (the checkpoint baseline), :mod:`~etc_agent.worker.checkpoint` (periodic checkpoints),
-:mod:`~etc_agent.worker.gather` (the whole state on one rank), :mod:`~etc_agent.worker.errors`
-(what can stop a worker).
+:mod:`~etc_agent.worker.boundary` (the step boundary's votes), :mod:`~etc_agent.worker.switch` (the switch; it sees
+this job through a :class:`~etc_agent.worker.switch_view.JobView`; a member's groups and state:
+:mod:`~etc_agent.worker.member`), :mod:`~etc_agent.worker.report` (migration records), :mod:`~etc_agent.worker.baseline`
+(the checkpoint baseline), :mod:`~etc_agent.worker.checkpoint` (periodic checkpoints), :mod:`~etc_agent.worker.gather`
+(the whole state on one rank), :mod:`~etc_agent.worker.errors` (what can stop a worker).
 """
 
 from __future__ import annotations
@@ -47,6 +46,7 @@ import torch.distributed as dist
 
 from etc_agent.integrations import megatron
 from etc_agent.layout.config import ParallelConfig, ParallelSpec
+from etc_agent.migrate.exchange import warm_planner
 from etc_agent.protocol.control import Fatal, Finished, Migration, PeerFailed, Trained
 from etc_agent.protocol.phases import Phase, PhaseTracker
 from etc_agent.protocol.settings import WorkerSettings
@@ -85,9 +85,7 @@ class Job:
     _build_ahead = False
     """``start(build, build_ahead=True)``: the build may run beside training."""
     _held: dict | None = None
-    """The tensors of :attr:`state` by flattened key (:attr:`JobView.held_tensors`); inside a switch,
-    of the state it brings (its boxes keep them alive until the migration anyway), until it resumes
-    a new state or leaves one behind."""
+    """:attr:`state`'s tensors by flattened key (:attr:`JobView.held_tensors`); in a switch, those it brings."""
 
     def __init__(self, parallel: str | None = None, commit_barrier: bool | None = None):
         self.default_parallel = ParallelSpec.parse(parallel) if parallel else ParallelSpec()
@@ -177,6 +175,7 @@ class Job:
         if not self.elastic:
             self._start_static()
             return
+        warm_planner()  # its first use costs would otherwise fall in this process's first switch
         # Every switch runs a full collection so that nothing keeps an old group's connections open;
         # what is alive now (imported modules, mostly) is never that garbage, and frozen it is not
         # scanned again (a full collection after `import torch` costs 0.1-0.3 s on the stall).
@@ -453,8 +452,7 @@ class Job:
         )
 
     def _take_state(self) -> tuple[dict | None, ParallelContext | None]:
-        # The app objects may hold old groups (the teardown frees them). Their tensors stay in
-        # _held: a preparation made inside the switch (after a failure) compares its new shards with them.
+        # The app objects may hold old groups (the teardown frees them); _held stays for a preparation.
         state, self.state = self.state, None
         return state, self.ctx
 

@@ -17,6 +17,7 @@ which the migration would hold beside the old shards anyway.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -169,6 +170,33 @@ def touch_new_shards(new_tensors: dict, held_tensors: dict | None) -> int:
             tensor.view(-1)[:: max(1, PAGE_BYTES // tensor.element_size())].zero_()
         touched += tensor.numel() * tensor.element_size()
     return touched
+
+
+class ResidentPages:
+    """:func:`touch_new_shards` in a thread of its own, for a state built inside the switch: it runs
+    while the versions and descriptions are exchanged and the plan made (a joiner: while the others
+    still train), and :meth:`wait` ends it before anything is written into the new shards. Torch
+    releases the GIL inside each write, so the switch's own work goes on beside it."""
+
+    def __init__(self, new_tensors: dict, held_tensors: dict | None):
+        self.bytes_touched = 0
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(new_tensors, held_tensors), name="etc-resident-pages", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, new_tensors: dict, held_tensors: dict | None) -> None:
+        try:
+            self.bytes_touched = touch_new_shards(new_tensors, held_tensors)
+        except BaseException as err:  # noqa: BLE001 - only a head start: the data phase faults the rest in
+            self.error = err
+
+    def wait(self) -> int:
+        """Until every page is written; the bytes touched (0 when it failed: the data phase then
+        pays the faults itself, as without it)."""
+        self._thread.join()
+        return self.bytes_touched if self.error is None else 0
 
 
 def _same_mesh(new: ParallelContext, old: ParallelContext | None) -> bool:

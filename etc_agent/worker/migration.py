@@ -115,7 +115,7 @@ class Migration:
             old_state = self.held.boxed if mine["kind"] == "live" else self.exchanged.snapshots[mine["step"]].boxed
         if entry.new_rank is None:
             _pause_before_sending(entry)
-        plan_hook = _announcer(entry, step, self.exchanged.live_step, restore_path)
+        plan_hook = _before_moving(entry, _announcer(entry, step, self.exchanged.live_step, restore_path))
         # A live state is dropped after the switch; a snapshot may still be written out in the background.
         adopt = mine is not None and mine["kind"] == "live"
         result = self._execute(
@@ -190,6 +190,19 @@ class Migration:
                 )
             )
         raise AssertionError("unreachable: fatal raises")
+
+
+def _before_moving(entry: Entry, announce: Callable[[Any], None] | None) -> Callable[[Any], None]:
+    """The executor's hook once the plan is checked and before anything is written into the new
+    shards: their pages made resident (:meth:`~etc_agent.worker.entry.Entry.wait_resident`), then
+    the announcement, if any."""
+
+    def hook(plan) -> None:
+        entry.wait_resident()
+        if announce is not None:
+            announce(plan)
+
+    return hook
 
 
 def _announcer(

@@ -83,7 +83,8 @@ class Clocks:
     """Training groups formed and state built while training (``grouped`` and ``built`` then follow
     the migration group at once)."""
     touched_ahead: int = 0
-    """Bytes of the state built ahead made resident then (:func:`etc_agent.worker.member.touch_new_shards`)."""
+    """Bytes of the new state made resident before the data phase (:func:`etc_agent.worker.member.touch_new_shards`):
+    by the preparation, or in the background of the switch (:class:`etc_agent.worker.member.ResidentPages`)."""
 
     def parts(self, stopped: float, migration: MigrationTimes, now: float) -> dict[str, float]:
         """This process's stall from ``stopped`` to ``now`` in named parts (the fields of
@@ -173,11 +174,18 @@ def live_record(
         transfer_s=round(_worst(everyone, "transfer"), 4),
         inter_node_gbit_s=_gbit_s(plan.bytes_moved_inter_node, _worst(everyone, "transfer")),
         total_stall_s=round(_worst(everyone, "stall"), 4),
-        num_prepared=sum(e["prepared"] for e in everyone),
-        num_built_ahead=sum(e["built_ahead"] for e in everyone),
-        bytes_touched_ahead=sum(e["touched_ahead"] for e in everyone),
+        **_done_ahead(everyone),
         stall_parts=_slowest_parts(everyone),
     )
+
+
+def _done_ahead(everyone: list[dict]) -> dict[str, int]:
+    """The record's counts of what was done before the data phase (see :class:`MigrationRecord`)."""
+    return {
+        "num_prepared": sum(e["prepared"] for e in everyone),
+        "num_built_ahead": sum(e["built_ahead"] for e in everyone),
+        "bytes_touched_ahead": sum(e["touched_ahead"] for e in everyone),
+    }
 
 
 def _slowest_parts(everyone: list[dict]) -> StallParts | None:

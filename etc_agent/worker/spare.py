@@ -25,6 +25,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from etc_agent.migrate.exchange import warm_planner
 from etc_agent.protocol.control import SpareAdoption
 from etc_agent.protocol.settings import WorkerSettings
 from etc_agent.utils.forkserver import set_process_name
@@ -57,7 +58,7 @@ def warm_up() -> None:
     """Pay the first-use costs of a worker's first switch while nothing waits for this process: a
     gloo group, a device mesh, tensor-parallel DTensor modules, their forward, backward and an
     optimizer step, all on a one-process group of its own, then everything of it dropped (torch's
-    group registry and DTensor's cache as a fresh process has them)."""
+    group registry and DTensor's cache as a fresh process has them); and a first migration plan."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -74,6 +75,7 @@ def warm_up() -> None:
     finally:
         torch._C._clear_DTensor_sharding_propagator_cache()
         destroy_all_groups()
+    warm_planner()
 
 
 def become_worker() -> None:

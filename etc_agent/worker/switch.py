@@ -157,6 +157,7 @@ class Switch:
         # requires --checkpoint-dir with --migration checkpoint.
         assert entry.ctx is not None and entry.new_state is not None and entry.new_tensors is not None
         assert job.checkpoint_dir is not None
+        entry.wait_resident()  # the load writes into the new shards
         meta = load_checkpoint(
             entry.new_state,
             entry.new_tensors,
