@@ -110,34 +110,16 @@ def test_a_broken_watch_means_a_read_every_pass_until_it_is_made_again(node, mon
 
 def test_a_member_reads_the_workers_store_address_as_soon_as_the_first_member_puts_it(node, monkeypatch):
     """Without the watch's event the member would read the address only at its next poll."""
-    from pathlib import Path
+    from test_fence import _node
 
     from etc_agent.agent import generations
-    from etc_agent.agent.config import AgentConfig
-    from etc_agent.agent.controlauth import ControlKeys
-    from etc_agent.agent.node import Node
-    from etc_agent.agent.node_state import NodeStateMachine
-    from etc_agent.agent.records import RecordReader
-    from etc_agent.agent.workers import WorkerSpec
     from etc_agent.rendezvous.records import MasterRecord
 
     monkeypatch.setattr(generations, "MASTER_POLL_S", 60.0)
-    emit = lambda e, f: None  # noqa: E731
-    member = Node(
-        config=AgentConfig(run_id="master", min_nodes=1, max_nodes=2, nproc_per_node=1),
-        spec=WorkerSpec(entrypoint=["train.py"]),
-        store=node.store,
-        node_id="b",
-        host="127.0.0.1",
-        emit=emit,
-        run_dir=Path("/nonexistent"),
-        state=NodeStateMachine("agent b"),
-        reader=RecordReader(emit),
-        control_keys=ControlKeys(1, False),
-    )
+    member = _node(node.store, [])  # node "a", a member after "z", which hosts the workers' store
     watch = GenerationWatch(member)
     watch.arm()
-    gen = GenerationRecord(number=2, status="running", members=["a", "b"])
+    gen = GenerationRecord(number=2, status="running", members=["z", "a"])
     node.store.put(keys.GENERATION, gen.dumps())
     got: list[MasterRecord] = []
     waiting = threading.Thread(target=lambda: got.append(generations.Generations(member, None, None).master(gen)))  # type: ignore[arg-type]
