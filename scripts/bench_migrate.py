@@ -9,7 +9,10 @@ in an old layout and move it into a new one, for several transitions, alternatin
   new shards with resharding, each process reading its own new shards (no process restart here;
   ``scripts/bench_migration.py`` adds that);
 - raw: the same messages as ETC's plan (same peers, same bytes, same rounds) sent with
-  ``batch_isend_irecv`` from preallocated buffers, no packing: what the wire gives.
+  ``batch_isend_irecv`` from preallocated buffers, no packing: what the wire gives;
+- raw pieces: the wire messages exactly as ETC cuts them (one per piece sent on its own, one per
+  packed buffer, same tags and posting order), from preallocated contiguous buffers: ETC's message
+  structure without its packing and unpacking copies.
 
 Prints a table and one JSON line with medians over ``--repeat`` runs.
 
@@ -84,6 +87,39 @@ def _raw_replay(plan, device, peer_of, names):
     return time.perf_counter() - started
 
 
+def _pieces_replay(plan, device, peer_of, names):
+    """Send the plan's messages cut into ETC's wire pieces (:func:`etc_agent.migrate.rounds._chunks`)
+    from preallocated contiguous buffers, receives posted first; returns seconds."""
+    import torch
+    import torch.distributed as dist
+
+    from etc_agent.migrate import TorchTransport
+    from etc_agent.migrate.rounds import DIRECT_MIN_BYTES, _chunks
+
+    transport = TorchTransport()
+    sends: dict[int, list] = {}
+    recvs: dict[int, list] = {}
+    for t in plan.transfers:
+        if device not in (t.src, t.dst):
+            continue
+        chunks, packed_size = _chunks(t, plan, DIRECT_MIN_BYTES)
+        pieces = [(0, packed_size)] if packed_size else []
+        pieces += [(i + 1, c.nbytes) for i, c in enumerate(chunks) if c.offset < 0]
+        for tag, num_bytes in pieces:
+            side = sends if t.src == device else recvs
+            peer = peer_of[t.dst] if t.src == device else peer_of[t.src]
+            side.setdefault(t.round, []).append((peer, torch.ones(num_bytes, dtype=torch.uint8), tag))
+    dist.barrier()
+    started = time.perf_counter()
+    for r in range(plan.num_rounds):
+        receiving = transport.post(r, [], recvs.get(r, []), 600.0, names)
+        sending = transport.post(r, sends.get(r, []), [], 600.0, names)
+        receiving.wait()
+        sending.wait()
+    dist.barrier()
+    return time.perf_counter() - started
+
+
 def _ring(num_bytes):
     """Every process sends ``num_bytes`` to the next and receives from the previous at once."""
     import torch
@@ -118,7 +154,7 @@ def worker(rank, port, args, queue):
     devices = DeviceSet.parse(DEVICES)
     device = devices[rank]
     transitions = TRANSITIONS[: args.transitions]
-    results = {name: {"etc": [], "ckpt": [], "raw": [], "transfer": []} for name, _, _ in transitions}
+    results = {name: {"etc": [], "ckpt": [], "raw": [], "pieces": [], "transfer": []} for name, _, _ in transitions}
     info = {}
     ring = [_ring(args.ring_mb << 20) for _ in range(args.repeat)]
     for rep in range(args.repeat):
@@ -151,6 +187,7 @@ def worker(rank, port, args, queue):
             peer_of = {devices[r]: r for r in range(WORLD)}
             names = {r: str(devices[r]) for r in range(WORLD)}
             results[name]["raw"].append(_raw_replay(plan, device, peer_of, names))
+            results[name]["pieces"].append(_pieces_replay(plan, device, peer_of, names))
             del old_state, new_state, result
 
             # checkpoint: save the old layout, load into the new one
@@ -183,8 +220,9 @@ def worker(rank, port, args, queue):
             }
             if rank == 0:
                 print(
-                    f"rep {rep} {name}: etc {results[name]['etc'][-1]:.3f} s, ckpt {results[name]['ckpt'][-1]:.3f} s, "
-                    f"raw {results[name]['raw'][-1]:.3f} s",
+                    f"rep {rep} {name}: etc {results[name]['etc'][-1]:.3f} s (data {results[name]['transfer'][-1]:.3f} s), "
+                    f"ckpt {results[name]['ckpt'][-1]:.3f} s, raw {results[name]['raw'][-1]:.3f} s, "
+                    f"raw pieces {results[name]['pieces'][-1]:.3f} s",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -237,7 +275,9 @@ def main():
     rows = []
     for name, _, _ in TRANSITIONS[: args.transitions]:
         r, i = results[name], info[name]
-        etc, ckpt, raw, transfer = (statistics.median(r[k]) for k in ("etc", "ckpt", "raw", "transfer"))
+        etc, ckpt, raw, pieces, transfer = (
+            statistics.median(r[k]) for k in ("etc", "ckpt", "raw", "pieces", "transfer")
+        )
         moved = i["bytes_moved"]
         etc_gbps = moved / transfer / 1e9 if moved and transfer else None
         raw_gbps = moved / raw / 1e9 if moved and raw else None
@@ -253,6 +293,8 @@ def main():
                 "etc_gbps": etc_gbps,
                 "raw_gbps": raw_gbps,
                 "raw_fraction": etc_gbps / raw_gbps if etc_gbps and raw_gbps else None,
+                "raw_pieces_s": pieces,
+                "pieces_fraction": pieces / transfer if moved and transfer else None,
                 "etc_runs": r["etc"],
                 "ckpt_runs": r["ckpt"],
             }
@@ -266,7 +308,18 @@ def main():
         title=f"migration of a {fmt_bytes(rows[0]['state_bytes'])} state over {WORLD} gloo processes (median of {args.repeat})",
         header_style="bold",
     )
-    for col in ("transition", "moved", "ETC s", "checkpoint s", "ckpt/ETC", "ETC data GB/s", "raw GB/s", "ETC/raw"):
+    for col in (
+        "transition",
+        "moved",
+        "ETC s",
+        "checkpoint s",
+        "ckpt/ETC",
+        "ETC data GB/s",
+        "raw GB/s",
+        "ETC/raw",
+        "raw pieces s",
+        "ETC/raw pieces",
+    ):
         table.add_column(col, justify="left" if col == "transition" else "right")
     for r in rows:
         table.add_row(
@@ -278,6 +331,8 @@ def main():
             "-" if r["etc_gbps"] is None else f"{r['etc_gbps']:.2f}",
             "-" if r["raw_gbps"] is None else f"{r['raw_gbps']:.2f}",
             "-" if r["raw_fraction"] is None else f"{r['raw_fraction']:.0%}",
+            f"{r['raw_pieces_s']:.3f}",
+            "-" if r["pieces_fraction"] is None else f"{r['pieces_fraction']:.0%}",
         )
     table.caption = f"raw ring (all {WORLD} sending at once): {statistics.median(ring):.2f} GB/s aggregate"
     Console(width=170).print(table)
