@@ -302,8 +302,8 @@ def test_pages_made_resident_in_the_background_skip_held_shards_and_end_before_t
     from etc_agent.worker.member import ResidentPages
 
     new = {"new": torch.full((4096,), 7.0), "kept": torch.full((1024,), 7.0)}
-    pages = ResidentPages(new, {"kept": torch.full((1024,), 3.0)})
+    pages = ResidentPages(new, {"kept": torch.full((1024,), 3.0)}, 60.0)
     assert pages.wait() == 4096 * 4  # one element per 4 KiB page of "new"; "kept" is taken over, not touched
     assert new["new"][::1024].tolist() == [0.0] * 4 and sorted(set(new["new"].tolist())) == [0.0, 7.0]
     assert sorted(set(new["kept"].tolist())) == [7.0]
-    assert ResidentPages({"odd": torch.full((8, 8), 1.0).t()}, None).wait() == 0  # strided: left alone
+    assert ResidentPages({"odd": torch.full((8, 8), 1.0).t()}, None, 60.0).wait() == 0  # strided: left alone

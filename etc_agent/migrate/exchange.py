@@ -3,6 +3,7 @@ descriptions, compute the same plan everywhere from them, and check that every p
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -120,22 +121,16 @@ def plan_from_descriptions(
     return plan, peer_of, names
 
 
-_warmed = False
-
-
+@functools.cache
 def warm_planner() -> None:
     """Plan a toy migration once (one tensor from one process to another), so that this process's
     first real plan, inside a stall, pays none of the planner's first-use costs: lazy imports
     (``numpy.ma``), patterns compiled and classes made on first use (12-15 ms of a first plan here,
     against 3-4 ms for the same plan again). Idempotent; the worker calls it as the job starts and
     a warm spare before it is adopted."""
-    global _warmed
-    if _warmed:
-        return
     box = ("warm", (4, 2), (0, 0), (4, 2), "float32", None)
     descriptions: list[dict[str, Any]] = [
         {"device": "warm0:0", "old_rank": 0, "new_rank": None, "old": [box], "new": []},
         {"device": "warm1:0", "old_rank": None, "new_rank": 0, "old": [], "new": [box]},
     ]
     plan_from_descriptions(descriptions, 1, None, (), {}, {})
-    _warmed = True

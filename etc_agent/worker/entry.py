@@ -152,7 +152,7 @@ def form(
         new_state, new_tensors = state.state, state.tensors
         built = time.perf_counter()
         if member.built is None and ctx.restoring:  # built just now, to be migrated into
-            resident = ResidentPages(new_tensors, job.held_tensors())
+            resident = ResidentPages(new_tensors, job.held_tensors(), job.timeout_s)
     return Entry(
         assignment=assignment,
         device=Device.parse(assignment.device),

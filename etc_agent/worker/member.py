@@ -178,8 +178,9 @@ class ResidentPages:
     still train), and :meth:`wait` ends it before anything is written into the new shards. Torch
     releases the GIL inside each write, so the switch's own work goes on beside it."""
 
-    def __init__(self, new_tensors: dict, held_tensors: dict | None):
+    def __init__(self, new_tensors: dict, held_tensors: dict | None, timeout_s: float):
         self.bytes_touched = 0
+        self._timeout_s = timeout_s
         self.error: BaseException | None = None
         self._thread = threading.Thread(
             target=self._run, args=(new_tensors, held_tensors), name="etc-resident-pages", daemon=True
@@ -194,8 +195,11 @@ class ResidentPages:
 
     def wait(self) -> int:
         """Until every page is written; the bytes touched (0 when it failed: the data phase then
-        pays the faults itself, as without it)."""
-        self._thread.join()
+        pays the faults itself, as without it). Nothing may write into the new shards while it
+        runs, so a thread still running after the job's timeout is an error, not a reason to go on."""
+        self._thread.join(self._timeout_s)
+        if self._thread.is_alive():
+            raise RuntimeError(f"writing the new shards' pages did not end within {self._timeout_s:.0f} s")
         return self.bytes_touched if self.error is None else 0
 
 
