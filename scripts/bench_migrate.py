@@ -136,6 +136,15 @@ def _ring(num_bytes):
     return world * num_bytes / (time.perf_counter() - started) / 1e9
 
 
+def _chosen(args):
+    if args.only:
+        unknown = set(args.only) - {name for name, _, _ in TRANSITIONS}
+        if unknown:
+            sys.exit(f"unknown transitions {sorted(unknown)}; known: {[name for name, _, _ in TRANSITIONS]}")
+        return [t for t in TRANSITIONS if t[0] in args.only]
+    return TRANSITIONS[: args.transitions]
+
+
 def worker(rank, port, args, queue):
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
@@ -153,7 +162,7 @@ def worker(rank, port, args, queue):
     spec = ModelSpec.from_yaml(args.model)
     devices = DeviceSet.parse(DEVICES)
     device = devices[rank]
-    transitions = TRANSITIONS[: args.transitions]
+    transitions = _chosen(args)
     results = {name: {"etc": [], "ckpt": [], "raw": [], "pieces": [], "transfer": []} for name, _, _ in transitions}
     info = {}
     ring = [_ring(args.ring_mb << 20) for _ in range(args.repeat)]
@@ -177,7 +186,8 @@ def worker(rank, port, args, queue):
                 print(
                     f"  rank {rank} {name}: describe {m.describe_s:.3f} exchange {m.exchange_s:.3f} plan {m.plan_s:.3f} "
                     f"local {m.local_s:.3f} pack {m.pack_s:.3f} wire {m.transfer_s:.3f} unpack {m.unpack_s:.3f} "
-                    f"sent {m.bytes_sent >> 20} MiB recv {m.bytes_received >> 20} MiB local {m.bytes_copied_locally >> 20} MiB",
+                    f"sent {m.bytes_sent >> 20} MiB recv {m.bytes_received >> 20} MiB local {m.bytes_copied_locally >> 20} MiB "
+                    f"staged {m.peak_buffer_bytes >> 20} MiB",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -236,6 +246,7 @@ def main():
     parser.add_argument("--model", default=str(ROOT / "configs/models/gpt-100m.yaml"))
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--transitions", type=int, default=len(TRANSITIONS))
+    parser.add_argument("--only", action="append", help="Run only this transition (repeatable).")
     parser.add_argument("--ring-mb", type=int, default=256)
     parser.add_argument("--dir", default=None, help="Where checkpoints are written (default: the temp dir).")
     parser.add_argument("--quick", action="store_true", help="One repetition of three transitions.")
@@ -273,7 +284,7 @@ def main():
     for p in procs:
         p.join(timeout=60)
     rows = []
-    for name, _, _ in TRANSITIONS[: args.transitions]:
+    for name, _, _ in _chosen(args):
         r, i = results[name], info[name]
         etc, ckpt, raw, pieces, transfer = (
             statistics.median(r[k]) for k in ("etc", "ckpt", "raw", "pieces", "transfer")

@@ -276,3 +276,23 @@ def test_a_new_tensor_takes_an_old_storage_over_only_when_it_is_its_sole_owner()
     assert first["v_filled"] and second["v_filled"]
     assert first["v_adopted"] and not first["w_adopted"]
     assert first["bytes_reused"] == 64 * 32 * 4
+
+
+def test_the_staging_pool_hands_its_resident_arenas_out_again_and_grows_only_for_more():
+    from etc_agent.migrate.rounds import ARENA_BYTES, BufferPool
+
+    pool, cpu = BufferPool(), torch.device("cpu")
+    assert pool.reserve(ARENA_BYTES, cpu) == ARENA_BYTES
+    assert pool.reserve(ARENA_BYTES // 2, cpu) == 0  # already held
+    first = pool.get(ARENA_BYTES // 2, cpu)
+    second = pool.get(ARENA_BYTES // 2 + 64, cpu)  # does not fit the rest of the first arena
+    assert pool.num_bytes(cpu) == 2 * ARENA_BYTES
+    assert second.data_ptr() != first.data_ptr() + ARENA_BYTES // 2
+    pool.release()
+    # The next round gets the same memory in the same order: nothing new is allocated (a fresh
+    # allocation would fault its pages in again, inside the stall).
+    assert pool.get(ARENA_BYTES // 2, cpu).data_ptr() == first.data_ptr()
+    assert pool.get(ARENA_BYTES // 2 + 64, cpu).data_ptr() == second.data_ptr()
+    assert pool.num_bytes(cpu) == 2 * ARENA_BYTES
+    big = pool.get(ARENA_BYTES + 16, cpu)  # a piece bigger than an arena gets an arena of its size
+    assert big.numel() == ARENA_BYTES + 16 and pool.num_bytes(cpu) == 3 * ARENA_BYTES + 16

@@ -37,8 +37,17 @@ import torch
 from etc_agent.layout.devices import Device
 from etc_agent.layout.shards import Shard
 from etc_agent.migrate.describe import describe_state
-from etc_agent.migrate.exchange import check_same_plan, exchange_descriptions, plan_from_descriptions
-from etc_agent.migrate.rounds import ALIGN, BUFFERS, DIRECT_MIN_BYTES, TORCH_DTYPES, BufferPool, ReadCheckpoint, Runner
+from etc_agent.migrate.exchange import check_same_plan, exchange_descriptions, plan_from_descriptions, warm_planner
+from etc_agent.migrate.rounds import (
+    ALIGN,
+    BUFFERS,
+    DIRECT_MIN_BYTES,
+    TORCH_DTYPES,
+    BufferPool,
+    ReadCheckpoint,
+    Runner,
+    warm_staging,
+)
 from etc_agent.migrate.transport import MigrationError, TorchTransport, Transport
 from etc_agent.planner.core import PlannerOptions
 from etc_agent.planner.plan import MigrationPlan
@@ -54,6 +63,7 @@ __all__ = [
     "MigrationMetrics",
     "MigrationResult",
     "migrate_state",
+    "warm_migration",
 ]
 
 log = logging.getLogger("etc_agent.migrate")
@@ -171,6 +181,15 @@ def migrate_state(
     _move(runner, transport, peer_of, names, timeout_s, read_checkpoint)
     metrics = _finish(runner, transport, old_rank, new_rank, (started, described, exchanged, planned, checked, set_up))
     return MigrationResult(plan, metrics, runner.tensors)
+
+
+def warm_migration(device: torch.device) -> None:
+    """Pay a process's first-migration costs ahead, outside any stall: the planner's first use
+    (:func:`~etc_agent.migrate.exchange.warm_planner`) and one resident staging arena on ``device``
+    (:func:`~etc_agent.migrate.rounds.warm_staging`). The worker calls it as the job starts, a warm
+    spare before it is adopted."""
+    warm_planner()
+    warm_staging(device)
 
 
 def _finish(

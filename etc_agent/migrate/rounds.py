@@ -69,39 +69,80 @@ def _chunks(transfer: Transfer, plan: MigrationPlan, direct_min_bytes: int) -> t
     return out, pos
 
 
+ARENA_BYTES = 64 << 20
+"""Size of one staging arena (bigger only for a single larger piece)."""
+
+
+@dataclass
+class _Arenas:
+    """One device's arenas and how far the current round has used them."""
+
+    arenas: list[torch.Tensor] = field(default_factory=list)
+    index: int = 0
+    used: int = 0
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(a.numel() for a in self.arenas)
+
+
 class BufferPool:
     """Staging memory reused across rounds and migrations.
 
     Fresh host allocations pay a page fault per 4 KiB on first touch (~1.3 GB/s here), as much as
-    the copy itself; keeping the arena avoids that from the second migration on. Holds at most what
-    one round stages (bounded by the plan's memory cap, per direction).
+    the copy itself. The pool keeps every arena it made, already resident, and a round hands them
+    out again in order; :meth:`reserve` makes them resident ahead (a worker reserves one arena as it
+    starts, so even its first migration stages into resident memory). Holds what the largest round
+    staged (bounded by the plan's memory cap, per direction), plus what did not fit at the end of
+    each arena. Used by one thread at a time: the migration's.
     """
 
     def __init__(self) -> None:
-        self.arenas: list[torch.Tensor] = []
-        self.used = 0
+        self._by_device: dict[torch.device, _Arenas] = {}
 
     def get(self, nbytes: int, device: torch.device) -> torch.Tensor:
         size = -(-nbytes // ALIGN) * ALIGN
-        arena = self.arenas[-1] if self.arenas else None
-        if arena is None or arena.device != device or self.used + size > arena.numel():
-            arena = torch.empty(max(size, 64 << 20), dtype=torch.uint8, device=device)
-            self.arenas.append(arena)
-            self.used = 0
-        view = arena[self.used : self.used + nbytes]
-        self.used += size
+        pool = self._by_device.setdefault(device, _Arenas())
+        while pool.index < len(pool.arenas) and pool.used + size > pool.arenas[pool.index].numel():
+            pool.index, pool.used = pool.index + 1, 0
+        if pool.index == len(pool.arenas):
+            pool.arenas.append(torch.empty(max(size, ARENA_BYTES), dtype=torch.uint8, device=device))
+        view = pool.arenas[pool.index][pool.used : pool.used + nbytes]
+        pool.used += size
         return view
 
     def release(self) -> None:
-        """End of a round: everything handed out is free again; keep one arena as big as the round needed."""
-        if len(self.arenas) > 1:
-            total = sum(a.numel() for a in self.arenas)
-            device = self.arenas[-1].device
-            self.arenas = [torch.empty(total, dtype=torch.uint8, device=device)]
-        self.used = 0
+        """End of a round: everything handed out is free again (the arenas stay, resident)."""
+        for pool in self._by_device.values():
+            pool.index = pool.used = 0
+
+    def reserve(self, nbytes: int, device: torch.device) -> int:
+        """Hold at least ``nbytes`` of arenas on ``device``, their pages written (host memory); the
+        bytes added."""
+        pool = self._by_device.setdefault(device, _Arenas())
+        added = 0
+        while pool.num_bytes < nbytes:
+            arena = torch.zeros(ARENA_BYTES, dtype=torch.uint8, device=device)
+            pool.arenas.append(arena)
+            added += arena.numel()
+        return added
+
+    def num_bytes(self, device: torch.device) -> int:
+        """What the pool holds on ``device``."""
+        pool = self._by_device.get(device)
+        return pool.num_bytes if pool is not None else 0
 
 
 BUFFERS = BufferPool()
+
+
+def warm_staging(device: torch.device) -> int:
+    """Make one staging arena resident on ``device`` ahead of this process's first migration (a
+    worker as it starts, a warm spare before it is adopted): staged pieces of that migration then
+    land in written pages instead of faulting them in inside the stall. Costs one arena of memory
+    (:data:`ARENA_BYTES`) for the process's life, which its first migration would have allocated
+    anyway. Returns the bytes added (0 when already there)."""
+    return BUFFERS.reserve(ARENA_BYTES, device)
 
 
 @dataclass

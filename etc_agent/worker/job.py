@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from etc_agent.integrations import megatron
 from etc_agent.layout.config import ParallelConfig, ParallelSpec
-from etc_agent.migrate.exchange import warm_planner
+from etc_agent.migrate.executor import warm_migration
 from etc_agent.protocol.control import Fatal, Finished, Migration, PeerFailed, Trained
 from etc_agent.protocol.phases import Phase, PhaseTracker
 from etc_agent.protocol.settings import WorkerSettings
@@ -175,7 +175,7 @@ class Job:
         if not self.elastic:
             self._start_static()
             return
-        warm_planner()  # its first use costs would otherwise fall in this process's first switch
+        warm_migration(self.device)  # its first-use costs would otherwise fall in this process's first switch
         # Every switch runs a full collection so that nothing keeps an old group's connections open;
         # what is alive now (imported modules, mostly) is never that garbage, and frozen it is not
         # scanned again (a full collection after `import torch` costs 0.1-0.3 s on the stall).

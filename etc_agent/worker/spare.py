@@ -25,7 +25,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from etc_agent.migrate.exchange import warm_planner
+from etc_agent.migrate.executor import warm_migration
 from etc_agent.protocol.control import SpareAdoption
 from etc_agent.protocol.settings import WorkerSettings
 from etc_agent.utils.forkserver import set_process_name
@@ -75,7 +75,7 @@ def warm_up() -> None:
     finally:
         torch._C._clear_DTensor_sharding_propagator_cache()
         destroy_all_groups()
-    warm_planner()
+    warm_migration(torch.device("cpu"))
 
 
 def become_worker() -> None:
