@@ -107,7 +107,11 @@ def test_elastic_training_through_join_leave_and_crash(name, etcd_server, tmp_pa
         if event in ("join", "leave"):
             # The old world's processes heard of the generation before the boundary that took it over:
             # they had arrived and formed its migration group while training.
-            assert (record["num_prepared"] > 0) == ("--prepare" not in AGENT_ARGS.get(name, [])), record
+            prepared = "--prepare" not in AGENT_ARGS.get(name, [])
+            assert (record["num_prepared"] > 0) == prepared, record
+            # Every process published its description while training and planned from everyone's:
+            # the stall neither planned nor compared plan hashes (the example builds ahead).
+            assert record["planned_ahead"] == prepared, record
         if event == "join":
             assert record["bytes_moved"] > 0, record  # the new replicas receive their state
         if event == "leave":

@@ -296,3 +296,46 @@ def test_the_staging_pool_hands_its_resident_arenas_out_again_and_grows_only_for
     assert pool.num_bytes(cpu) == 2 * ARENA_BYTES
     big = pool.get(ARENA_BYTES + 16, cpu)  # a piece bigger than an arena gets an arena of its size
     assert big.numel() == ARENA_BYTES + 16 and pool.num_bytes(cpu) == 3 * ARENA_BYTES + 16
+
+
+def _rows(rank: int, world: int, fill: torch.Tensor) -> dict:
+    """Rank ``rank``'s rows of the (12, 4) tensor ``w`` split over ``world`` ranks, as a box."""
+    rows = 12 // world
+    return {"w": BoxedTensor(fill[rank * rows : (rank + 1) * rows].clone(), (12, 4), (rank * rows, 0), (rows, 4))}
+
+
+def ahead_worker(rank: int, world: int) -> list[dict]:
+    """Three ranks move ``w`` from 3 row blocks to 2 (rank 2 only sends), with a plan made ahead
+    from everyone's descriptions (gathered here in place of the worker's store): used when every
+    process votes for it, and planned again as without one when any description or input changed."""
+    from etc_agent.migrate import TorchTransport, describe_state
+    from etc_agent.migrate.exchange import PlanInputs, description, plan_ahead
+
+    full = torch.arange(48.0).view(12, 4)
+    device, new_rank = Device("n0", rank), rank if rank < 2 else None
+    out = []
+    for case in ("all", "rank 1 changed", "rank 0 has none", "other inputs"):
+        old = _rows(rank, 3, full)
+        new = _rows(rank, 2, torch.full((12, 4), -1.0)) if new_rank is not None else None
+        described_new = new
+        if case == "rank 1 changed" and rank == 1:
+            described_new = {"w": BoxedTensor(torch.zeros(4, 4), (12, 4), (8, 0), (4, 4))}  # not what it brings
+        mine = description(device, rank, new_rank, describe_state(old), describe_state(described_new or {}))
+        everyone = TorchTransport().all_gather_object(mine)
+        ahead = plan_ahead(everyone, rank, PlanInputs(tp=1)) if not (case == "rank 0 has none" and rank == 0) else None
+        result = migrate_state(
+            old, new, device=device, old_rank=rank, new_rank=new_rank, tp=2 if case == "other inputs" else 1, ahead=ahead
+        )
+        exact = new is None or bool(torch.equal(new["w"].tensor, full[rank * 6 : (rank + 1) * 6]))
+        out.append({"case": case, "ahead": result.metrics.planned_ahead, "exact": exact, "hash": result.plan.plan_hash})
+    return out
+
+
+def test_a_plan_made_ahead_is_used_only_when_every_process_votes_for_it():
+    results = run_workers(3, ahead_worker, timeout_s=120)
+    for i, case in enumerate(("all", "rank 1 changed", "rank 0 has none", "other inputs")):
+        per_rank = [r[i] for r in results]
+        assert all(r["exact"] for r in per_rank), case
+        assert len({r["hash"] for r in per_rank}) == 1, case
+        # Every process decides the same, from the votes gathered with the descriptions.
+        assert {r["ahead"] for r in per_rank} == {case == "all"}, (case, per_rank)

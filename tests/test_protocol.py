@@ -216,6 +216,7 @@ def test_detection_after_a_failure_is_measured_even_when_a_replacement_reports_i
         transfer_phase_s=0.02,
         bytes_reused=5,
         bytes_copied_locally=1,
+        planned_ahead=False,
     )
     result = SimpleNamespace(plan=plan, metrics=metrics)
     devices = ["a:0", "b:0"]

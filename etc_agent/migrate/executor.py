@@ -37,7 +37,16 @@ import torch
 from etc_agent.layout.devices import Device
 from etc_agent.layout.shards import Shard
 from etc_agent.migrate.describe import describe_state
-from etc_agent.migrate.exchange import check_same_plan, exchange_descriptions, plan_from_descriptions, warm_planner
+from etc_agent.migrate.exchange import (
+    PlanAhead,
+    PlanInputs,
+    agreed,
+    check_same_plan,
+    description,
+    exchange_descriptions,
+    plan_from_descriptions,
+    warm_planner,
+)
 from etc_agent.migrate.rounds import (
     ALIGN,
     BUFFERS,
@@ -104,6 +113,9 @@ class MigrationMetrics:
     restore_s: float
     total_s: float
     transfer_phase_s: float = 0.0
+    planned_ahead: bool = False
+    """The plan was made before the stall (:class:`~etc_agent.migrate.exchange.PlanAhead`): no
+    planning and no hash check in it (``plan_s`` and ``check_s`` ~0)."""
     """Slowest process's pack + transfer + unpack time (the migration's data phase)."""
     achieved_gbps: float = 0.0
     """``bytes_moved_total`` / ``transfer_phase_s``, in GB/s."""
@@ -141,6 +153,7 @@ def migrate_state(
     on_plan: Callable[[MigrationPlan], None] | None = None,
     same_keys: Mapping[str, Sequence[int]] | None = None,
     adopt_old: bool = False,
+    ahead: PlanAhead | None = None,
 ) -> MigrationResult:
     """Move ``old_state`` (this process's shards of the old layout, if any) into ``new_state``.
 
@@ -157,30 +170,49 @@ def migrate_state(
     ``adopt_old``: the caller drops ``old_state`` afterwards and nothing else writes to it, so a new
     shard that is exactly an old one (same box, both tensors owning their storage) takes the old
     storage over instead of a copy (``bytes_reused``); the old tensor then shares it.
+    ``ahead``: a plan made before the stall (:class:`~etc_agent.migrate.exchange.PlanAhead`); used,
+    without planning or hash check, when every process votes for it with the descriptions.
     """
     started = time.perf_counter()
     transport = transport or TorchTransport()
     old_local = describe_state(old_state) if old_rank is not None else []
     new_local = describe_state(new_state) if new_rank is not None else []
-    described = time.perf_counter()
-    descriptions = exchange_descriptions(transport, device, old_rank, new_rank, old_local, new_local)
-    exchanged = time.perf_counter()
-
+    mine = description(device, old_rank, new_rank, old_local, new_local)
     if read_checkpoint is not None:
         options = (options or PlannerOptions()).model_copy(update={"restore_lost": True})
-    lost = lost_old_ranks or {}
-    plan, peer_of, names = plan_from_descriptions(descriptions, tp, options, failed, lost, same_keys or {})
-    planned = time.perf_counter()
-    check_same_plan(transport, plan, names, device)
-    checked = time.perf_counter()
-
+    inputs = PlanInputs(tp, options, tuple(failed), lost_old_ranks or {}, same_keys or {})
+    described = time.perf_counter()
+    descriptions = exchange_descriptions(transport, mine, ahead.vote_for(mine, inputs.digest()) if ahead else None)
+    exchanged = time.perf_counter()
+    used = agreed(descriptions, ahead)
+    plan, peer_of, names, planned, checked = _plan(transport, device, descriptions, used, inputs)
     if on_plan is not None:
         on_plan(plan)
     runner = Runner(plan, device, old_local, new_local, buffer_device, direct_min_bytes, adopt_old)
     set_up = time.perf_counter()
     _move(runner, transport, peer_of, names, timeout_s, read_checkpoint)
-    metrics = _finish(runner, transport, old_rank, new_rank, (started, described, exchanged, planned, checked, set_up))
+    marks = (started, described, exchanged, planned, checked, set_up)
+    metrics = _finish(runner, transport, old_rank, new_rank, marks, planned_ahead=used is not None)
     return MigrationResult(plan, metrics, runner.tensors)
+
+
+def _plan(
+    transport: Transport,
+    device: Device,
+    descriptions: list[dict[str, Any]],
+    agreed_ahead: PlanAhead | None,
+    inputs: PlanInputs,
+) -> tuple[MigrationPlan, dict[Device, int], dict[int, str], float, float]:
+    """The plan every process agreed on ahead, or the plan from the descriptions and ``inputs``
+    with its hash checked across processes (collective); with the ``perf_counter`` readings after
+    planning and after the check."""
+    if agreed_ahead is not None:  # every process holds this plan, unchanged: no planning, no hash check
+        now = time.perf_counter()
+        return agreed_ahead.plan, agreed_ahead.peer_of, agreed_ahead.names, now, now
+    plan, peer_of, names = plan_from_descriptions(descriptions, inputs)
+    planned = time.perf_counter()
+    check_same_plan(transport, plan, names, device)
+    return plan, peer_of, names, planned, time.perf_counter()
 
 
 def warm_migration(device: torch.device) -> None:
@@ -193,10 +225,16 @@ def warm_migration(device: torch.device) -> None:
 
 
 def _finish(
-    runner: Runner, transport: Transport, old_rank: int | None, new_rank: int | None, marks: tuple[float, ...]
+    runner: Runner,
+    transport: Transport,
+    old_rank: int | None,
+    new_rank: int | None,
+    marks: tuple[float, ...],
+    planned_ahead: bool,
 ) -> MigrationMetrics:
     """This process's metrics, with the slowest process's data phase (collective) and the wait for it."""
     metrics = _metrics(runner, old_rank, new_rank, marks)
+    metrics.planned_ahead = planned_ahead
     moved = time.perf_counter()
     _gather_transfer_phase(metrics, runner, transport)
     metrics.peer_wait_s = time.perf_counter() - moved

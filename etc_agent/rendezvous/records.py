@@ -309,6 +309,11 @@ class MigrationRecord(Record):
         "summed over the members: built ahead, by the preparation; built in the switch, in the background while "
         "the plan was made. A new shard equal to one the member holds is not touched (its storage is taken over).",
     )
+    planned_ahead: bool = Field(
+        False,
+        description="Live: the plan was made while training from every process's description, published on the "
+        "generation's store, and every process found it still valid: no planning and no hash check in the stall.",
+    )
     stall_parts: StallParts | None = Field(
         None, description="Live: the slowest rank's stall in named parts that add up to it (None: the checkpoint way)."
     )

@@ -53,6 +53,7 @@ from etc_agent.protocol.settings import WorkerSettings
 from etc_agent.rendezvous.records import MigrationRecord
 from etc_agent.utils.plainstate import to_json
 from etc_agent.worker import boundary
+from etc_agent.worker.ahead import JobPreparer
 from etc_agent.worker.appstate import split_state
 from etc_agent.worker.boundary import VoteSchedule, agree_on_checkpoint, boundary_vote
 from etc_agent.worker.connect import init_static_group
@@ -62,7 +63,7 @@ from etc_agent.worker.gather import gather_state
 from etc_agent.worker.groups import GroupReleases, mark_loaded_modules_clean, release_all_groups
 from etc_agent.worker.link import AgentLink
 from etc_agent.worker.logs import configure_worker_logging, say, write_json
-from etc_agent.worker.member import BuiltState, build_state, prepare_member
+from etc_agent.worker.member import BuiltState, build_state
 from etc_agent.worker.prepare import Preparations
 from etc_agent.worker.report import Stopped
 from etc_agent.worker.spare import become_worker
@@ -139,8 +140,7 @@ class Job:
         """live, or checkpoint: at a switch save with DCP and exit; new workers load (the baseline)."""
         self.preparations = Preparations(self.link, self.timeout_s, settings.prepare and self.migration == "live")
         """The next generation entered while training (:mod:`etc_agent.worker.prepare`)."""
-        self.checkpoint_dir = settings.checkpoint_dir
-        self.fresh_start = settings.fresh_start
+        self.checkpoint_dir, self.fresh_start = settings.checkpoint_dir, settings.fresh_start
         """``etcrun --fresh-start``: never resume from the checkpoints in ``checkpoint_dir``."""
         self.votes = VoteSchedule(settings.vote_interval_s)
         """Which step boundaries hold the ranks' vote (:class:`~etc_agent.worker.boundary.VoteSchedule`)."""
@@ -181,7 +181,7 @@ class Job:
         # scanned again (a full collection after `import torch` costs 0.1-0.3 s on the stall).
         gc.freeze()
         mark_loaded_modules_clean()  # teardowns then look only at modules imported later
-        self.preparations.member = partial(prepare_member, self._switch_view())
+        self.preparations.preparer = JobPreparer(self._switch_view())
         self._switch(self.settings.generation, "start", stopped=None, failure=False)
 
     def steps(self, num_steps: int) -> Iterator[int]:
@@ -448,7 +448,7 @@ class Job:
             leave=self._leave,
             use_store=partial(setattr, self, "store"),
             resume=self._resume,
-            take_preparation=self.preparations.take,
+            preparations=self.preparations,
         )
 
     def _take_state(self) -> tuple[dict | None, ParallelContext | None]:

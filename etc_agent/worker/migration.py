@@ -16,6 +16,7 @@ from typing import Any
 
 from etc_agent.layout.config import ParallelConfig
 from etc_agent.layout.devices import Device
+from etc_agent.migrate.exchange import PlanAhead
 from etc_agent.migrate.executor import MigrationResult, migrate_state
 from etc_agent.migrate.storage import read_regions
 from etc_agent.planner.core import StateLostError
@@ -51,8 +52,10 @@ class Source:
 class Migration:
     """Move the newest state the sources cover into ``entry``'s layout (collective over the migration group)."""
 
-    def __init__(self, job: JobView, entry: Entry, exchanged: Exchanged, held: Held):
+    def __init__(self, job: JobView, entry: Entry, exchanged: Exchanged, held: Held, ahead: PlanAhead | None = None):
         self.job, self.entry, self.exchanged, self.held = job, entry, exchanged, held
+        self.ahead = ahead
+        """The plan made ahead (:mod:`etc_agent.worker.ahead`), if any: used when every process votes for it."""
 
     def run(self) -> Source:
         """Try the candidate states newest first; the first one the sources cover is migrated."""
@@ -170,6 +173,7 @@ class Migration:
                 on_plan=plan_hook,
                 same_keys=pipeline_stages(job.config_for(entry.assignment.parallel, entry.assignment.world_size)),
                 adopt_old=adopt_old,
+                ahead=self.ahead,
             )
         except StateLostError:
             raise

@@ -33,16 +33,30 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
+from typing import Protocol
 
 import torch.distributed as dist
 
+from etc_agent.migrate.exchange import PlanAhead
 from etc_agent.protocol.control import Assignment
 from etc_agent.worker.entry import connect_store, generation_store, mark_arrived, migration_group, wait_for_arrivals
 from etc_agent.worker.link import AgentLink
 from etc_agent.worker.member import Member
 
-MemberPreparer = Callable[[dist.Store, Assignment], Member | None]
-"""Forms a member's groups (and builds its state where allowed) ahead: :func:`etc_agent.worker.member.prepare_member`."""
+
+class Preparer(Protocol):
+    """What a preparation does for the job once everyone arrived and the migration group formed
+    (:class:`etc_agent.worker.ahead.JobPreparer`)."""
+
+    def member(self, store: dist.Store, assignment: Assignment) -> Member | None:
+        """A member's groups and context (and its state where allowed): :func:`~etc_agent.worker.member.prepare_member`."""
+
+    def plan_ahead(
+        self, store: dist.Store, assignment: Assignment, member: Member | None, newer: Callable[[], bool]
+    ) -> PlanAhead | None:
+        """The migration's plan, from every process's description (:mod:`etc_agent.worker.ahead`)."""
+
 
 PREPARE_GRACE_S = 2.0
 """How long a rank asks the others to train on (:meth:`Preparations.preparing`) for a generation
@@ -60,12 +74,12 @@ class Preparation:
         assignment: Assignment,
         link: AgentLink,
         timeout_s: float,
-        member: MemberPreparer | None = None,
+        preparer: Preparer | None = None,
         member_lock: threading.Lock | None = None,
     ):
         self.assignment = assignment
         self.generation = assignment.generation
-        self._link, self._timeout_s, self._member = link, timeout_s, member
+        self._link, self._timeout_s, self._preparer = link, timeout_s, preparer
         self._member_lock = member_lock or threading.Lock()
         self.store: dist.Store | None = None
         """Set once this process is counted in: the switch must not count it in again."""
@@ -73,6 +87,10 @@ class Preparation:
         """The generation's migration group, once everyone arrived and it formed."""
         self.member: Member | None = None
         """A member's training groups, context and (where the job allows) state, made ahead."""
+        self.published = False
+        """This process's description went to the store for a plan ahead (:mod:`etc_agent.worker.ahead`)."""
+        self.ahead: PlanAhead | None = None
+        """The migration's plan, made ahead from everyone's descriptions (None: none could be)."""
         self.superseded = False
         """A newer generation came while this one's processes arrived."""
         self.error: BaseException | None = None
@@ -88,10 +106,13 @@ class Preparation:
                 self.superseded = True
                 return
             self.group = migration_group(store, self.assignment, self._link, self._timeout_s)
-            if self._member is not None:
+            if self._preparer is not None:
                 waits = generation_store(store, self.generation, self._link, self._timeout_s)
                 with self._member_lock:  # never beside a teardown of the old groups (it unregisters names)
-                    self.member = self._member(waits, self.assignment)
+                    self.member = self._preparer.member(waits, self.assignment)
+                self.published = True
+                newer = partial(_newer, self._link, self.generation)
+                self.ahead = self._preparer.plan_ahead(store, self.assignment, self.member, newer)
         except BaseException as err:  # noqa: BLE001 - handed to the switch, which decides
             self.error = err
 
@@ -126,7 +147,7 @@ class Preparations:
         self.enabled = enabled and link is not None
         """False without an agent (nothing to switch to), with ``--prepare off`` or ``--migration checkpoint``."""
         self.current: Preparation | None = None
-        self.member: MemberPreparer | None = None
+        self.preparer: Preparer | None = None
         """Set by the job once it knows its build (:meth:`etc_agent.worker.job.Job.start`)."""
         self.member_lock = threading.Lock()
         """Held while a member's groups form and its state builds ahead, and by the job's teardown of
@@ -163,7 +184,7 @@ class Preparations:
             # An older preparation's waits end on their own now that a newer generation exists.
             if self.current is not None:
                 self.current.discard()
-            self.current = Preparation(newer, self._link, self._timeout_s, self.member, self.member_lock)
+            self.current = Preparation(newer, self._link, self._timeout_s, self.preparer, self.member_lock)
 
     def preparing(self, seen: int, seen_status: str | None, generation: int) -> bool:
         """Whether this rank, training in ``generation``, asks every rank to train on because it
@@ -214,3 +235,7 @@ class Preparations:
                 f"generation {generation}: preparing it did not end within {self._timeout_s + JOIN_MARGIN_S:.0f} s"
             )
         return current
+
+
+def _newer(link: AgentLink, generation: int) -> bool:
+    return link.newer_than(generation) is not None

@@ -175,6 +175,7 @@ def live_record(
         inter_node_gbit_s=_gbit_s(plan.bytes_moved_inter_node, _worst(everyone, "transfer")),
         total_stall_s=round(_worst(everyone, "stall"), 4),
         **_done_ahead(everyone),
+        planned_ahead=result.metrics.planned_ahead,
         stall_parts=_slowest_parts(everyone),
     )
 

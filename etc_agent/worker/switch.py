@@ -35,17 +35,23 @@ from __future__ import annotations
 
 import time
 import traceback
+from functools import partial
 
 import torch
+import torch.distributed as dist
 
+from etc_agent.layout.config import ParallelConfig
+from etc_agent.migrate.exchange import PlanAhead
 from etc_agent.protocol.control import Assignment, SwitchFailed
 from etc_agent.protocol.phases import Phase
 from etc_agent.utils.plainstate import from_json
+from etc_agent.worker.ahead import AHEAD_WAIT_S, OldState, plan_ahead_on
 from etc_agent.worker.appstate import load_state
-from etc_agent.worker.entry import Entry, arrive, form
+from etc_agent.worker.entry import Entry, arrive, form, newer_generation
 from etc_agent.worker.errors import JobFinished, is_peer_failure
 from etc_agent.worker.logs import say
 from etc_agent.worker.migration import Migration, Source
+from etc_agent.worker.prepare import Preparation
 from etc_agent.worker.report import Stopped, checkpoint_record, live_record
 from etc_agent.worker.switch_view import JobView, Resumed
 from etc_agent.worker.versions import Exchanged, Held, exchange, hold
@@ -121,7 +127,7 @@ class Switch:
     def _enter(self, assignment: Assignment, held: Held) -> Assignment | None:
         """Enter ``assignment``'s generation; a newer assignment if one superseded it while arriving."""
         started = time.perf_counter()
-        preparation = self.job.take_preparation(assignment.generation)
+        preparation = self.job.preparations.take(assignment.generation)
         prepared_group = prepared_member = None
         if preparation is None or preparation.store is None:
             store = arrive(self.job, assignment)
@@ -138,13 +144,32 @@ class Switch:
                 preparation.discard()
             return self.job.link.newer_than(assignment.generation)
         entry = form(self.job, assignment, store, started, prepared_group, prepared_member)
+        ahead = self._plan_ahead(preparation, entry, held, store)
         exchanged = exchange(self.job, entry, held)
         entry.clocks.exchanged = time.perf_counter()
         if self._restore_baseline(entry, exchanged):
             return None
-        source = Migration(self.job, entry, exchanged, held).run()
+        source = Migration(self.job, entry, exchanged, held, ahead).run()
         self._settle(entry, exchanged, source)
         return None
+
+    def _plan_ahead(
+        self, preparation: Preparation | None, entry: Entry, held: Held, store: dist.Store
+    ) -> PlanAhead | None:
+        """The migration's plan made ahead (:mod:`etc_agent.worker.ahead`): the preparation's, or
+        made now by a process that entered without one; it waits for the others' descriptions only
+        when it brings no state (a joiner, a spare: the others are still training or preparing)."""
+        job = self.job
+        if preparation is not None and preparation.published:
+            return preparation.ahead
+        if not job.preparations.enabled:
+            return None
+        old = None
+        if held.boxed is not None and held.rank is not None and held.config is not None:
+            old = OldState(held.boxed, held.rank, ParallelConfig.parse(held.config).world_size)
+        newer = partial(newer_generation, job.link, entry.assignment.generation)
+        wait_s = AHEAD_WAIT_S if old is None else 0.0
+        return plan_ahead_on(job, store, entry.assignment, old, entry.new_tensors, lambda: newer() is not None, wait_s)
 
     def _restore_baseline(self, entry: Entry, exchanged: Exchanged) -> bool:
         """``--migration checkpoint``: fresh workers load the last save (True when they did)."""

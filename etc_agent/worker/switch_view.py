@@ -25,7 +25,7 @@ from etc_agent.worker.link import AgentLink
 if TYPE_CHECKING:
     from etc_agent.worker.checkpoint import PeriodicCheckpointer
     from etc_agent.worker.member import BuiltState
-    from etc_agent.worker.prepare import Preparation
+    from etc_agent.worker.prepare import Preparations
 
 
 @dataclass(frozen=True)
@@ -86,5 +86,5 @@ class JobView:
     """The store of the generation being entered becomes the job's (its checkpoints coordinate on it)."""
     resume: Callable[[Resumed], None]
     """The job now holds the state of the generation it entered."""
-    take_preparation: Callable[[int], Preparation | None]
-    """What was prepared of this generation while training (:meth:`~etc_agent.worker.prepare.Preparations.take`)."""
+    preparations: Preparations
+    """What is prepared of the next generation while training (:meth:`~etc_agent.worker.prepare.Preparations.take`)."""
