@@ -324,7 +324,13 @@ def ahead_worker(rank: int, world: int) -> list[dict]:
         everyone = TorchTransport().all_gather_object(mine)
         ahead = plan_ahead(everyone, rank, PlanInputs(tp=1)) if not (case == "rank 0 has none" and rank == 0) else None
         result = migrate_state(
-            old, new, device=device, old_rank=rank, new_rank=new_rank, tp=2 if case == "other inputs" else 1, ahead=ahead
+            old,
+            new,
+            device=device,
+            old_rank=rank,
+            new_rank=new_rank,
+            tp=2 if case == "other inputs" else 1,
+            ahead=ahead,
         )
         exact = new is None or bool(torch.equal(new["w"].tensor, full[rank * 6 : (rank + 1) * 6]))
         out.append({"case": case, "ahead": result.metrics.planned_ahead, "exact": exact, "hash": result.plan.plan_hash})
