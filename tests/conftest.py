@@ -39,6 +39,7 @@ timeout (60 s and more) instead of leaving. Tests marked ``alone`` keep the 2 s 
 # which takes in all its parametrizations, or its name with the [id]; * stands for any characters.
 # A test marked @pytest.mark.unit/multiproc/e2e in its file keeps that mark.
 TEST_LAYERS: dict[str, tuple[str, dict[str, list[str]]]] = {
+    "test_ahead.py": ("unit", {}),
     "test_auth.py": ("unit", {}),
     "test_backends.py": ("unit", {}),
     "test_boundary.py": ("unit", {"multiproc": ["test_ranks_with_different_paces_vote_at_the_same_boundaries"]}),
