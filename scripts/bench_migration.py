@@ -269,6 +269,8 @@ def _row(t: BenchTransition, samples: dict[str, list[dict]]) -> dict:
         "etc_phases_s": {k: _median(live, k) for k in PHASES},
         "ckpt_phases_s": {k: _median(ckpt, k) for k in PHASES},
         "etc_stall_parts_s": _median_parts(live),
+        "etc_samples_parts_s": [r.get("stall_parts") for r in live],
+        "etc_planned_ahead": [r.get("planned_ahead", False) for r in live],
         "etc_samples_s": [r["total_stall_s"] for r in live],
         "ckpt_samples_s": [r["total_stall_s"] for r in ckpt],
     }

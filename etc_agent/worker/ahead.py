@@ -10,12 +10,13 @@ agree (:func:`~etc_agent.migrate.executor.migrate_state`); otherwise it plans as
 ahead is only ever a head start.
 
 Call sequence: a :class:`~etc_agent.worker.prepare.Preparation`'s thread calls
-:meth:`JobPreparer.plan_ahead` after the member's groups and state (it waits at most
-:data:`AHEAD_WAIT_S` for the others' descriptions); a process that enters the generation without
-a preparation (a joiner, a spare, one whose preparation did not start) calls it in its switch
-after :func:`~etc_agent.worker.entry.form`, waiting only when it brings no state (the others are
-still training then). Every process of the migration publishes exactly once, possibly ``null``
-(it cannot describe its new state yet), so nobody waits for one that never will. A plan is made
+:meth:`JobPreparer.plan_ahead` after the member's groups and state (it waits for the others'
+descriptions at most :data:`AHEAD_WAIT_S`, until the switch takes the preparation); a process that
+enters the generation without a preparation (a joiner, a spare, one whose preparation did not
+start) calls it in its switch after :func:`~etc_agent.worker.entry.form`, waiting (at most
+:data:`SWITCH_WAIT_S`) only when it brings no state (the others are still training then). Every
+process of the migration publishes exactly once, possibly ``null`` (it cannot describe its new
+state yet), so nobody waits for one that never will. A plan is made
 only for a migration every old rank of which some process holds live (a planned change); after a
 failure the executor must plan around lost ranks, and nothing is planned ahead.
 """
@@ -37,8 +38,14 @@ from etc_agent.protocol.control import Assignment
 from etc_agent.worker.member import Member, prepare_member
 from etc_agent.worker.switch_view import JobView
 
-AHEAD_WAIT_S = 1.0
-"""How long a preparation waits for the other processes' descriptions before it gives the plan up."""
+AHEAD_WAIT_S = 5.0
+"""How long a preparation waits for the other processes' descriptions before it gives the plan up:
+it waits while its rank trains (the others train on while it prepares, and its wait ends as soon
+as the switch takes it), for the members that still build their state ahead."""
+SWITCH_WAIT_S = 1.0
+"""The same for a process that brings no state, in its switch (a joiner: the others still train or
+prepare then): only as long as their builds may take, since a process that fails after it formed
+the migration group would have it wait this long before the switch finds the failure."""
 POLL_S = 0.005
 
 
@@ -113,13 +120,16 @@ def _publication(assignment: Assignment, old: OldState | None, new_tensors: dict
     not built yet."""
     if assignment.rank is not None and new_tensors is None:
         return None
-    mine = description(
-        Device.parse(assignment.device),
-        old.rank if old is not None else None,
-        assignment.rank,
-        describe_state(old.tensors) if old is not None else [],
-        describe_state(new_tensors) if new_tensors is not None else [],
-    )
+    try:
+        mine = description(
+            Device.parse(assignment.device),
+            old.rank if old is not None else None,
+            assignment.rank,
+            describe_state(old.tensors) if old is not None else [],
+            describe_state(new_tensors) if new_tensors is not None else [],
+        )
+    except Exception:  # noqa: BLE001 - only a head start: the stall describes (and raises) again
+        return None
     return {"description": mine, "old_world_size": old.world_size if old is not None else None}
 
 

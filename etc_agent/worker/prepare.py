@@ -33,7 +33,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from functools import partial
 from typing import Protocol
 
 import torch.distributed as dist
@@ -94,6 +93,7 @@ class Preparation:
         self.superseded = False
         """A newer generation came while this one's processes arrived."""
         self.error: BaseException | None = None
+        self._wanted = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"etc-prepare-gen{self.generation}", daemon=True)
         self._thread.start()
 
@@ -111,8 +111,7 @@ class Preparation:
                 with self._member_lock:  # never beside a teardown of the old groups (it unregisters names)
                     self.member = self._preparer.member(waits, self.assignment)
                 self.published = True
-                newer = partial(_newer, self._link, self.generation)
-                self.ahead = self._preparer.plan_ahead(store, self.assignment, self.member, newer)
+                self.ahead = self._preparer.plan_ahead(store, self.assignment, self.member, self._stop_waiting)
         except BaseException as err:  # noqa: BLE001 - handed to the switch, which decides
             self.error = err
 
@@ -126,8 +125,15 @@ class Preparation:
             self.member.discard()
             self.member = None
 
+    def _stop_waiting(self) -> bool:
+        """Whether a wait that only gives a head start (the plan ahead) should end: a newer
+        generation came, or the switch wants this preparation now."""
+        return self._wanted.is_set() or self._link.newer_than(self.generation) is not None
+
     def join(self) -> bool:
-        """Wait for the thread; False if it is still running after the job's timeout (and the margin)."""
+        """Wait for the thread (a wait for the plan ahead ends at once); False if it is still
+        running after the job's timeout (and the margin)."""
+        self._wanted.set()
         self._thread.join(self._timeout_s + JOIN_MARGIN_S)
         return not self._thread.is_alive()
 
@@ -235,7 +241,3 @@ class Preparations:
                 f"generation {generation}: preparing it did not end within {self._timeout_s + JOIN_MARGIN_S:.0f} s"
             )
         return current
-
-
-def _newer(link: AgentLink, generation: int) -> bool:
-    return link.newer_than(generation) is not None

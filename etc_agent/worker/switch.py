@@ -45,7 +45,7 @@ from etc_agent.migrate.exchange import PlanAhead
 from etc_agent.protocol.control import Assignment, SwitchFailed
 from etc_agent.protocol.phases import Phase
 from etc_agent.utils.plainstate import from_json
-from etc_agent.worker.ahead import AHEAD_WAIT_S, OldState, plan_ahead_on
+from etc_agent.worker.ahead import SWITCH_WAIT_S, OldState, plan_ahead_on
 from etc_agent.worker.appstate import load_state
 from etc_agent.worker.entry import Entry, arrive, form, newer_generation
 from etc_agent.worker.errors import JobFinished, is_peer_failure
@@ -168,7 +168,7 @@ class Switch:
         if held.boxed is not None and held.rank is not None and held.config is not None:
             old = OldState(held.boxed, held.rank, ParallelConfig.parse(held.config).world_size)
         newer = partial(newer_generation, job.link, entry.assignment.generation)
-        wait_s = AHEAD_WAIT_S if old is None else 0.0
+        wait_s = SWITCH_WAIT_S if old is None else 0.0
         return plan_ahead_on(job, store, entry.assignment, old, entry.new_tensors, lambda: newer() is not None, wait_s)
 
     def _restore_baseline(self, entry: Entry, exchanged: Exchanged) -> bool:
