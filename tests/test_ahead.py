@@ -95,3 +95,10 @@ def test_a_process_that_brings_no_state_gives_up_after_its_wait():
     plan = plan_ahead_on(VIEW, store, _assignment(1, 1), None, _new(1), lambda: False, 0.3)  # type: ignore[arg-type]
     assert plan is None and 0.3 <= time.monotonic() - started < 5.0
     assert store.check(["gen3/ahead/1"])  # published all the same: the others need not wait for it
+
+
+def test_a_process_already_inside_the_stall_publishes_null_without_describing():
+    store = dist.HashStore()
+    broken = {"w": object()}  # describing it would fail: it is not looked at
+    plan = plan_ahead_on(VIEW, store, _assignment(0, 0), _old(0), broken, lambda: True, 5.0)  # type: ignore[arg-type]
+    assert plan is None and store.get("gen3/ahead/0") == b"null"

@@ -12,11 +12,13 @@ ahead is only ever a head start.
 Call sequence: a :class:`~etc_agent.worker.prepare.Preparation`'s thread calls
 :meth:`JobPreparer.plan_ahead` after the member's groups and state (it waits for the others'
 descriptions at most :data:`AHEAD_WAIT_S`, until the switch takes the preparation); a process that
-enters the generation without a preparation (a joiner, a spare, one whose preparation did not
-start) calls it in its switch after :func:`~etc_agent.worker.entry.form`, waiting (at most
-:data:`SWITCH_WAIT_S`) only when it brings no state (the others are still training then). Every
-process of the migration publishes exactly once, possibly ``null`` (it cannot describe its new
-state yet), so nobody waits for one that never will. A plan is made
+enters the generation without a preparation calls it in its switch after
+:func:`~etc_agent.worker.entry.form`: one that brings no state (a joiner, a spare: the others may
+still train) publishes and waits at most :data:`SWITCH_WAIT_S`; one that brings state is inside
+the stall already and publishes ``null``, as does a preparation the switch already waits for (a
+failure's, which runs inside the stall): a plan made then would save nothing and describing would
+cost the stall. Every process of the migration publishes exactly once, possibly ``null``, so
+nobody waits for one that never will. A plan is made
 only for a migration every old rank of which some process holds live (a planned change); after a
 failure the executor must plan around lost ranks, and nothing is planned ahead.
 """
@@ -94,8 +96,12 @@ def plan_ahead_on(
     """Publish this process's description (``new_tensors``: its new state; None for a member means
     not built yet) and plan from everyone's; None when some process could not describe itself, not
     all did within ``wait_s``, ``newer()`` turned true, or some old rank has no live holder."""
-    mine = _publication(assignment, old, new_tensors)
+    # Already wanted in the stall (a failure's preparation runs inside it): a plan made now saves
+    # nothing, and describing would cost the stall; null tells the others at once.
+    mine = _publication(assignment, old, new_tensors) if not newer() else None
     store.set(_key(assignment.generation, assignment.pg_rank), json.dumps(mine))
+    if mine is None:
+        return None
     collected = _collect(store, assignment, wait_s, newer)
     if collected is None or any(p is None for p in collected):
         return None

@@ -40,12 +40,11 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from etc_agent.layout.config import ParallelConfig
 from etc_agent.migrate.exchange import PlanAhead
 from etc_agent.protocol.control import Assignment, SwitchFailed
 from etc_agent.protocol.phases import Phase
 from etc_agent.utils.plainstate import from_json
-from etc_agent.worker.ahead import SWITCH_WAIT_S, OldState, plan_ahead_on
+from etc_agent.worker.ahead import SWITCH_WAIT_S, plan_ahead_on
 from etc_agent.worker.appstate import load_state
 from etc_agent.worker.entry import Entry, arrive, form, newer_generation
 from etc_agent.worker.errors import JobFinished, is_peer_failure
@@ -156,20 +155,20 @@ class Switch:
     def _plan_ahead(
         self, preparation: Preparation | None, entry: Entry, held: Held, store: dist.Store
     ) -> PlanAhead | None:
-        """The migration's plan made ahead (:mod:`etc_agent.worker.ahead`): the preparation's, or
-        made now by a process that entered without one; it waits for the others' descriptions only
-        when it brings no state (a joiner, a spare: the others are still training or preparing)."""
+        """The migration's plan made ahead (:mod:`etc_agent.worker.ahead`): the preparation's, or,
+        for a process that entered without one, made now when it brings no state (a joiner, a
+        spare: the others may still train); one that brings state is inside the stall already."""
         job = self.job
         if preparation is not None and preparation.published:
             return preparation.ahead
         if not job.preparations.enabled:
             return None
-        old = None
-        if held.boxed is not None and held.rank is not None and held.config is not None:
-            old = OldState(held.boxed, held.rank, ParallelConfig.parse(held.config).world_size)
+        if held.boxed is not None:  # inside the stall: say null at once, a plan made now saves nothing
+            return plan_ahead_on(job, store, entry.assignment, None, None, lambda: True, 0.0)
         newer = partial(newer_generation, job.link, entry.assignment.generation)
-        wait_s = SWITCH_WAIT_S if old is None else 0.0
-        return plan_ahead_on(job, store, entry.assignment, old, entry.new_tensors, lambda: newer() is not None, wait_s)
+        return plan_ahead_on(
+            job, store, entry.assignment, None, entry.new_tensors, lambda: newer() is not None, SWITCH_WAIT_S
+        )
 
     def _restore_baseline(self, entry: Entry, exchanged: Exchanged) -> bool:
         """``--migration checkpoint``: fresh workers load the last save (True when they did)."""
