@@ -102,3 +102,12 @@ def test_a_process_already_inside_the_stall_publishes_null_without_describing():
     broken = {"w": object()}  # describing it would fail: it is not looked at
     plan = plan_ahead_on(VIEW, store, _assignment(0, 0), _old(0), broken, lambda: True, 5.0)  # type: ignore[arg-type]
     assert plan is None and store.get("gen3/ahead/0") == b"null"
+
+
+def test_nothing_is_planned_ahead_where_reading_everyones_descriptions_would_load_the_store_too_much(monkeypatch):
+    import etc_agent.worker.ahead as ahead
+
+    monkeypatch.setattr(ahead, "AHEAD_MAX_STORE_BYTES", 9 * 100)  # 3 processes: 100 bytes each at most
+    store = dist.HashStore()
+    plans, _ = _run_all(store, [_old(0), _old(1), _old(2)], [_new(0), _new(1), None])
+    assert plans == [None, None, None] and store.get("gen3/ahead/0") == b"null"

@@ -49,6 +49,10 @@ SWITCH_WAIT_S = 1.0
 prepare then): only as long as their builds may take, since a process that fails after it formed
 the migration group would have it wait this long before the switch finds the failure."""
 POLL_S = 0.005
+AHEAD_MAX_STORE_BYTES = 256 << 20
+"""What every process reading everyone's description may cost the generation's store at most
+(processes squared times this process's description): the store is one server, while the gather
+inside the stall spreads the same bytes over the migration group; past it, nothing is planned ahead."""
 
 
 def _key(generation: int, pg_rank: int) -> str:
@@ -99,7 +103,10 @@ def plan_ahead_on(
     # Already wanted in the stall (a failure's preparation runs inside it): a plan made now saves
     # nothing, and describing would cost the stall; null tells the others at once.
     mine = _publication(assignment, old, new_tensors) if not newer() else None
-    store.set(_key(assignment.generation, assignment.pg_rank), json.dumps(mine))
+    encoded = json.dumps(mine)
+    if mine is not None and assignment.pg_world_size**2 * len(encoded) > AHEAD_MAX_STORE_BYTES:
+        mine, encoded = None, "null"
+    store.set(_key(assignment.generation, assignment.pg_rank), encoded)
     if mine is None:
         return None
     collected = _collect(store, assignment, wait_s, newer)
