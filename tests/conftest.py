@@ -435,3 +435,27 @@ def tls_dir(tmp_path_factory):
             cwd=d,
         )
     return d
+
+
+def make_assignment(**fields):
+    """An :class:`~etc_agent.protocol.control.Assignment` of one process, for tests: a member of a
+    one-rank generation unless ``fields`` say otherwise."""
+    from etc_agent.protocol.control import Assignment
+
+    defaults = dict(
+        generation=1,
+        pg_rank=0,
+        pg_world_size=1,
+        rank=0,
+        world_size=1,
+        parallel="tp=1,pp=1,dp=1,zero=0",
+        store_addr="127.0.0.1",
+        store_port=1,
+        devices=["n0:0"],
+        leaving=False,
+        started=True,
+        trained=True,
+        published_at=0.0,
+        node_id="n0",
+    )
+    return Assignment(**{**defaults, **fields})

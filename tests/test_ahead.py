@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+from conftest import make_assignment
 
 from etc_agent.layout import ParallelConfig
 from etc_agent.migrate import BoxedTensor
@@ -20,21 +21,15 @@ FULL = torch.arange(48.0).view(12, 4)
 
 def _assignment(pg_rank: int, rank: int | None, generation: int = 3) -> Assignment:
     """Three processes: two members of a dp=2 world, the third a sender."""
-    return Assignment(
+    return make_assignment(
         generation=generation,
         pg_rank=pg_rank,
         pg_world_size=3,
         rank=rank,
         world_size=2,
         parallel="tp=1,pp=1,dp=2,zero=0",
-        store_addr="h",
-        store_port=1,
         devices=["a:0", "b:0", "c:0"],
         leaving=rank is None,
-        started=True,
-        trained=True,
-        reason="",
-        published_at=0.0,
         node_id="abc"[pg_rank],
     )
 

@@ -11,6 +11,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import make_assignment
 
 from etc_agent.protocol.control import Assignment
 from etc_agent.worker import prepare
@@ -33,20 +34,15 @@ class _Link:
 
 
 def _assignment(generation: int, pg_rank: int, port: int) -> Assignment:
-    return Assignment(
+    return make_assignment(
         generation=generation,
         pg_rank=pg_rank,
         pg_world_size=len(DEVICES),
         rank=pg_rank,
         world_size=len(DEVICES),
         parallel="tp=1,pp=1,dp=2,zero=0",
-        store_addr="127.0.0.1",
         store_port=port,
         devices=DEVICES,
-        leaving=False,
-        started=True,
-        trained=True,
-        published_at=0.0,
         node_id=DEVICES[pg_rank].split(":")[0],
     )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
+from conftest import make_assignment
 
 from etc_agent.migrate.transport import MigrationError
 from etc_agent.protocol.control import Assignment, AssignmentReply
@@ -220,19 +221,12 @@ def test_detection_after_a_failure_is_measured_even_when_a_replacement_reports_i
     )
     result = SimpleNamespace(plan=plan, metrics=metrics)
     devices = ["a:0", "b:0"]
-    assignment = Assignment(
+    assignment = make_assignment(
         generation=2,
-        pg_rank=0,
         pg_world_size=2,
-        rank=0,
         world_size=2,
         parallel="tp=1,pp=1,dp=2,zero=0",
-        store_addr="h",
-        store_port=1,
         devices=devices,
-        leaving=False,
-        started=True,
-        trained=True,
         reason="worker failure on b",
         published_at=100.0,
         node_id="a",

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import pytest
+from conftest import make_assignment
 from dist_harness import free_port, run_workers
 
 TIMEOUT = timedelta(seconds=30)
@@ -231,21 +232,8 @@ def _decisions(rank: int, world: int, port: int) -> dict:
     store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=TIMEOUT)
 
     def assignment(generation: int, parallel: str, member: bool = True, trained: bool = True) -> Assignment:
-        return Assignment(
-            generation=generation,
-            pg_rank=0,
-            pg_world_size=1,
-            rank=0 if member else None,
-            world_size=1,
-            parallel=parallel,
-            store_addr="127.0.0.1",
-            store_port=port,
-            devices=["n0:0"],
-            leaving=False,
-            started=True,
-            trained=trained,
-            published_at=0.0,
-            node_id="n0",
+        return make_assignment(
+            generation=generation, rank=0 if member else None, parallel=parallel, store_port=port, trained=trained
         )
 
     out: dict = {}
