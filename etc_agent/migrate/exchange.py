@@ -37,18 +37,15 @@ def description(
     new_local: Sequence[LocalShard],
 ) -> dict[str, Any]:
     """This process's part of a migration's descriptions: device, ranks and shard boxes (no data),
-    as JSON values (what :func:`exchange_descriptions` gathers and a plan ahead publishes)."""
-    return json.loads(
-        json.dumps(
-            {
-                "device": str(device),
-                "old_rank": old_rank,
-                "new_rank": new_rank,
-                "old": _to_wire(old_local),
-                "new": _to_wire(new_local),
-            }
-        )
-    )
+    what :func:`exchange_descriptions` gathers and a plan ahead publishes. Its boxes are tuples
+    where the gathered or published copies have lists: :func:`digest` reads them alike."""
+    return {
+        "device": str(device),
+        "old_rank": old_rank,
+        "new_rank": new_rank,
+        "old": _to_wire(old_local),
+        "new": _to_wire(new_local),
+    }
 
 
 def exchange_descriptions(transport: Transport, mine: dict[str, Any], vote: str | None = None) -> list[dict[str, Any]]:

@@ -113,14 +113,14 @@ class MigrationMetrics:
     restore_s: float
     total_s: float
     transfer_phase_s: float = 0.0
-    planned_ahead: bool = False
-    """The plan was made before the stall (:class:`~etc_agent.migrate.exchange.PlanAhead`): no
-    planning and no hash check in it (``plan_s`` and ``check_s`` ~0)."""
     """Slowest process's pack + transfer + unpack time (the migration's data phase)."""
     achieved_gbps: float = 0.0
     """``bytes_moved_total`` / ``transfer_phase_s``, in GB/s."""
     peer_wait_s: float = 0.0
     """After this process's data phase, until every process finished its own (the slowest receiver)."""
+    planned_ahead: bool = False
+    """The plan was made before the stall (:class:`~etc_agent.migrate.exchange.PlanAhead`): no
+    planning and no hash check in it (``plan_s`` and ``check_s`` ~0)."""
 
     def to_json(self) -> dict[str, Any]:
         return {"event": "migration", **asdict(self)}

@@ -17,10 +17,10 @@ enters the generation without a preparation calls it in its switch after
 still train) publishes and waits at most :data:`SWITCH_WAIT_S`; one that brings state is inside
 the stall already and publishes ``null``, as does a preparation the switch already waits for (a
 failure's, which runs inside the stall): a plan made then would save nothing and describing would
-cost the stall. Every process of the migration publishes exactly once, possibly ``null``, so
-nobody waits for one that never will. A plan is made
-only for a migration every old rank of which some process holds live (a planned change); after a
-failure the executor must plan around lost ranks, and nothing is planned ahead.
+cost the stall (:func:`publish_null`). Every process of the migration publishes exactly once,
+possibly ``null``, so nobody waits for one that never will. A plan is made only for a migration
+every old rank of which some process holds live (a planned change); after a failure the executor
+must plan around lost ranks, and nothing is planned ahead.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from etc_agent.migrate.describe import describe_state
 from etc_agent.migrate.exchange import PlanAhead, PlanInputs, description, plan_ahead
 from etc_agent.protocol.control import Assignment
 from etc_agent.worker.member import Member, prepare_member
+from etc_agent.worker.migration import pipeline_stages
 from etc_agent.worker.switch_view import JobView
 
 AHEAD_WAIT_S = 5.0
@@ -104,11 +105,10 @@ def plan_ahead_on(
     # nothing, and describing would cost the stall; null tells the others at once.
     mine = _publication(assignment, old, new_tensors) if not newer() else None
     encoded = json.dumps(mine)
-    if mine is not None and assignment.pg_world_size**2 * len(encoded) > AHEAD_MAX_STORE_BYTES:
-        mine, encoded = None, "null"
-    store.set(_key(assignment.generation, assignment.pg_rank), encoded)
-    if mine is None:
+    if mine is None or assignment.pg_world_size**2 * len(encoded) > AHEAD_MAX_STORE_BYTES:
+        publish_null(store, assignment)
         return None
+    store.set(_key(assignment.generation, assignment.pg_rank), encoded)
     collected = _collect(store, assignment, wait_s, newer)
     if collected is None or any(p is None for p in collected):
         return None
@@ -117,8 +117,6 @@ def plan_ahead_on(
     held = {p["description"]["old_rank"] for p in published} - {None}
     if len(old_world_sizes) != 1 or held != set(range(old_world_sizes.pop())):
         return None  # some old rank has no live holder: the executor plans around it in the stall
-    from etc_agent.worker.migration import pipeline_stages
-
     config = view.config_for(assignment.parallel, assignment.world_size)
     tp = config.tp if assignment.rank is not None else 1  # as the switch passes it (a sender: 1)
     try:
@@ -126,6 +124,11 @@ def plan_ahead_on(
         return plan_ahead([p["description"] for p in published], assignment.pg_rank, inputs)
     except Exception:  # noqa: BLE001 - the stall plans again and raises what belongs to the job
         return None
+
+
+def publish_null(store: dist.Store, assignment: Assignment) -> None:
+    """Tell the others at once that this process plans nothing ahead (they stop waiting for it)."""
+    store.set(_key(assignment.generation, assignment.pg_rank), "null")
 
 
 def _publication(assignment: Assignment, old: OldState | None, new_tensors: dict | None) -> dict[str, Any] | None:

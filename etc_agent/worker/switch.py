@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import time
 import traceback
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -44,7 +43,7 @@ from etc_agent.migrate.exchange import PlanAhead
 from etc_agent.protocol.control import Assignment, SwitchFailed
 from etc_agent.protocol.phases import Phase
 from etc_agent.utils.plainstate import from_json
-from etc_agent.worker.ahead import SWITCH_WAIT_S, plan_ahead_on
+from etc_agent.worker.ahead import SWITCH_WAIT_S, plan_ahead_on, publish_null
 from etc_agent.worker.appstate import load_state
 from etc_agent.worker.entry import Entry, arrive, form, newer_generation
 from etc_agent.worker.errors import JobFinished, is_peer_failure
@@ -163,12 +162,15 @@ class Switch:
             return preparation.ahead
         if not job.preparations.enabled:
             return None
-        if held.boxed is not None:  # inside the stall: say null at once, a plan made now saves nothing
-            return plan_ahead_on(job, store, entry.assignment, None, None, lambda: True, 0.0)
-        newer = partial(newer_generation, job.link, entry.assignment.generation)
-        return plan_ahead_on(
-            job, store, entry.assignment, None, entry.new_tensors, lambda: newer() is not None, SWITCH_WAIT_S
-        )
+        if held.boxed is not None:  # inside the stall already: a plan made now saves nothing
+            publish_null(store, entry.assignment)
+            return None
+        generation = entry.assignment.generation
+
+        def newer() -> bool:
+            return newer_generation(job.link, generation) is not None
+
+        return plan_ahead_on(job, store, entry.assignment, None, entry.new_tensors, newer, SWITCH_WAIT_S)
 
     def _restore_baseline(self, entry: Entry, exchanged: Exchanged) -> bool:
         """``--migration checkpoint``: fresh workers load the last save (True when they did)."""
